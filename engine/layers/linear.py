@@ -1,0 +1,90 @@
+"""The one Linear factory the model uses; quantized schemes plug in here.
+
+Every Linear built here speaks the same small protocol, so the loader never needs to know
+the scheme:
+
+- ``output_sizes`` lists the shards fused into the layer (q/k/v → 3 shards, gate/up → 2,
+  anything else → 1); shard ``i`` fills rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
+- ``load_shard(shard_id, tensors)`` receives the checkpoint tensors of one HF Linear, keyed by
+  suffix (``"weight"``, ``"bias"``, ``"weight_scale"``, ``"weight_packed"``, ...).
+- ``finalize()`` runs once after every shard is loaded (merge shard scales, prepack for a fast
+  kernel, free staging copies).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from quant.config import QuantizationConfig
+
+
+class DenseLinear(nn.Module):
+    """Unquantized ``y = x Wᵀ + b`` with fused shards."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        out = sum(output_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        self._loaded: set[int] = set()
+
+    def _rows(self, shard_id: int) -> slice:
+        start = sum(self.output_sizes[:shard_id])
+        return slice(start, start + self.output_sizes[shard_id])
+
+    def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        unknown = set(tensors) - {"weight", "bias"}
+        if unknown:
+            raise ValueError(f"unexpected tensors {sorted(unknown)} for an unquantized Linear")
+        rows = self._rows(shard_id)
+        weight = tensors["weight"]
+        if tuple(weight.shape) != (rows.stop - rows.start, self.input_size):
+            raise ValueError(f"weight shape {tuple(weight.shape)} does not match "
+                             f"({rows.stop - rows.start}, {self.input_size})")
+        self.weight.data[rows].copy_(weight)
+        if "bias" in tensors:
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a Linear built without one")
+            self.bias.data[rows].copy_(tensors["bias"])
+        self._loaded.add(shard_id)
+
+    def finalize(self) -> None:
+        missing = set(range(len(self.output_sizes))) - self._loaded
+        if missing:
+            raise ValueError(f"shards {sorted(missing)} were never loaded")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def make_linear(
+    input_size: int,
+    output_sizes: list[int],
+    *,
+    bias: bool,
+    prefixes: list[str],
+    quant_config: QuantizationConfig | None,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """Build the Linear for checkpoint layers ``prefixes`` (one per shard).
+
+    Fused shards must share a scheme (q/k/v, gate/up): the quantization config decides per
+    prefix, and a mismatch is a checkpoint error.
+    """
+    if quant_config is None:
+        return DenseLinear(input_size, output_sizes, bias, dtype)
+    schemes = [quant_config.scheme_for(prefix) for prefix in prefixes]
+    if any(s != schemes[0] for s in schemes):
+        raise ValueError(f"fused layers {prefixes} have different quantization schemes")
+    if schemes[0] is None:
+        return DenseLinear(input_size, output_sizes, bias, dtype)
+    from quant.linear import make_quantized_linear
+
+    return make_quantized_linear(schemes[0], input_size, output_sizes, bias=bias, dtype=dtype)

@@ -1,0 +1,64 @@
+"""What the engine hands back: vLLM-shaped request outputs and the plain stats object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: token id -> logprob (the chosen/actual token always included).
+LogprobsDict = dict[int, float]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sampled sequence of a request (index < n)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobsDict] | None = None  # one dict per generated token
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state: cumulative outputs; `finished` once every sequence is done."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    # One entry per prompt token; the first is None (nothing precedes it).
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters for metrics endpoints and benchmarks (a snapshot, cheap to build)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    num_blocks_cached: int = 0  # free blocks that still hold a hash (hittable)
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens served from the cache
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # tokens prefilled (computed, excluding cache hits)
+    num_generation_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_blocks_used / self.num_blocks_total if self.num_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,103 @@
+"""Factories for tests: tiny random-weight models with a real (small, locally trained) tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "A scheduler admits waiting requests while running ones decode.",
+    "Quantization maps weights to fewer bits with a scale per group.",
+    "What is the capital of France? Paris is the capital of France.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = ( ) , ; : ! ?",
+] * 4
+
+
+def write_tiny_tokenizer(dest: Path, vocab_size: int = 384) -> None:
+    """Train a byte-level BPE tokenizer on a fixed corpus and save it the way HF folders hold it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    dest.mkdir(parents=True, exist_ok=True)
+    tok.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 2048,
+        "add_bos_token": False,
+    }, indent=2))
+
+
+def make_tiny_model_dir(
+    dest: Path,
+    *,
+    architecture: str = "LlamaForCausalLM",
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random-weight HF model folder (config, safetensors, tokenizer) and return it.
+
+    Built through HF transformers itself, so the folder is exactly what a real checkpoint
+    looks like and transformers can serve as the oracle on it.
+    """
+    import transformers
+
+    dest = Path(dest)
+    write_tiny_tokenizer(dest)
+    vocab_size = len(json.loads((dest / "tokenizer.json").read_text())["model"]["vocab"])
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "MistralForCausalLM": transformers.MistralConfig,
+    }[architecture]
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(dtype)
+    with torch.no_grad():  # larger-than-default init so random models have peaked distributions
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(dest, safe_serialization=True)
+    return dest
