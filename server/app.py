@@ -1,0 +1,100 @@
+"""The FastAPI app: routes wired to handlers, middleware, and error handlers.
+
+`build_app` takes an engine that is already running (or `None`: the app then answers 503
+until `app.state.driftgate.attach(engine)`); it never owns the engine's lifetime, so tests
+and the CLI decide when to start and stop it.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server.chat import create_chat_completion, render_chat
+from server.completions import create_completion
+from server.config import ServerConfig
+from server.errors import APIError, error_response, install_error_handlers
+from server.middleware import AccessLogMiddleware, AuthMiddleware
+from server.params import check_model_name
+from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from server.state import Phase, ServerState
+
+if TYPE_CHECKING:
+    from engine import AsyncEngine
+
+
+def _package_version() -> str:
+    try:
+        return version("driftgate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` under `config.served_model_name`."""
+    app = FastAPI(title="driftgate", version=_package_version(), docs_url=None, redoc_url=None)
+    state = ServerState(engine, config)
+    app.state.driftgate = state
+    install_error_handlers(app)
+
+    app.post("/v1/completions")(create_completion)
+    app.post("/v1/chat/completions")(create_chat_completion)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        engine = state.ready_engine()
+        return ModelList(data=[ModelCard(id=config.served_model_name, max_model_len=engine.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.phase is Phase.READY and state.engine is not None and state.engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        reason = "engine loop is not running" if state.phase is Phase.READY else f"server is {state.phase.value}"
+        return error_response(503, reason)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def server_version() -> dict:
+        return {"version": _package_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        engine = state.ready_engine()
+        check_model_name(body.model, config.served_model_name)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+        else:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        engine = state.ready_engine()
+        check_model_name(body.model, config.served_model_name)
+        vocab_size = len(engine.tokenizer)
+        bad = next((t for t in body.tokens if t >= vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (size {vocab_size})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """What lm-eval's remote tokenizer probes for (it needs `eos_token`)."""
+        tokenizer = state.ready_engine().tokenizer
+        return {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
+                "pad_token": tokenizer.pad_token, "chat_template": tokenizer.chat_template,
+                "model_max_length": state.engine.max_model_len}
+
+    routes = frozenset(route.path for route in app.routes)
+    app.add_middleware(AuthMiddleware, state=state)
+    app.add_middleware(AccessLogMiddleware, state=state, routes=routes)
+    return app

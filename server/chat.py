@@ -1,0 +1,130 @@
+"""`POST /v1/chat/completions`: messages rendered with the model's own chat template."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.outputs import CompletionOutput, RequestOutput
+from server.errors import APIError
+from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.logprobs import TokenText, chat_logprobs
+from server.params import build_sampling_params, check_model_name, check_prompt_ids
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    Usage,
+)
+from server.state import RequestRecord, ServerState
+from server.streaming import stream_response
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the templated conversation; template failures are the client's 400."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja's raise_exception (e.g. roles must alternate) and friends
+        raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class _Renderer:
+    """Builds chat choices and chunks; remembers what each streamed choice already got."""
+
+    def __init__(self, body: ChatCompletionRequest, request_id: str, model: str, text: TokenText,
+                 prompt_tokens: int) -> None:
+        self.body = body
+        self.request_id = request_id
+        self.model = model
+        self.text = text
+        self.top_n = (body.top_logprobs or 0) if body.logprobs else None
+        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars sent, tokens sent)
+        self.done: set[int] = set()
+        self.usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=0)
+
+    def _logprobs(self, c: CompletionOutput, tokens: int) -> ChatLogprobs | None:
+        if self.top_n is None:
+            return None
+        return chat_logprobs(self.text, c.token_ids[tokens:], list(c.logprobs or [])[tokens:], self.top_n)
+
+    def full(self, finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
+        out = finals[0]
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason)
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        self.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
+
+    def delta(self, _: int, out: RequestOutput) -> list[ChatCompletionChunk]:
+        chunks = []
+        for c in out.outputs:
+            if c.index in self.done:
+                continue
+            if c.index not in self.sent:  # OpenAI opens every choice with the role alone
+                chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
+                                                                                         content=""))))
+                self.sent[c.index] = (0, 0)
+            chars, tokens = self.sent[c.index]
+            if not (tokens < len(c.token_ids) or chars < len(c.text) or c.finished):
+                continue
+            chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(content=c.text[chars:]),
+                                                      logprobs=self._logprobs(c, tokens),
+                                                      finish_reason=c.finish_reason)))
+            self.sent[c.index] = (len(c.text), len(c.token_ids))
+            if c.finished:
+                self.done.add(c.index)
+                self.usage.completion_tokens += len(c.token_ids)
+        return chunks
+
+    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+
+    def usage_chunk(self) -> list[ChatCompletionChunk]:
+        if not (self.body.stream_options and self.body.stream_options.include_usage):
+            return []
+        self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
+        return [ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=self.usage)]
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.driftgate
+    engine = state.ready_engine()
+    config = state.config
+    check_model_name(body.model, config.served_model_name)
+    if body.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
+                                  max_tokens=requested)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n,
+                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                   prompt_logprobs=None)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    record = RequestRecord(request_id)
+    request.state.record = record
+    renderer = _Renderer(body, request_id, config.served_model_name, state.token_text, len(ids))
+    generation = Generation(state, engine, [EngineRequest(request_id, ids, params)], record)
+    if body.stream:
+        return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)
+    try:
+        finals = await until_disconnect(collect(generation), request.receive, record)
+    finally:
+        await generation.aclose()
+    return Response(renderer.full(finals).model_dump_json(), media_type="application/json")

@@ -1,0 +1,129 @@
+"""`POST /v1/completions`: prompts as text, token ids or lists of either; echo with prompt logprobs."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.outputs import CompletionOutput, RequestOutput
+from server.errors import APIError
+from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.logprobs import TokenText, completion_logprobs
+from server.params import build_sampling_params, check_model_name, check_prompt_ids
+from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from server.state import RequestRecord, ServerState
+from server.streaming import stream_response
+
+
+def _prompts(body: CompletionRequest, tokenizer) -> list[tuple[str | None, list[int]]]:
+    """Each prompt as (original text or None, token ids)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [(prompt, tokenizer.encode(prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, tokenizer.encode(p)) for p in prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [(None, list(prompt))]
+    return [(None, list(p)) for p in prompt]
+
+
+class _Renderer:
+    """Builds choices from engine outputs; remembers what each streamed choice already got."""
+
+    def __init__(self, body: CompletionRequest, request_id: str, model: str, text: TokenText,
+                 prompts: list[tuple[str, list[int]]]) -> None:
+        self.body = body
+        self.request_id = request_id
+        self.model = model
+        self.text = text
+        self.prompts = prompts
+        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars sent, tokens sent)
+        self.done: set[int] = set()  # choices whose finish_reason went out
+        self.usage = Usage(prompt_tokens=sum(len(ids) for _, ids in prompts), completion_tokens=0, total_tokens=0)
+
+    def _choice(self, prompt_index: int, out: RequestOutput, c: CompletionOutput, chars: int, tokens: int,
+                echo: bool) -> CompletionChoice:
+        """The choice for `c` from char/token offset on; with `echo`, the prompt comes first."""
+        prompt_text, prompt_ids = self.prompts[prompt_index]
+        text = c.text[chars:]
+        logprobs = None
+        if self.body.logprobs is not None:
+            ids, entries = c.token_ids[tokens:], list(c.logprobs or [])[tokens:]
+            offset = len(prompt_text) + chars
+            if echo:
+                ids, entries, offset = prompt_ids + ids, list(out.prompt_logprobs or []) + entries, 0
+            logprobs = completion_logprobs(self.text, ids, entries, self.body.logprobs, offset)
+        if echo:
+            text = prompt_text + text
+        return CompletionChoice(index=prompt_index * self.body.n + c.index, text=text, logprobs=logprobs,
+                                finish_reason=c.finish_reason)
+
+    def full(self, finals: dict[int, RequestOutput]) -> CompletionResponse:
+        choices = []
+        for prompt_index in sorted(finals):
+            out = finals[prompt_index]
+            for c in out.outputs:
+                choices.append(self._choice(prompt_index, out, c, 0, 0, self.body.echo))
+                self.usage.completion_tokens += len(c.token_ids)
+        self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
+        choices.sort(key=lambda ch: ch.index)
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
+
+    def delta(self, prompt_index: int, out: RequestOutput) -> list[CompletionResponse]:
+        choices = []
+        for c in out.outputs:
+            index = prompt_index * self.body.n + c.index
+            if index in self.done:
+                continue
+            first = index not in self.sent
+            chars, tokens = self.sent.get(index, (0, 0))
+            if not (tokens < len(c.token_ids) or chars < len(c.text) or c.finished or first and self.body.echo):
+                continue
+            choices.append(self._choice(prompt_index, out, c, chars, tokens, first and self.body.echo))
+            self.sent[index] = (len(c.text), len(c.token_ids))
+            if c.finished:
+                self.done.add(index)
+                self.usage.completion_tokens += len(c.token_ids)
+        if not choices:
+            return []
+        return [CompletionResponse(id=self.request_id, model=self.model, choices=choices)]
+
+    def usage_chunk(self) -> list[CompletionResponse]:
+        if not (self.body.stream_options and self.body.stream_options.include_usage):
+            return []
+        self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
+        return [CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=self.usage)]
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.driftgate
+    engine = state.ready_engine()
+    config = state.config
+    check_model_name(body.model, config.served_model_name)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    prompts = []
+    engine_requests = []
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    for i, (prompt_text, ids) in enumerate(_prompts(body, engine.tokenizer)):
+        max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
+                                      max_tokens=body.max_tokens)
+        wants_prompt_logprobs = body.echo and body.logprobs is not None
+        params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n, logprobs=body.logprobs,
+                                       prompt_logprobs=body.logprobs if wants_prompt_logprobs else None)
+        prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))
+        engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params))
+
+    record = RequestRecord(request_id)
+    request.state.record = record
+    renderer = _Renderer(body, request_id, config.served_model_name, state.token_text, prompts)
+    generation = Generation(state, engine, engine_requests, record)
+    if body.stream:
+        return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)
+    try:
+        finals = await until_disconnect(collect(generation), request.receive, record)
+    finally:
+        await generation.aclose()
+    return Response(renderer.full(finals).model_dump_json(), media_type="application/json")

@@ -1,0 +1,32 @@
+"""The HTTP layer's own settings (the engine's live in `EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """What the app needs to know beyond the engine: names, auth, limits."""
+
+    served_model_name: str
+    api_key: str | None = None
+    metrics_public: bool = False  # /health and /metrics open even when api_key is set
+    max_queue: int = 1024  # requests not yet started before new ones get 429
+    request_timeout_s: float | None = None  # 504 past this many seconds
+    max_n: int = 16  # largest `n` one request may ask for
+    retry_after_s: int = 1  # advertised in 429 responses
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty")
+        if self.api_key == "":
+            raise ValueError("api_key must be non-empty when given")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+        if self.retry_after_s < 1:
+            raise ValueError(f"retry_after_s must be at least 1, got {self.retry_after_s}")

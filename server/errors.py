@@ -1,0 +1,92 @@
+"""OpenAI-shaped error bodies and the exception handlers that guarantee them.
+
+Every failure a client can see is `{"error": {"message", "type", "param", "code"}}`; an
+unexpected exception becomes a generic 500 body and is logged server-side, so no traceback
+ever reaches a response.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("driftgate.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "internal_server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error meant for the client, with its HTTP status and the offending field."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The JSON body OpenAI clients parse into their exception types."""
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First pydantic error as one readable line, and the body field it concerns."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception type FastAPI can raise through `error_body`."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal server error")

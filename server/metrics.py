@@ -1,0 +1,83 @@
+"""Prometheus metrics: per-request latencies observed here, engine counters read at scrape time.
+
+Names follow vLLM's (`vllm:num_requests_running` → `driftgate:num_requests_running`) so
+existing dashboards need only the prefix changed. Each app gets its own registry, so several
+apps in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine.outputs import EngineStats
+
+PREFIX = "driftgate:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector:
+    """Turns one `EngineStats` snapshot into gauges and counters on every scrape."""
+
+    def __init__(self, read_stats: Callable[[], EngineStats | None]) -> None:
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read_stats()
+        if stats is None:  # still loading: export nothing rather than zeros that look real
+            return
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", stats.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", stats.num_waiting),
+            "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0-1).", stats.kv_usage),
+            "num_kv_blocks_free": ("Free KV-cache blocks.", stats.num_blocks_free),
+            "num_kv_blocks_cached": ("Free KV-cache blocks still holding a prefix hash.", stats.num_blocks_cached),
+            "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / looked up.",
+                                      stats.prefix_cache_hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions),
+            "prompt_tokens": ("Prompt tokens prefilled.", stats.num_prompt_tokens),
+            "generation_tokens": ("Tokens generated.", stats.num_generation_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    """The metrics one app exports."""
+
+    def __init__(self, read_stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            PREFIX + "http_requests", "HTTP requests by route and status code.",
+            ["route", "status"], registry=self.registry,
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished generation requests by finish reason.",
+            ["finished_reason"], registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Arrival to first output token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+            buckets=_ITL_BUCKETS, registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to last output token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(read_stats))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

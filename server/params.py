@@ -1,0 +1,78 @@
+"""Turn a validated request body into engine inputs: prompt token ids and `SamplingParams`.
+
+Everything a client can get wrong is a 400 here, before the engine sees the request.
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError
+from server.protocol import SamplingFields
+
+_INT64 = 2**63
+
+
+def check_model_name(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(400, f"model {requested!r} is not served here; this server serves {served!r}",
+                       param="model")
+
+
+def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: int, max_tokens: int | None) -> int:
+    """Validate one tokenized prompt; returns max_tokens, defaulting to the rest of the context."""
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (size {vocab_size})", param="prompt")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
+                            f"but the prompt has {len(prompt_ids)}", param="prompt")
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                            f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more", param="max_tokens")
+    return max_tokens
+
+
+def build_sampling_params(
+    req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
+    """Map OpenAI/vLLM fields onto `SamplingParams`; its own validation errors become 400s."""
+    if req.n > max_n:
+        raise APIError(400, f"n must be at most {max_n}, got {req.n}", param="n")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if req.seed is not None and not -_INT64 <= req.seed < _INT64:
+        raise APIError(400, "seed must fit in a signed 64-bit integer", param="seed")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError(400, message, param=message.split(" ", 1)[0]) from None

@@ -1,0 +1,206 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests accept the fields OpenAI clients send plus vLLM's sampling extensions (`top_k`,
+`min_p`, `ignore_eos`, ...). Unknown fields are ignored, because real clients add fields
+(`user`, `metadata`) that change nothing; fields that *would* change the output and that we
+cannot honour (`logit_bias`, `suffix`, tools) are rejected by the handlers instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Fields shared by both generation routes; mapped onto `SamplingParams` by the handlers."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted so we can refuse them with a clear message instead of silently ignoring them.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)
+    ]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's content as one string (OpenAI allows a list of text parts)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs shape, which lm-eval parses for log-likelihoods."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "driftgate"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
