@@ -1,0 +1,403 @@
+"""Drift metrics between a baseline and a candidate that saw identical inputs.
+
+Tier 0 compares full next-token distributions on the same token sequences (teacher
+forcing, no sampling noise). Tier 1 joins per-item lm-eval results and turns them into
+paired statistics. Tier 2 compares greedy generations token by token. Everything here is
+computation on results; running the engines is the gate's job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from evals import stats
+
+# Token positions where KV-cache drift shows: it grows with how much cache a token attends to.
+POSITION_BUCKETS: tuple[tuple[int, int | None], ...] = ((0, 256), (256, 1024), (1024, 4096), (4096, None))
+
+# token ids [T] -> next-token log-probabilities [T, vocab]; row t is the distribution after tokens[: t + 1].
+FullLogprobsFn = Callable[[Sequence[int]], torch.Tensor]
+
+
+def bucket_name(bucket: tuple[int, int | None]) -> str:
+    low, high = bucket
+    return f"{low}+" if high is None else f"{low}-{high}"
+
+
+# ---------------------------------------------------------------------------------------
+# Tier 0: logit parity
+
+
+@dataclass(frozen=True, slots=True)
+class ParityStats:
+    """Per-token agreement of two distributions over one set of positions."""
+
+    num_tokens: int
+    kl_mean: float
+    kl_p99: float
+    top1_agreement: float
+    nll_delta_mean: float  # candidate NLL minus baseline NLL of the actual next token (nats)
+
+
+@dataclass(frozen=True, slots=True)
+class LogitParity:
+    overall: ParityStats
+    by_position: dict[str, ParityStats]  # bucket name -> stats; empty buckets left out
+
+
+@dataclass(slots=True)
+class _TokenArrays:
+    kl: list[np.ndarray] = field(default_factory=list)
+    top1_equal: list[np.ndarray] = field(default_factory=list)
+    nll_delta: list[np.ndarray] = field(default_factory=list)
+
+    def summarize(self) -> ParityStats:
+        kl = np.concatenate(self.kl)
+        nll = np.concatenate(self.nll_delta) if self.nll_delta else np.zeros(0)
+        return ParityStats(
+            num_tokens=int(kl.size),
+            kl_mean=float(kl.mean()),
+            kl_p99=float(np.quantile(kl, 0.99)),
+            top1_agreement=float(np.concatenate(self.top1_equal).mean()),
+            nll_delta_mean=float(nll.mean()) if nll.size else 0.0,
+        )
+
+
+def token_parity(
+    base_logprobs: torch.Tensor, cand_logprobs: torch.Tensor, next_tokens: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-position KL(base || cand), top-1 equality, and NLL change of the next token.
+
+    Args:
+        base_logprobs, cand_logprobs: [T, vocab] log-probabilities (re-normalized here).
+        next_tokens: [T - 1] the token that actually follows positions 0..T-2.
+    """
+    base = torch.log_softmax(base_logprobs.double(), dim=-1)  # [T, V]
+    cand = torch.log_softmax(cand_logprobs.double(), dim=-1)  # [T, V]
+    kl = (base.exp() * (base - cand)).sum(dim=-1).clamp_min(0.0)  # [T]
+    top1_equal = base.argmax(dim=-1) == cand.argmax(dim=-1)  # [T]
+    rows = torch.arange(next_tokens.numel())
+    nll_delta = base[rows, next_tokens] - cand[rows, next_tokens]  # [T - 1]
+    return kl.numpy(), top1_equal.numpy(), nll_delta.numpy()
+
+
+def logit_parity(
+    sequences: Iterable[Sequence[int]], baseline: FullLogprobsFn, candidate: FullLogprobsFn
+) -> LogitParity:
+    """Score each sequence with both arms and summarize, overall and by position bucket."""
+    overall = _TokenArrays()
+    buckets = {bucket: _TokenArrays() for bucket in POSITION_BUCKETS}
+    for tokens in sequences:
+        base, cand = baseline(tokens), candidate(tokens)
+        if base.shape != cand.shape or base.shape[0] != len(tokens):
+            raise ValueError(f"arms returned shapes {tuple(base.shape)} and {tuple(cand.shape)} for {len(tokens)} tokens")
+        if not (torch.isfinite(base).any(-1).all() and torch.isfinite(cand).any(-1).all()):
+            raise FloatingPointError("non-finite logprobs in a Tier 0 row")
+        kl, top1, nll = token_parity(base, cand, torch.as_tensor(tokens[1:], dtype=torch.long))
+        nll = np.append(nll, np.nan)  # the last position has no next token
+        for arrays, sl in [(overall, slice(None))] + [
+            (buckets[b], slice(b[0], b[1])) for b in POSITION_BUCKETS
+        ]:
+            part_kl = kl[sl]
+            if part_kl.size == 0:
+                continue
+            arrays.kl.append(part_kl)
+            arrays.top1_equal.append(top1[sl])
+            part_nll = nll[sl]
+            arrays.nll_delta.append(part_nll[~np.isnan(part_nll)])
+    if not overall.kl:
+        raise ValueError("no tokens to compare")
+    return LogitParity(
+        overall=overall.summarize(),
+        by_position={bucket_name(b): a.summarize() for b, a in buckets.items() if a.kl},
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Tier 1: paired per-item task results
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """One arm's outcome on one item, extracted from an lm-eval sample."""
+
+    doc_id: int
+    prompt_hash: str
+    correct: bool
+    choice_scores: tuple[float, ...] | None = None  # decision scores per choice (MC)
+    choice_logprobs: tuple[float, ...] | None = None  # raw summed logprobs per choice (MC)
+    answer: str = ""  # chosen choice index or extracted answer
+    response: str = ""  # raw generation (generative tasks)
+    is_invalid: bool = False  # the extraction found nothing
+    hit_max_tokens: bool = False
+
+
+INVALID_ANSWER = "[invalid]"  # what lm-eval's regex filter yields when nothing matches
+
+
+def items_from_samples(
+    samples: Iterable[dict], metric: str, runaway_contexts: frozenset[str] = frozenset()
+) -> dict[int, ItemResult]:
+    """Per-item results for one task and one `metric,filter` key (e.g. "acc_norm,none").
+
+    Args:
+        runaway_contexts: prompts whose generation stopped at the token limit (lm-eval's
+            string API does not carry finish reasons, so the adapter reports them).
+    """
+    name, _, filter_name = metric.partition(",")
+    filter_name = filter_name or "none"
+    items: dict[int, ItemResult] = {}
+    for sample in samples:
+        if sample.get("filter", "none") != filter_name:
+            continue
+        if name not in sample:
+            raise KeyError(f"metric {name!r} not in sample of doc {sample['doc_id']} (has {sample.get('metrics')})")
+        doc_id = int(sample["doc_id"])
+        resps = sample["filtered_resps"]
+        if resps and isinstance(resps[0], list | tuple):  # multiple choice: [(logprob, is_greedy), ...]
+            logprobs = tuple(float(r[0]) for r in resps)
+            scores = logprobs
+            if name == "acc_norm":  # lm-eval normalizes by the choice's character length
+                lengths = [len(arg[1]) for arg in sample["arguments"]]
+                scores = tuple(lp / n for lp, n in zip(logprobs, lengths, strict=True))
+            items[doc_id] = ItemResult(
+                doc_id=doc_id,
+                prompt_hash=sample["prompt_hash"],
+                correct=bool(sample[name]),
+                choice_scores=scores,
+                choice_logprobs=logprobs,
+                answer=str(int(np.argmax(scores))),
+            )
+        else:
+            answer = str(resps[0]) if resps else INVALID_ANSWER
+            raw = sample["resps"][0][0] if sample["resps"] and sample["resps"][0] else ""
+            items[doc_id] = ItemResult(
+                doc_id=doc_id,
+                prompt_hash=sample["prompt_hash"],
+                correct=bool(sample[name]),
+                answer=answer,
+                response=str(raw),
+                is_invalid=answer == INVALID_ANSWER,
+                hit_max_tokens=sample["arguments"][0][0] in runaway_contexts,
+            )
+    return items
+
+
+def softmax(scores: Sequence[float]) -> np.ndarray:
+    x = np.asarray(scores, dtype=np.float64)
+    x = np.exp(x - x.max())
+    return x / x.sum()
+
+
+def top_margin(scores: Sequence[float]) -> float:
+    """Top-1 minus top-2 probability after a softmax over the choices' scores."""
+    probs = np.sort(softmax(scores))[::-1]
+    return float(probs[0] - probs[1]) if probs.size > 1 else 1.0
+
+
+def choice_kl(base_logprobs: Sequence[float], cand_logprobs: Sequence[float]) -> float:
+    """KL between the two arms' distributions over the answer choices."""
+    p, q = softmax(base_logprobs), softmax(cand_logprobs)
+    return float(np.sum(p * (np.log(p + 1e-300) - np.log(q + 1e-300))))
+
+
+class PromptMismatchError(ValueError):
+    """The two arms did not see identical items and prompts; nothing paired can be claimed."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlippedItem:
+    doc_id: int
+    baseline_answer: str
+    candidate_answer: str
+    baseline_margin: float | None
+    baseline_response: str
+    candidate_response: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskComparison:
+    """Everything Tier 1 says about one task (or the pooled endpoint)."""
+
+    task: str
+    metric: str
+    table: stats.PairedTable
+    delta_interval: tuple[float, float]  # Newcombe, at the gate's two-sided level
+    bootstrap_interval: tuple[float, float]
+    mcnemar_p: float
+    mcnemar_drop_p: float  # one-sided, "candidate worse"
+    min_detectable_drop: float
+    num_confident_items: int
+    num_confident_flips: int  # right -> wrong among items the baseline was confident on
+    choice_kl_mean: float | None
+    choice_kl_p95: float | None
+    answer_change_rate: float
+    baseline_invalid_rate: float
+    candidate_invalid_rate: float
+    baseline_max_tokens_rate: float
+    candidate_max_tokens_rate: float
+    worst_flips: tuple[FlippedItem, ...]
+
+    @property
+    def drop_upper_bound(self) -> float:
+        """One-sided upper confidence bound of the accuracy drop (baseline - candidate)."""
+        return -self.delta_interval[0]
+
+
+def compare_items(
+    task: str,
+    metric: str,
+    baseline: dict[int, ItemResult],
+    candidate: dict[int, ItemResult],
+    *,
+    confidence: float = 0.95,
+    confident_margin: float = 0.2,
+    num_resamples: int = 2000,
+    seed: int = 0,
+    num_worst: int = 20,
+    strata: dict[int, str] | None = None,
+) -> TaskComparison:
+    """Join two arms on doc id (prompts must match) and compute the paired statistics.
+
+    `confidence` is one-sided: the interval is two-sided at 1 - 2 * (1 - confidence), so
+    its lower end is the one-sided bound the decision uses.
+    """
+    if baseline.keys() != candidate.keys():
+        only = sorted(baseline.keys() ^ candidate.keys())[:10]
+        raise PromptMismatchError(f"{task}: arms scored different items (e.g. doc ids {only})")
+    doc_ids = sorted(baseline)
+    mismatched = [d for d in doc_ids if baseline[d].prompt_hash != candidate[d].prompt_hash]
+    if mismatched:
+        raise PromptMismatchError(f"{task}: prompt hashes differ for {len(mismatched)} items (e.g. {mismatched[:10]})")
+    if not doc_ids:
+        raise ValueError(f"{task}: no items")
+    base = [baseline[d] for d in doc_ids]
+    cand = [candidate[d] for d in doc_ids]
+    base_correct = np.array([b.correct for b in base])
+    cand_correct = np.array([c.correct for c in cand])
+    table = stats.PairedTable.from_outcomes(base_correct, cand_correct)
+    two_sided = 1 - 2 * (1 - confidence)
+    margins = [top_margin(b.choice_scores) if b.choice_scores else None for b in base]
+    confident = np.array([m is not None and m > confident_margin for m in margins])
+    right_to_wrong = base_correct & ~cand_correct
+    kls = [choice_kl(b.choice_logprobs, c.choice_logprobs) for b, c in zip(base, cand, strict=True)
+           if b.choice_logprobs and c.choice_logprobs]
+    flips = [int(i) for i in np.flatnonzero(right_to_wrong)]
+    flips.sort(key=lambda i: -(margins[i] or 0.0))
+    worst = tuple(
+        FlippedItem(
+            doc_id=base[i].doc_id,
+            baseline_answer=base[i].answer,
+            candidate_answer=cand[i].answer,
+            baseline_margin=margins[i],
+            baseline_response=base[i].response,
+            candidate_response=cand[i].response,
+        )
+        for i in flips[:num_worst]
+    )
+    n = len(doc_ids)
+    return TaskComparison(
+        task=task,
+        metric=metric,
+        table=table,
+        delta_interval=stats.newcombe_paired_interval(table, two_sided),
+        bootstrap_interval=stats.paired_bootstrap_interval(
+            base_correct, cand_correct, confidence=two_sided, num_resamples=num_resamples, seed=seed,
+            strata=[strata[d] for d in doc_ids] if strata else None,
+        ) if n >= 2 else (table.delta, table.delta),
+        mcnemar_p=stats.mcnemar_exact_p(table.num_right_to_wrong, table.num_wrong_to_right),
+        mcnemar_drop_p=stats.mcnemar_one_sided_drop_p(table.num_right_to_wrong, table.num_wrong_to_right),
+        min_detectable_drop=stats.min_detectable_drop(n, table.flip_rate, alpha=1 - confidence),
+        num_confident_items=int(confident.sum()),
+        num_confident_flips=int((confident & right_to_wrong).sum()),
+        choice_kl_mean=float(np.mean(kls)) if kls else None,
+        choice_kl_p95=float(np.quantile(kls, 0.95)) if kls else None,
+        answer_change_rate=sum(b.answer != c.answer for b, c in zip(base, cand, strict=True)) / n,
+        baseline_invalid_rate=sum(b.is_invalid for b in base) / n,
+        candidate_invalid_rate=sum(c.is_invalid for c in cand) / n,
+        baseline_max_tokens_rate=sum(b.hit_max_tokens for b in base) / n,
+        candidate_max_tokens_rate=sum(c.hit_max_tokens for c in cand) / n,
+        worst_flips=worst,
+    )
+
+
+def pool_items(per_task: dict[str, dict[int, ItemResult]]) -> tuple[dict[int, ItemResult], dict[int, str]]:
+    """Merge several tasks' items into one endpoint with fresh ids and a task label per id."""
+    pooled: dict[int, ItemResult] = {}
+    strata: dict[int, str] = {}
+    for task in sorted(per_task):
+        for doc_id in sorted(per_task[task]):
+            new_id = len(pooled)
+            item = per_task[task][doc_id]
+            pooled[new_id] = ItemResult(**{**_as_dict(item), "doc_id": new_id})
+            strata[new_id] = task
+    return pooled, strata
+
+
+def _as_dict(item: ItemResult) -> dict:
+    return {name: getattr(item, name) for name in ItemResult.__slots__}
+
+
+# ---------------------------------------------------------------------------------------
+# Tier 2: greedy generations
+
+
+def first_divergence(base_tokens: Sequence[int], cand_tokens: Sequence[int]) -> int | None:
+    """Index of the first generated token that differs; None if one is a prefix of the other."""
+    for i, (a, b) in enumerate(zip(base_tokens, cand_tokens, strict=False)):
+        if a != b:
+            return i
+    if len(base_tokens) != len(cand_tokens):
+        return min(len(base_tokens), len(cand_tokens))
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationAgreement:
+    num_prompts: int
+    num_identical: int
+    divergence_positions: tuple[int, ...]  # one per diverging prompt
+    mean_agreed_prefix: float  # tokens, counting identical generations at full length
+    min_agreed_prefix: int
+
+    @property
+    def identical_rate(self) -> float:
+        return self.num_identical / self.num_prompts
+
+
+def generation_agreement(
+    baseline: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]
+) -> GenerationAgreement:
+    """Summarize where each prompt's greedy generations first part ways."""
+    if len(baseline) != len(candidate) or not baseline:
+        raise ValueError("need the same, non-zero number of generations per arm")
+    prefixes: list[int] = []
+    positions: list[int] = []
+    for base, cand in zip(baseline, candidate, strict=True):
+        where = first_divergence(base, cand)
+        if where is None:
+            prefixes.append(len(base))
+        else:
+            positions.append(where)
+            prefixes.append(where)
+    return GenerationAgreement(
+        num_prompts=len(baseline),
+        num_identical=len(baseline) - len(positions),
+        divergence_positions=tuple(positions),
+        mean_agreed_prefix=float(np.mean(prefixes)),
+        min_agreed_prefix=int(min(prefixes)),
+    )
+
+
+def kl_growth(parity: LogitParity) -> float | None:
+    """p99 KL in the longest populated position bucket over the first bucket's (FP8-KV signature)."""
+    names = [bucket_name(b) for b in POSITION_BUCKETS if bucket_name(b) in parity.by_position]
+    if len(names) < 2:
+        return None
+    first, last = parity.by_position[names[0]].kl_p99, parity.by_position[names[-1]].kl_p99
+    return math.inf if first == 0 and last > 0 else (last / first if first else 1.0)

@@ -1,0 +1,152 @@
+"""Drift metrics on fabricated per-item results and hand-made distributions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from evals import drift
+
+
+def _mc_sample(doc_id, lls, gold, prompt="p", choices=("a", "bb")):
+    pred = int(np.argmax(lls))
+    return {
+        "doc_id": doc_id,
+        "filter": "none",
+        "prompt_hash": f"h{doc_id}{prompt}",
+        "arguments": [("ctx", f" {c}") for c in choices],
+        "filtered_resps": [[ll, False] for ll in lls],
+        "resps": [[[ll, False]] for ll in lls],
+        "acc": float(pred == gold),
+        "acc_norm": float(pred == gold),
+    }
+
+
+def test_items_from_mc_samples_keeps_scores_and_correctness():
+    items = drift.items_from_samples([_mc_sample(0, [-1.0, -2.0], 0), _mc_sample(1, [-3.0, -2.0], 0)], "acc,none")
+    assert items[0].correct and not items[1].correct
+    assert items[1].answer == "1"
+    assert items[0].choice_logprobs == (-1.0, -2.0)
+
+
+def test_acc_norm_scores_divide_by_choice_character_length():
+    sample = _mc_sample(0, [-2.0, -3.0], 1, choices=("a", "bbbbb"))
+    items = drift.items_from_samples([sample], "acc_norm,none")
+    assert items[0].choice_scores == pytest.approx((-2.0 / 2, -3.0 / 6))
+
+
+def test_generative_samples_mark_invalid_and_runaway():
+    sample = {
+        "doc_id": 3, "filter": "strict-match", "prompt_hash": "x", "arguments": [("Q: q\nA:", {})],
+        "resps": [["no answer here"]], "filtered_resps": ["[invalid]"], "exact_match": 0.0,
+    }
+    other_filter = {**sample, "filter": "flexible-extract", "filtered_resps": ["7"], "exact_match": 1.0}
+    items = drift.items_from_samples([sample, other_filter], "exact_match,strict-match", frozenset({"Q: q\nA:"}))
+    assert items[3].is_invalid and items[3].hit_max_tokens and not items[3].correct
+    flexible = drift.items_from_samples([sample, other_filter], "exact_match,flexible-extract")
+    assert flexible[3].correct and not flexible[3].hit_max_tokens
+
+
+def _items(correct, margins_high=None):
+    out = {}
+    for i, ok in enumerate(correct):
+        high = margins_high is not None and margins_high[i]
+        lls = (-0.01, -9.0) if high else (-0.69, -0.70)
+        out[i] = drift.ItemResult(doc_id=i, prompt_hash=f"h{i}", correct=bool(ok), choice_scores=lls,
+                                  choice_logprobs=lls, answer="0" if ok else "1")
+    return out
+
+
+def test_compare_items_counts_flips_by_direction_and_confidence():
+    base = _items([1, 1, 1, 0, 0, 1], margins_high=[1, 0, 1, 0, 0, 1])
+    cand = _items([1, 0, 0, 1, 0, 1])
+    cmp = drift.compare_items("t", "acc,none", base, cand)
+    assert cmp.table.num_right_to_wrong == 2 and cmp.table.num_wrong_to_right == 1
+    assert cmp.num_confident_items == 3
+    assert cmp.num_confident_flips == 1  # doc 2: confident and right -> wrong
+    assert cmp.worst_flips[0].doc_id == 2  # highest baseline margin first
+    lo, hi = cmp.delta_interval
+    assert lo < cmp.table.delta < hi
+    assert cmp.drop_upper_bound == pytest.approx(-lo)
+
+
+def test_compare_items_refuses_mismatched_prompts():
+    base = _items([1, 0])
+    cand = dict(_items([1, 0]))
+    cand[1] = drift.ItemResult(doc_id=1, prompt_hash="other", correct=False)
+    with pytest.raises(drift.PromptMismatchError, match="prompt hashes differ"):
+        drift.compare_items("t", "acc,none", base, cand)
+    with pytest.raises(drift.PromptMismatchError, match="different items"):
+        drift.compare_items("t", "acc,none", base, {0: base[0]})
+
+
+def test_identical_arms_have_zero_delta_and_zero_choice_kl():
+    base = _items([1, 0, 1, 1])
+    cmp = drift.compare_items("t", "acc,none", base, base)
+    assert cmp.table.num_flips == 0 and cmp.choice_kl_mean == 0.0 and cmp.answer_change_rate == 0.0
+
+
+def test_pool_items_relabels_and_records_strata():
+    pooled, strata = drift.pool_items({"b": _items([1, 0]), "a": _items([1])})
+    assert sorted(pooled) == [0, 1, 2]
+    assert [strata[i] for i in range(3)] == ["a", "b", "b"]
+
+
+def test_top_margin_and_choice_kl():
+    assert drift.top_margin([0.0, -math.inf]) == pytest.approx(1.0)
+    assert drift.top_margin([math.log(0.6), math.log(0.4)]) == pytest.approx(0.2)
+    p, q = [math.log(0.5), math.log(0.5)], [math.log(0.9), math.log(0.1)]
+    assert drift.choice_kl(p, q) == pytest.approx(0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1))
+
+
+def test_token_parity_matches_hand_computation():
+    base = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+    cand = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]))
+    kl, top1, nll = drift.token_parity(base, cand, torch.tensor([1]))
+    assert kl[0] == pytest.approx(0.7 * math.log(0.7 / 0.6) + 0.2 * math.log(0.2 / 0.3))
+    assert list(top1) == [True, False]
+    assert nll[0] == pytest.approx(math.log(0.2) - math.log(0.3))
+
+
+def test_logit_parity_buckets_by_position_and_flags_length_growth():
+    torch.manual_seed(0)
+    vocab, length = 11, 300
+    tokens = torch.randint(0, vocab, (length,)).tolist()
+    logits = torch.randn(length, vocab)
+
+    def baseline(ids):
+        return logits[: len(ids)]
+
+    def candidate(ids):
+        noise = torch.zeros(len(ids), vocab)
+        noise[256:] = torch.randn(len(ids) - 256, vocab)  # drift only late in the sequence
+        return logits[: len(ids)] + noise
+
+    same = drift.logit_parity([tokens], baseline, baseline)
+    assert same.overall.kl_mean == pytest.approx(0.0, abs=1e-12) and same.overall.top1_agreement == 1.0
+    parity = drift.logit_parity([tokens], baseline, candidate)
+    assert set(parity.by_position) == {"0-256", "256-1024"}
+    assert parity.by_position["0-256"].num_tokens == 256
+    assert parity.by_position["0-256"].kl_mean == pytest.approx(0.0, abs=1e-12)
+    assert parity.by_position["256-1024"].kl_mean > 0.05
+    assert drift.kl_growth(parity) == math.inf
+
+
+def test_logit_parity_rejects_nan_rows():
+    def broken(ids):
+        return torch.full((len(ids), 4), float("nan"))
+
+    with pytest.raises(FloatingPointError):
+        drift.logit_parity([[0, 1, 2]], broken, broken)
+
+
+def test_first_divergence_and_agreement_summary():
+    assert drift.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert drift.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert drift.first_divergence([1, 2], [1, 2, 3]) == 2
+    summary = drift.generation_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
+    assert summary.num_identical == 1 and summary.divergence_positions == (1,)
+    assert summary.mean_agreed_prefix == pytest.approx(2.0) and summary.min_agreed_prefix == 1
