@@ -1,0 +1,95 @@
+"""Prompt sets for `driftgate bench serve`: ShareGPT, random tokens, and a shared long prefix.
+
+Every sample carries its prompt length measured with the model's tokenizer and the number of
+tokens to ask for. The local ShareGPT files hold first human turns only (no replies), so
+output lengths come from a stated distribution instead of the reply: log-normal with median
+`output_len` and sigma 0.7 (a right-skewed spread like chat replies), clipped to [4, 1024].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SHAREGPT_FILE = "sharegpt/ShareGPT_V3_filtered_1000.json"
+OUTPUT_LEN_SIGMA = 0.7
+_MIN_LEN, _MAX_PROMPT_LEN, _MAX_TOTAL_LEN = 4, 1024, 2048  # vLLM's ShareGPT pruning rule
+
+
+@dataclass(slots=True)
+class Sample:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def find_data_dir(data_dir: str | None) -> Path:
+    """--data-dir, then $DRIFTGATE_DATA, then ../shared/data next to the repository."""
+    candidates = [data_dir, os.environ.get("DRIFTGATE_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data"]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    raise FileNotFoundError("no data folder: pass --data-dir or set DRIFTGATE_DATA (see ../shared/data/README.md)")
+
+
+def _output_lens(rng: np.random.Generator, median: int, count: int, fixed: bool) -> np.ndarray:
+    if fixed:
+        return np.full(count, median, dtype=np.int64)
+    draws = rng.lognormal(mean=np.log(median), sigma=OUTPUT_LEN_SIGMA, size=count)
+    return np.clip(np.rint(draws), _MIN_LEN, 1024).astype(np.int64)
+
+
+def sharegpt(tokenizer, data_dir: Path, num_prompts: int, output_len: int, fixed_output_len: bool,
+             rng: np.random.Generator) -> list[Sample]:
+    """First human turns, shuffled, pruned like vLLM's ShareGPT loader (4–1024 prompt tokens)."""
+    records = json.loads((data_dir / SHAREGPT_FILE).read_text())
+    order = rng.permutation(len(records))
+    wanted = _output_lens(rng, output_len, len(records), fixed_output_len)
+    samples: list[Sample] = []
+    for i in order:
+        turns = records[i].get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        prompt = turns[0]["value"]
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        out_len = int(wanted[i])
+        if prompt_len < _MIN_LEN or prompt_len > _MAX_PROMPT_LEN or prompt_len + out_len > _MAX_TOTAL_LEN:
+            continue
+        samples.append(Sample(prompt, prompt_len, out_len))
+        if len(samples) == num_prompts:
+            return samples
+    raise ValueError(f"only {len(samples)} ShareGPT prompts pass the length filter; asked for {num_prompts}")
+
+
+def _random_text(tokenizer, rng: np.random.Generator, num_tokens: int) -> str:
+    special = set(tokenizer.all_special_ids)
+    vocab = np.array([t for t in range(len(tokenizer)) if t not in special])
+    return tokenizer.decode(rng.choice(vocab, size=num_tokens).tolist())
+
+
+def random_prompts(tokenizer, num_prompts: int, input_len: int, output_len: int,
+                   rng: np.random.Generator) -> list[Sample]:
+    """Decoded random token ids; lengths are re-measured since decode/encode need not round-trip."""
+    samples = []
+    for _ in range(num_prompts):
+        prompt = _random_text(tokenizer, rng, input_len)
+        samples.append(Sample(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
+    return samples
+
+
+def prefix_shared(tokenizer, num_prompts: int, prefix_len: int, input_len: int, output_len: int,
+                  rng: np.random.Generator) -> list[Sample]:
+    """One long common system prompt, then a distinct `input_len`-token question per request.
+
+    Measures what a prefix cache saves: every request after the first can reuse the prefix.
+    """
+    prefix = _random_text(tokenizer, rng, prefix_len)
+    samples = []
+    for _ in range(num_prompts):
+        prompt = prefix + "\n" + _random_text(tokenizer, rng, input_len)
+        samples.append(Sample(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
+    return samples

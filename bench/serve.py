@@ -1,0 +1,374 @@
+"""`driftgate bench serve`: load-test any OpenAI-compatible server the way `vllm bench serve` does.
+
+Metrics are measured at the client from streamed responses, with vLLM's definitions:
+TTFT (send → first streamed text), ITL (gaps between consecutive text chunks, pooled over
+requests), TPOT ((E2E − TTFT) / (output tokens − 1), per request), E2E latency; request and
+token throughput; goodput = requests per second meeting *every* `--slo`. Output tokens are
+counted with the model's tokenizer, so two servers are measured with the same ruler.
+Requests go only to `--base-url`; every loop is bounded by count and by `--max-duration`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench import datasets
+from bench.datasets import Sample
+
+PERCENTILES = (50, 90, 99)
+_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request measured (seconds); `error` is set when it failed."""
+
+    prompt_len: int
+    output_len: int = 0  # counted with the tokenizer on the generated text
+    server_output_len: int | None = None  # usage.completion_tokens when the server reports it
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first; a single-token output counts as 0."""
+        return (self.latency - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """`ttft:500,tpot:50` (milliseconds) → {"ttft": 0.5, "tpot": 0.05}."""
+    if not text:
+        return {}
+    slo = {}
+    for part in text.replace(" ", ",").split(","):
+        if not part:
+            continue
+        name, _, value = part.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"bad --slo entry {part!r}; use ttft:MS, tpot:MS, e2el:MS")
+        slo[name] = float(value) / 1000.0
+    return slo
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    """mean/median/std/p90/p99 in milliseconds (zeros when there is nothing to summarize)."""
+    arr = np.asarray(values, dtype=np.float64) * 1000.0
+    if arr.size == 0:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std()),
+            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float, slo: dict[str, float]) -> dict:
+    """The `vllm bench serve` summary for one run."""
+    done = [r for r in results if r.error is None]
+    total_out = sum(r.output_len for r in done)
+    total_in = sum(r.prompt_len for r in done)
+    good = sum(
+        all({"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}[name] <= limit for name, limit in slo.items())
+        for r in done
+    )
+    return {
+        "duration_s": duration_s,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput": total_out / duration_s if duration_s > 0 else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration_s if duration_s > 0 else 0.0,
+        "goodput": (good / duration_s if duration_s > 0 else 0.0) if slo else None,
+        "ttft_ms": _summary([r.ttft for r in done]),
+        # TPOT is defined only where there is a second token
+        "tpot_ms": _summary([r.tpot for r in done if r.output_len > 1]),
+        "itl_ms": _summary([gap for r in done for gap in r.itl]),
+        "e2el_ms": _summary([r.latency for r in done]),
+        "errors": sorted({r.error for r in results if r.error})[:10],
+    }
+
+
+def arrival_gaps(num: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Gaps before each request: Gamma(shape=burstiness, scale=1/(rate·burstiness)); rate inf → 0.
+
+    burstiness 1 is a Poisson process; below 1 burstier, above 1 more regular.
+    """
+    if math.isinf(rate):
+        return np.zeros(num)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num)
+
+
+def _text_of(event: dict, chat: bool) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def send_request(client: httpx.AsyncClient, url: str, payload: dict, chat: bool, tokenizer,
+                       result: RequestResult) -> None:
+    """Stream one request and fill `result`; any failure lands in `result.error`."""
+    start = time.perf_counter()
+    last = start
+    pieces: list[str] = []
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")[:200]
+                result.error = f"HTTP {response.status_code}: {body}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"].get("message", event["error"]))
+                    return
+                if event.get("usage"):
+                    result.server_output_len = event["usage"].get("completion_tokens")
+                text = _text_of(event, chat)
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if not pieces:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                pieces.append(text)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return
+    result.latency = time.perf_counter() - start
+    result.output_len = len(tokenizer.encode("".join(pieces), add_special_tokens=False))
+    if not pieces:
+        result.error = "no output"
+
+
+def build_payload(sample: Sample, args: argparse.Namespace, chat: bool) -> dict:
+    payload = {"model": args.model, "max_tokens": sample.output_len, "temperature": args.temperature,
+               "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        payload["ignore_eos"] = True
+    if chat:
+        payload["messages"] = [{"role": "user", "content": sample.prompt}]
+    else:
+        payload["prompt"] = sample.prompt
+    return payload
+
+
+async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float, tokenizer) -> dict:
+    """Send every sample on the arrival schedule; returns the metrics dict plus raw per-request data."""
+    chat = args.endpoint.rstrip("/").endswith("chat/completions")
+    url = args.base_url.rstrip("/") + args.endpoint
+    rng = np.random.default_rng(args.seed)
+    gaps = arrival_gaps(len(samples), rate, args.burstiness, rng)
+    limit = asyncio.Semaphore(args.max_concurrency or len(samples))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(samples), desc=f"rate {rate:g}", file=sys.stderr)
+
+    async def one(sample: Sample, result: RequestResult) -> None:
+        async with limit:
+            await send_request(client, url, build_payload(sample, args, chat), chat, tokenizer, result)
+        if progress is not None:
+            progress.update(1)
+
+    timeout = httpx.Timeout(args.timeout, connect=10.0)
+    deadline = time.perf_counter() + args.max_duration
+    async with httpx.AsyncClient(timeout=timeout, headers=headers,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        start = time.perf_counter()
+        tasks = []
+        for sample, result, gap in zip(samples, results, gaps, strict=True):
+            await asyncio.sleep(float(gap))
+            if time.perf_counter() > deadline:
+                result.error = "not sent: --max-duration reached"
+                continue
+            tasks.append(asyncio.create_task(one(sample, result)))
+        pending: set[asyncio.Task] = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - start
+    if progress is not None:
+        progress.close()
+    for result in results:
+        if result.latency == 0.0 and result.error is None:
+            result.error = "cancelled: --max-duration reached"
+    metrics = compute_metrics(results, duration, parse_slo(args.slo))
+    metrics["request_rate"] = rate
+    metrics["requests"] = [asdict(r) for r in results]
+    return metrics
+
+
+def load_samples(args: argparse.Namespace, tokenizer) -> list[Sample]:
+    rng = np.random.default_rng(args.seed)
+    if args.dataset == "sharegpt":
+        return datasets.sharegpt(tokenizer, datasets.find_data_dir(args.data_dir), args.num_prompts,
+                                 args.output_len, args.fixed_output_len, rng)
+    if args.dataset == "random":
+        return datasets.random_prompts(tokenizer, args.num_prompts, args.input_len, args.output_len, rng)
+    return datasets.prefix_shared(tokenizer, args.num_prompts, args.prefix_len, args.input_len,
+                                  args.output_len, rng)
+
+
+def plot(runs: list[dict], path: Path) -> list[Path]:
+    """Latency CDFs of the last run; with several rates, also throughput/TTFT vs request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    last = runs[-1]
+    done = [r for r in last["requests"] if r["error"] is None]
+    series = {
+        "TTFT": [r["ttft"] for r in done],
+        "TPOT": [(r["latency"] - r["ttft"]) / (r["output_len"] - 1) for r in done if r["output_len"] > 1],
+        "ITL": [g for r in done for g in r["itl"]],
+        "E2E latency": [r["latency"] for r in done],
+    }
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (name, values) in zip(axes.flat, series.items(), strict=True):
+        values = np.sort(np.asarray(values) * 1000.0)
+        if values.size:
+            ax.plot(values, np.arange(1, values.size + 1) / values.size)
+        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"request rate {last['request_rate']:g}, {last['completed']} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    if len(runs) > 1:
+        rates = [r["request_rate"] for r in runs]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        left.plot(rates, [r["output_throughput"] for r in runs], marker="o")
+        left.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
+        right.plot(rates, [r["ttft_ms"]["median"] for r in runs], marker="o", label="TTFT p50")
+        right.plot(rates, [r["ttft_ms"]["p99"] for r in runs], marker="o", label="TTFT p99")
+        right.set(xlabel="request rate (req/s)", ylabel="ms", title="time to first token")
+        right.legend()
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        sweep_path = path.with_name(path.stem + "_sweep" + path.suffix)
+        fig.savefig(sweep_path, dpi=110)
+        plt.close(fig)
+        written.append(sweep_path)
+    return written
+
+
+def print_summary(metrics: dict) -> None:
+    print(f"{'=' * 16} rate {metrics['request_rate']:g} {'=' * 16}")
+    for key in ("completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "total_token_throughput", "goodput"):
+        value = metrics[key]
+        if value is not None:
+            print(f"{key:<26}{value:>12.2f}" if isinstance(value, float) else f"{key:<26}{value:>12}")
+    for name in _METRICS:
+        stats = metrics[f"{name}_ms"]
+        print(f"{name.upper() + ' ms':<10} mean {stats['mean']:9.1f}  p50 {stats['median']:9.1f}  "
+              f"p90 {stats['p90']:9.1f}  p99 {stats['p99']:9.1f}")
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `driftgate bench serve` (dispatched from the `driftgate` console script)."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    parser.add_argument("--model", required=True, help="the served model name sent in each request")
+    parser.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: --model, if a folder)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix-shared"])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
+    parser.add_argument("--sweep", default=None, help="comma-separated request rates, run one after another")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=256, help="random / prefix-shared question tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens asked per request (ShareGPT: median)")
+    parser.add_argument("--fixed-output-len", action="store_true", help="ShareGPT: every request asks --output-len")
+    parser.add_argument("--prefix-len", type=int, default=1024, help="prefix-shared: common prefix tokens")
+    parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--max-duration", type=float, default=3600.0, help="seconds per run before giving up")
+    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--plot", default=None, help="PNG path for latency CDFs (and _sweep.png)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """0 when every request succeeded, 1 when some failed, 2 on bad arguments."""
+    from transformers import AutoTokenizer
+
+    tokenizer_path = args.tokenizer or args.model
+    if not Path(tokenizer_path).is_dir():
+        print(f"error: tokenizer folder not found: {tokenizer_path} (pass --tokenizer)", file=sys.stderr)
+        return 2
+    try:
+        parse_slo(args.slo)
+        rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
+        if args.num_prompts < 1 or any(r <= 0 for r in rates) or args.burstiness <= 0:
+            raise ValueError("--num-prompts, request rates and --burstiness must be positive")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        samples = load_samples(args, tokenizer)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    runs = []
+    for rate in rates:
+        metrics = asyncio.run(run_load(samples, args, rate, tokenizer))
+        print_summary(metrics)
+        runs.append(metrics)
+    result = {
+        "base_url": args.base_url, "endpoint": args.endpoint, "model": args.model, "dataset": args.dataset,
+        "num_prompts": args.num_prompts, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        "output_len": args.output_len,
+        "output_len_distribution": "fixed" if args.dataset != "sharegpt" or args.fixed_output_len
+        else f"lognormal(median={args.output_len}, sigma={datasets.OUTPUT_LEN_SIGMA}), clipped to [4, 1024]",
+        "ignore_eos": args.ignore_eos, "slo": args.slo, "seed": args.seed, "runs": runs,
+    }
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        for path in plot(runs, Path(args.plot)):
+            print(f"wrote {path}")
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.serve ...` (the same as `driftgate bench serve`)."""
+    parser = argparse.ArgumentParser(prog="driftgate bench serve", description=__doc__.splitlines()[0])
+    add_bench_serve_args(parser)
+    return run_bench_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""`driftgate serve`: load the engine, serve it over HTTP, drain on SIGTERM.
+
+The port is bound before the model loads, so health checks see 503 ("loading") instead of a
+refused connection. On SIGTERM (or Ctrl-C) new requests get 503 while running ones finish;
+whatever is still running after `--drain-timeout` seconds is aborted, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from server.app import build_app
+from server.config import ServerConfig
+from server.state import ServerState
+
+logger = logging.getLogger("driftgate.server")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's flags (the console script in engine/cli.py dispatches here)."""
+    parser.add_argument("model", help="model folder (HF layout, bf16 or a driftgate/compressed-tensors checkpoint)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name)")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
+    parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    parser.add_argument("--request-timeout", type=float, default=None, help="seconds before 504")
+    parser.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    parser.add_argument("--require-gate", action="store_true",
+                        help="refuse to serve unless the checkpoint's verdict.json passes and matches its weights")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _check_gate(model_dir: str) -> str | None:
+    """None when the verdict passes; otherwise why the server must not start."""
+    try:
+        from evals.verdict import check_verdict
+    except ImportError:
+        return "--require-gate needs evals.verdict.check_verdict, which this install does not have"
+    try:
+        check_verdict(model_dir)
+    except Exception as exc:  # any failure to prove the verdict is a refusal
+        return f"--require-gate: {exc}"
+    return None
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that flips the app to 503 on the first exit signal, then shuts down gracefully."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.app_state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's own handler also records the signal and re-raises it after shutdown, which
+        # would kill the process by SIGTERM after a clean drain; a drained server exits 0.
+        self.app_state.begin_drain()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+
+def _load_engine(args: argparse.Namespace, state: ServerState, server: _DrainingServer, failed: list[str]) -> None:
+    """Runs in a thread while uvicorn already answers 503; attaches the engine when ready."""
+    try:
+        from engine import AsyncEngine, EngineConfig
+
+        engine = AsyncEngine(EngineConfig(
+            model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        ))
+        engine.start()
+    except Exception as exc:
+        logger.exception("could not load %s", args.model)
+        failed.append(str(exc))
+        server.should_exit = True
+        return
+    state.attach(engine)
+    logger.info("serving %s as %r on http://%s:%d", args.model, state.config.served_model_name,
+                args.host, args.port)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until a signal; 0 after a clean drain, 1 if the model failed to load, 2 on bad input."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not Path(args.model).is_dir():
+        print(f"error: model folder not found: {args.model}", file=sys.stderr)
+        return 2
+    if args.require_gate and (reason := _check_gate(args.model)) is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    try:
+        config = ServerConfig(
+            served_model_name=args.served_model_name or Path(args.model).resolve().name,
+            api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
+            metrics_public=args.metrics_public, max_queue=args.max_queue,
+            request_timeout_s=args.request_timeout, max_n=args.max_n,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(None, config)
+    state: ServerState = app.state.driftgate
+    server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            access_log=False, timeout_graceful_shutdown=args.drain_timeout),
+                             state)
+    failed: list[str] = []
+    loader = threading.Thread(target=_load_engine, args=(args, state, server, failed), daemon=True)
+    loader.start()
+    try:
+        server.run()
+    finally:
+        loader.join()
+        if state.engine is not None:
+            state.engine.shutdown()
+    if failed:
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m server.cli MODEL_DIR ...` (the same as `driftgate serve`)."""
+    parser = argparse.ArgumentParser(prog="driftgate serve", description=__doc__.splitlines()[0])
+    add_serve_args(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
