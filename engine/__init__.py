@@ -1,0 +1,22 @@
+"""driftgate's inference engine: `from engine import LLM, SamplingParams`."""
+
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM and AsyncEngine pull in torch and transformers; import them only when asked for.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "EngineStats"]

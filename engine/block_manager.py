@@ -1,0 +1,237 @@
+"""Paged KV block bookkeeping with hash-based prefix caching (vLLM v1's design, no torch).
+
+- Every block object exists from the start; free blocks sit in an intrusive doubly linked
+  queue in eviction order (head = evict next), so taking a block out of the middle is O(1).
+- A full block is identified by a chained hash: sha256(parent hash ‖ its token ids), seeded
+  with a fixed root so every process (and an external router) computes the same hashes.
+- Freed blocks keep their hash until reused: the prefix cache costs no capacity.
+- A request frees its blocks tail first, so its longest (least shareable) prefix is evicted
+  before the shared head of the sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.sequence import Request
+
+ROOT_HASH = hashlib.sha256(b"driftgate-kv-block-hash-v1").digest()
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained block hash: same prefix and same tokens ⇔ same hash (up to sha256 collisions)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def hash_token_blocks(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
+    """Hashes of every full block of `token_ids` (the router uses this too)."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks; head is the next block to reuse."""
+
+    def __init__(self, blocks: list[Block]):
+        self.head = Block(-1)  # sentinels keep the pointer updates branch-free
+        self.tail = Block(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def _insert_after(self, anchor: Block, block: Block) -> None:
+        block.prev, block.next = anchor, anchor.next
+        anchor.next.prev = block
+        anchor.next = block
+        self.num_free += 1
+
+    def append(self, block: Block) -> None:
+        self._insert_after(self.tail.prev, block)
+
+    def append_left(self, block: Block) -> None:
+        self._insert_after(self.head, block)
+
+    def remove(self, block: Block) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def pop_left(self) -> Block:
+        block = self.head.next
+        if block is self.tail:
+            raise RuntimeError("no free KV block")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self.head.next
+        while block is not self.tail:
+            yield block
+            block = block.next
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """What a router mirrors: `stored` / `removed` block hashes, or `cleared`; seq is monotonic."""
+
+    seq: int
+    kind: str
+    block_hashes: tuple[bytes, ...] = ()
+    parent_hash: bytes | None = None
+
+
+class BlockManager:
+    """Allocates KV blocks to requests and serves prefix-cache hits."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}  # hash → the block that answers hits for it
+        self.record_events = record_events
+        self.events: list[KVEvent] = []
+        self._event_seq = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding a hash: reclaimable capacity that can also serve hits."""
+        return sum(1 for b in self.free_queue if b.hash is not None)
+
+    def _emit(self, kind: str, hashes: tuple[bytes, ...] = (), parent: bytes | None = None) -> None:
+        if self.record_events:
+            self._event_seq += 1
+            self.events.append(KVEvent(self._event_seq, kind, hashes, parent))
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend request.block_hashes to every full block among its first `num_tokens` tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> list[Block]:
+        """Longest run of cached blocks from the start of the request's tokens.
+
+        At most num_tokens − 1 tokens can come from the cache: the last token must be
+        recomputed to produce logits, so a fully cached sequence gives back its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(request, request.num_tokens)
+        hits = []
+        for h in request.block_hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * self.block_size >= request.num_tokens:
+            hits.pop()
+        return hits
+
+    def allocate(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
+        """Give `request` room for `num_new_tokens` more tokens (after any `computed` hit blocks).
+
+        Returns False and changes nothing when there are not enough free blocks.
+        """
+        computed = computed or []
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(request.block_ids) - len(computed)
+        # hit blocks with no other user are in the free queue: taking them costs capacity too
+        num_reclaimed = sum(1 for b in computed if b.ref_count == 0)
+        if num_needed + num_reclaimed > self.free_queue.num_free:
+            return False
+        for block in computed:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+            request.block_ids.append(block.block_id)
+        for _ in range(max(num_needed, 0)):
+            block = self.free_queue.pop_left()
+            self._evict(block)
+            block.ref_count = 1
+            request.block_ids.append(block.block_id)
+        if self.enable_prefix_caching:
+            # Cache blocks that will be full once this step runs, so requests later in the
+            # same batch can hit them (each layer writes K/V before any attention reads it).
+            self._cache_full_blocks(request, num_tokens)
+        return True
+
+    def _evict(self, block: Block) -> None:
+        if block.hash is not None:
+            if self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+                self._emit("removed", (block.hash,))
+            block.hash = None
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        self._update_hashes(request, num_tokens)
+        stored = []
+        for i in range(num_tokens // self.block_size):
+            block = self.blocks[request.block_ids[i]]
+            if block.hash is not None:
+                continue
+            block.hash = request.block_hashes[i]
+            if block.hash not in self.cached:  # a duplicate keeps serving from the first copy
+                self.cached[block.hash] = block
+                stored.append(block.hash)
+        if stored:
+            first = request.block_hashes.index(stored[0])
+            self._emit("stored", tuple(stored), request.block_hashes[first - 1] if first else None)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (see module docstring)."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_queue.append_left(block)  # holds nothing reusable: reuse first
+                else:
+                    self.free_queue.append(block)
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.free_queue.num_free != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash = None
+        self.cached.clear()
+        self._emit("cleared")
+        return True

@@ -1,0 +1,50 @@
+"""Engine configuration: one validated dataclass built once from user arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What LLM / AsyncEngine take; names follow vLLM's engine arguments."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    record_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown names (a typo must not pass silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=str(model), **kwargs)

@@ -1,0 +1,146 @@
+"""Paged attention: the metadata the runner builds, the per-layer KV storage, the torch backend.
+
+The KV cache of one layer is two tensors `[num_blocks * block_size, num_kv_heads, head_dim]`
+(flat slots: slot = block_id * block_size + offset). Writes go through `slot_mapping`; reads
+gather a sequence's slots through precomputed flat indices, then call SDPA. FP8 storage keeps
+`float8_e4m3fn` and a per-layer scale (x ≈ stored · scale); CPUs cannot do arithmetic on fp8,
+so values are upcast right after the gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_MAX = 448.0
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence with more than one new token in this step (a prompt chunk)."""
+
+    token_start: int  # first row of this sequence's queries in the flat batch
+    num_query_tokens: int
+    context_slots: torch.Tensor  # [context_len] flat slot ids of every token it attends to
+    mask: torch.Tensor | None  # [num_query_tokens, context_len] bool, None when plainly causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about one step's flat token batch (shared by all layers).
+
+    Decode sequences (one new token each) come first: rows [0, num_decode_tokens).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    num_decode_tokens: int
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] flat slot ids (padded with 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool, True = attend
+    prefills: list[PrefillSpan]
+
+
+class KVCache:
+    """Preallocated K and V storage for every layer, in the model dtype or fp8."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """Passed explicitly through the model: the step's metadata and the cache it writes."""
+
+    metadata: AttentionMetadata
+    kv_cache: KVCache
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if cache.dtype == torch.float8_e4m3fn:
+        x = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX)  # saturate: fp8 casts overflow to NaN
+    cache[slots] = x.to(cache.dtype)
+
+
+def _load(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    x = cache[slots]
+    if cache.dtype == torch.float8_e4m3fn:
+        return x.to(torch.float32).mul_(scale).to(dtype)
+    return x
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of one layer over the paged cache (torch backend, the oracle)."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        # Multiply-to-dequantize FP8 KV scales; set by the loader from the checkpoint.
+        self.register_buffer("k_scale", torch.ones(()), persistent=False)
+        self.register_buffer("v_scale", torch.ones(()), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Unit scales until the loader sets calibrated ones (they only matter for fp8 storage)."""
+        device = "cpu" if self.k_scale.is_meta else self.k_scale.device
+        self.k_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.v_scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: ForwardContext | None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KV, D] (post-RoPE) → [T, H·D].
+
+        With ctx None the T tokens are one sequence attended causally with no cache (the
+        calibration and dense-reference path).
+        """
+        num_tokens = q.shape[0]
+        if ctx is None:
+            out = self._sdpa(q, k, v, mask=None, causal=True)
+            return out.reshape(num_tokens, -1)
+        meta, cache = ctx.metadata, ctx.kv_cache
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        _store(k_cache, meta.slot_mapping, k, self.k_scale)
+        _store(v_cache, meta.slot_mapping, v, self.v_scale)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            keys = _load(k_cache, meta.decode_slots, self.k_scale, q.dtype)  # [nd, L, KV, D]
+            values = _load(v_cache, meta.decode_slots, self.v_scale, q.dtype)
+            o = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2),  # [nd, H, 1, D]
+                keys.transpose(1, 2), values.transpose(1, 2),  # [nd, KV, L, D]
+                attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True,
+            )
+            out[:nd] = o.squeeze(2)
+        for span in meta.prefills:
+            rows = slice(span.token_start, span.token_start + span.num_query_tokens)
+            keys = _load(k_cache, span.context_slots, self.k_scale, q.dtype)  # [L, KV, D]
+            values = _load(v_cache, span.context_slots, self.v_scale, q.dtype)
+            out[rows] = self._sdpa(q[rows], keys, values, mask=span.mask, causal=span.mask is None)
+        return out.reshape(num_tokens, -1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """One sequence: q [Tq, H, D], k/v [Tk, KV, D] → [Tq, H, D]."""
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,67 @@
+"""Rotary position embedding (HF "rotate half" layout), with Llama 3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 long-context scaling: slow down low frequencies, keep high ones, blend between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3", None):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+        self.rope_type = rope_type
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the tables on the CPU; called again after meta-device construction."""
+        device = "cpu" if self.cos.is_meta else self.cos.device
+        dims = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (self.theta ** (dims / self.head_dim))
+        if self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
+        elif self.rope_type == "linear":
+            inv_freq = inv_freq / self.scaling["factor"]
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
+        # [max_positions, head_dim]: the two halves repeat so rotate_half needs no re-indexing
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim] → rotated, same shapes."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

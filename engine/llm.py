@@ -1,0 +1,70 @@
+"""Offline batch inference in vLLM's shape: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Loads a model folder once; generates for many prompts with continuous batching."""
+
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; a bad prompt raises before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(None, prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        batch = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(m, add_generation_prompt) for m in batch]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()

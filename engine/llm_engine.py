@@ -1,0 +1,253 @@
+"""The synchronous engine: requests in, one scheduled forward per `step()`, outputs out."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.layers.attention import KVCache
+from engine.loader import load_model
+from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Request, RequestStatus
+from engine.tokenizer import load_tokenizer
+
+
+@dataclass(slots=True)
+class _SequenceState:
+    """One of a request's n sequences: the scheduler's Request plus its decoded text."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[LogprobsDict] | None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_SequenceState]
+    prompt_logprobs: list[LogprobsDict | None] | None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def to_output(self) -> RequestOutput:
+        outputs = [
+            CompletionOutput(i, s.detok.text, list(s.request.output_token_ids),
+                             list(s.logprobs) if s.logprobs is not None else None,
+                             s.finish_reason, s.request.stop_reason)
+            for i, s in enumerate(self.sequences)
+        ]
+        cached = max(self.sequences[0].request.num_cached_tokens, 0)
+        prompt_lp = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             self.finished, prompt_lp, cached)
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler and the runner."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model, self.hf_config = load_model(config.model, config.dtype, config.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        args = self.model.args
+        self.max_model_len = min(config.max_model_len or args.max_position_embeddings,
+                                 args.max_position_embeddings)
+        kv_dtype = self._kv_dtype()
+        num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(kv_dtype)
+        self.kv_cache = KVCache(args.num_layers, num_blocks * config.block_size, args.num_kv_heads,
+                                args.head_dim, kv_dtype, config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          record_events=config.record_kv_events)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, _RequestState] = {}
+        self._seq_owner: dict[str, _RequestState] = {}  # sequence id → its request
+        self._counter = itertools.count()
+        self.num_generation_tokens = 0
+        self.num_prompt_tokens_computed = 0
+
+    def _kv_dtype(self) -> torch.dtype:
+        if self.config.kv_cache_dtype == "auto":
+            return next(self.model.parameters()).dtype
+        if not getattr(self.model, "kv_scales_loaded", False):
+            raise ValueError(
+                f"kv_cache_dtype={self.config.kv_cache_dtype} needs calibrated k/v scales in the checkpoint; "
+                "make one with `quantize MODEL --calib data.jsonl --kv-cache fp8 ...`")
+        return torch.float8_e4m3fn
+
+    def _num_blocks_for_memory(self, kv_dtype: torch.dtype) -> int:
+        args = self.model.args
+        per_slot = KVCache.bytes_per_slot(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            if self.config.device.startswith("cuda"):
+                free, _ = torch.cuda.mem_get_info()
+                budget = int(free * 0.9)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // (per_slot * self.config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold one block of {self.config.block_size} tokens")
+        return int(num_blocks)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = set()
+        gen_eos = self.hf_config.get("eos_token_id")
+        for value in (gen_eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(value)
+        return sorted(ids)
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.model.args.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.model.args.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> str:
+        """Validate and queue a request; every foreseeable mistake is a ValueError here, not later."""
+        request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize_prompt(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len")
+        blocks_needed = -(-len(prompt_ids) // self.config.block_size)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(f"the prompt needs {blocks_needed} KV blocks but the cache has "
+                             f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes")
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        seq_params = dataclasses.replace(params, stop_token_ids=stop_ids)
+        sequences = []
+        for i in range(params.n):
+            p = seq_params if params.seed is None or i == 0 else dataclasses.replace(seq_params, seed=params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            sequences.append(_SequenceState(Request(seq_id, prompt_ids, p),
+                                            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                                            [] if params.logprobs is not None else None))
+        prompt_lp = [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
+        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
+                              sequences, prompt_lp)
+        self.requests[request_id] = state
+        for seq in sequences:
+            self._seq_owner[seq.request.request_id] = state
+            self.scheduler.add_request(seq.request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request now and free its KV blocks; False if it is unknown or already done."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.sequences:
+            self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
+            self._release(seq.request.request_id)
+        return True
+
+    def _release(self, seq_id: str) -> None:
+        self._seq_owner.pop(seq_id, None)
+        self.runner.release(seq_id)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, update; returns outputs of requests that changed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        self.scheduler.update_from_output(out, result.sampled)
+        return self._process(out, result)
+
+    def _process(self, out, result) -> list[RequestOutput]:
+        touched: dict[str, _RequestState] = {}
+        for chunk in out.chunks:
+            req = chunk.request
+            state = self._seq_owner.get(req.request_id)
+            if state is None:
+                continue
+            self.num_prompt_tokens_computed += max(0, min(chunk.start + chunk.num_tokens, req.num_prompt_tokens)
+                                                   - chunk.start)
+            if req.request_id in result.prompt_logprobs:
+                first, entries = result.prompt_logprobs[req.request_id]
+                if state.prompt_logprobs is not None and req is state.sequences[0].request:
+                    state.prompt_logprobs[first:first + len(entries)] = entries
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            self.num_generation_tokens += 1
+            seq = next(s for s in state.sequences if s.request is req)
+            if seq.logprobs is not None:
+                seq.logprobs.append(result.logprobs[req.request_id])
+            self._append_text(seq, token)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            output = state.to_output()
+            outputs.append(output)
+            if output.finished:
+                del self.requests[state.request_id]
+                for seq in state.sequences:
+                    self._release(seq.request.request_id)
+        return outputs
+
+    def _append_text(self, seq: _SequenceState, token: int) -> None:
+        req = seq.request
+        new_text = seq.detok.append(token)
+        stops = req.params.stop
+        if stops and new_text and not req.status.is_finished:
+            hit = find_stop(seq.detok.text, len(new_text), stops)
+            if hit is not None:
+                idx, stop = hit
+                seq.detok.text = seq.detok.text[: idx + len(stop) if req.params.include_stop_str_in_output else idx]
+                req.stop_reason = stop
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        if req.status.is_finished:
+            seq.finish_reason = "length" if req.status == RequestStatus.FINISHED_LENGTH else "stop"
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=bm.num_blocks,
+            num_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            num_blocks_cached=bm.num_cached_free_blocks,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens_computed,
+            num_generation_tokens=self.num_generation_tokens,
+        )

@@ -1,0 +1,164 @@
+"""Load an HF safetensors folder into our model: meta-device construction, then one pass over tensors."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models.llama import LlamaArgs, LlamaForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+_KV_SCALE_NAMES = {"k_scale": "k_scale", "v_scale": "v_scale"}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when oneDNN reports bf16 instructions (AVX512-BF16 / AMX); False on AVX2-only CPUs."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """`auto` is float32 on CPUs (bf16 matmuls are several times slower on AVX2), bf16 on GPUs."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def read_config(model_dir: str | Path) -> dict:
+    """config.json of an HF folder, with errors that say what to do."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"model folder not found: {model_dir} "
+                         "(import the default model with `driftgate import-model smollm2-135m`)")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json; is it a Hugging Face model folder?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors weights")
+    return files
+
+
+def _route(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int, str] | None:
+    """Checkpoint tensor name → (our module path, shard index, tensor suffix) for Linear tensors."""
+    parts = name.split(".")
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] in packed:
+            fused, shard = packed[parts[i]]
+            return ".".join(parts[:i] + [fused]), shard, ".".join(parts[i + 1:])
+        if parts[i] in ("o_proj", "down_proj", "lm_head"):
+            return ".".join(parts[: i + 1]), 0, ".".join(parts[i + 1:])
+    return None
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               ) -> tuple[LlamaForCausalLM, dict]:
+    """Build the model for `model_dir` and fill it from its safetensors; returns (model, hf_config)."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    args = LlamaArgs.from_hf_config(config)
+    torch_dtype = resolve_dtype(dtype, device)
+    quant_config = None
+    if config.get("quantization_config"):
+        from quant.config import QuantizationConfig
+
+        quant_config = QuantizationConfig.from_dict(config["quantization_config"])
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args, quant_config, torch_dtype)
+    model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    kv_scales: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_dir):
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"cannot read {path}: {e}") from e
+        with handle as f:
+            shards: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
+            for name in f.keys():
+                if name.endswith(_SKIPPED_SUFFIXES):
+                    continue
+                leaf = name.rsplit(".", 1)[-1]
+                if name.rsplit(".", 2)[-2:-1] == ["self_attn"] and leaf in _KV_SCALE_NAMES:
+                    kv_scales[name] = f.get_tensor(name)
+                    continue
+                routed = _route(name, model.packed_modules)
+                if routed is not None and routed[0] in modules:
+                    module_path, shard, suffix = routed
+                    shards[(module_path, shard)][suffix] = f.get_tensor(name)
+                elif name in params:
+                    _copy_param(params[name], f.get_tensor(name), name)
+                    loaded.add(name)
+                elif name == "lm_head.weight" and args.tie_word_embeddings:
+                    continue  # tied: the embedding serves as the output projection
+                elif name.endswith(("k_zero_point", "v_zero_point", "q_zero_point", "q_scale")):
+                    continue  # symmetric fp8 KV needs no zero points; q_scale is for FP8 attention only
+                else:
+                    raise ValueError(f"{path.name}: tensor {name!r} does not belong to {args.architecture}")
+            for (module_path, shard), tensors in shards.items():
+                try:
+                    modules[module_path].load_shard(shard, tensors)
+                except ValueError as e:
+                    raise ValueError(f"{path.name}: {module_path} shard {shard}: {e}") from e
+
+    for name, module in modules.items():
+        if hasattr(module, "finalize"):
+            try:
+                module.finalize()
+            except ValueError as e:
+                raise ValueError(f"{model_dir}: missing or bad tensors for {name}: {e}") from e
+            loaded.update(f"{name}.{p}" for p, _ in module.named_parameters())
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    _set_kv_scales(model, kv_scales)
+    model.kv_scales_loaded = bool(kv_scales)
+    model.eval()
+    return model, config
+
+
+def _copy_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _set_kv_scales(model: LlamaForCausalLM, kv_scales: dict[str, torch.Tensor]) -> None:
+    """Put checkpoint k/v scales on each layer's Attention (validated when fp8 KV is requested)."""
+    for name, value in kv_scales.items():
+        layer_idx = int(name.split(".")[2])
+        attn = model.model.layers[layer_idx].self_attn.attn
+        value = value.detach().float()
+        # per-tensor → scalar; per-head [KV, 1, 1] → [KV, 1], broadcasting over [T, KV, D]
+        value = value.reshape(()) if value.numel() == 1 else value.reshape(-1, 1)
+        setattr(attn, _KV_SCALE_NAMES[name.rsplit(".", 1)[-1]], value)

@@ -1,0 +1,179 @@
+"""The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings).
+
+    x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
+
+Attention is grouped-query (num_kv_heads ≤ num_heads) with rotary positions; the MLP is
+SwiGLU, down(silu(gate(x)) · up(x)). q/k/v and gate/up are fused into one Linear each; the
+loader fills them from the checkpoint's separate tensors through `packed_modules`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import Attention, ForwardContext
+from engine.layers.linear import make_linear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArgs:
+    """The hyper-parameters this file reads from an HF config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> LlamaArgs:
+        archs = config.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; driftgate serves "
+                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        heads = config["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int, prefix: str, quant_config, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = make_linear(
+            args.hidden_size, [q_size, kv_size, kv_size], bias=args.attention_bias,
+            prefixes=[f"{prefix}.{n}_proj" for n in "qkv"], quant_config=quant_config, dtype=dtype)
+        self.o_proj = make_linear(q_size, [args.hidden_size], bias=False, prefixes=[f"{prefix}.o_proj"],
+                                  quant_config=quant_config, dtype=dtype)
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta,
+                                      args.rope_scaling)
+        self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim)
+        self.split = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs, prefix: str, quant_config, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = make_linear(
+            args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias,
+            prefixes=[f"{prefix}.gate_proj", f"{prefix}.up_proj"], quant_config=quant_config, dtype=dtype)
+        self.down_proj = make_linear(args.intermediate_size, [args.hidden_size], bias=args.mlp_bias,
+                                     prefixes=[f"{prefix}.down_proj"], quant_config=quant_config, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int, quant_config, dtype: torch.dtype):
+        super().__init__()
+        prefix = f"model.layers.{layer_idx}"
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(args, layer_idx, f"{prefix}.self_attn", quant_config, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(args, f"{prefix}.mlp", quant_config, dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (hidden, residual); the block's output is their sum (norms fuse the add)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs, quant_config, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext | None = None) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, positions, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat-batch model: tokens of every sequence in one [T] tensor; logits only where asked."""
+
+    # checkpoint sub-module name → (fused module name, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, args: LlamaArgs, quant_config=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, quant_config, dtype)
+        if args.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = make_linear(args.hidden_size, [args.vocab_size], bias=False, prefixes=["lm_head"],
+                                       quant_config=quant_config, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → fp32 logits [N, vocab]."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

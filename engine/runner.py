@@ -1,0 +1,125 @@
+"""The only place that builds tensors: one flat forward per step for mixed prefill + decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.attention import AttentionMetadata, ForwardContext, KVCache, PrefillSpan
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import LogprobsDict
+from engine.sampler import SamplingRow, prompt_logprobs, sample
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: dict[str, int]  # request id → next token (only chunks that complete their sequence)
+    logprobs: dict[str, LogprobsDict]
+    # request id → (index of the first prompt token covered, entries), for prompt_logprobs requests
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsDict]]]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, seed: int = 0):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat cache slots of token positions [start, end) of one request."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def build_metadata(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """chunks must have the single-token ones first. → (input_ids, positions, metadata)."""
+        bs = self.block_size
+        input_ids, positions = [], []
+        for c in chunks:
+            input_ids.extend(c.request.all_token_ids[c.start:c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long)
+        positions_t = torch.tensor(positions, dtype=torch.long)
+
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        nd = len(decodes)
+        decode_slots = decode_mask = None
+        slot_parts = []
+        if nd:
+            context_lens = torch.tensor([c.start + 1 for c in decodes])
+            max_blocks = max(len(c.request.block_ids) for c in decodes)
+            tables = torch.zeros(nd, max_blocks, dtype=torch.long)
+            for i, c in enumerate(decodes):
+                tables[i, :len(c.request.block_ids)] = torch.tensor(c.request.block_ids)
+            max_len = int(context_lens.max())
+            pos = torch.arange(max_len)
+            decode_slots = tables[:, pos // bs] * bs + pos % bs  # [nd, max_len]
+            decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+            slot_parts.append(decode_slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
+        prefills = []
+        row = nd
+        for c in chunks[nd:]:
+            end = c.start + c.num_tokens
+            context = self._slots(c.request.block_ids, 0, end)
+            slot_parts.append(context[c.start:])
+            mask = None
+            if c.start:  # queries sit at the end of the context: query i sees keys ≤ start + i
+                q_pos = torch.arange(c.start, end).unsqueeze(1)
+                mask = torch.arange(end).unsqueeze(0) <= q_pos
+            prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
+            row += c.num_tokens
+        meta = AttentionMetadata(torch.cat(slot_parts), nd, decode_slots, decode_mask, prefills)
+        return input_ids_t, positions_t, meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
+        input_ids, positions, meta = self.build_metadata(chunks)
+        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_cache))
+
+        # Rows whose logits are needed: the last row of completing chunks, plus every prompt row
+        # of requests that asked for prompt logprobs.
+        sample_rows, rows, prompt_spans = [], [], []
+        offset = 0
+        for c in chunks:
+            request = c.request
+            if request.params.prompt_logprobs is not None and c.start < request.num_prompt_tokens - 1:
+                # logits at position p score prompt token p + 1
+                last = min(c.start + c.num_tokens, request.num_prompt_tokens - 1)
+                prompt_spans.append((c, offset, last - c.start))
+            if c.completes_sequence:
+                sample_rows.append(offset + c.num_tokens - 1)
+                rows.append(self._sampling_row(request))
+            offset += c.num_tokens
+
+        result = StepResult({}, {}, {})
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens, logprobs = sample(logits, rows, self.generator)
+            done = [c for c in chunks if c.completes_sequence]
+            for c, tok, lp in zip(done, tokens, logprobs, strict=True):
+                result.sampled[c.request.request_id] = tok
+                if lp is not None:
+                    result.logprobs[c.request.request_id] = lp
+        for c, row_start, count in prompt_spans:
+            logits = self.model.compute_logits(hidden[row_start:row_start + count])
+            targets = c.request.all_token_ids[c.start + 1:c.start + 1 + count]
+            entries = prompt_logprobs(logits, targets, c.request.params.prompt_logprobs)
+            result.prompt_logprobs[c.request.request_id] = (c.start + 1, entries)
+        return result
+
+    def _sampling_row(self, request) -> SamplingRow:
+        gen = None
+        if request.params.seed is not None and not request.params.is_greedy:
+            gen = self.request_generators.get(request.request_id)
+            if gen is None:
+                gen = torch.Generator().manual_seed(request.params.seed)
+                self.request_generators[request.request_id] = gen
+        return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen)
+
+    def release(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)

@@ -1,0 +1,107 @@
+"""Turn next-token logits into tokens, per request: penalties, greedy or filtered sampling, logprobs.
+
+Logprobs are reported from the raw model distribution (before penalties and temperature), as
+vLLM does by default: they describe the model, which is what the evals compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import LogprobsDict
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of logits to sample from and what the request asks for."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # seeded per request; None → the engine's generator
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over output tokens; repetition penalty over all tokens."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.presence_penalty or p.frequency_penalty:
+            if row.output_token_ids:
+                ids, counts = torch.tensor(row.output_token_ids).unique(return_counts=True)
+                logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
+            seen = logits[i, ids]
+            logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+    return logits
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside top-k / the top-p nucleus / below min_p · max prob (rows in parallel)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+           ) -> tuple[list[int], list[LogprobsDict | None]]:
+    """logits [N, vocab] fp32 → one token id per row, and top-n logprobs where asked."""
+    logprobs_out: list[LogprobsDict | None] = [None] * len(rows)
+    want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+
+    if any(r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
+           for r in rows):
+        logits = apply_penalties(logits.clone(), rows)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if random_rows:
+        sub = logits[random_rows]
+        params = [rows[i].params for i in random_rows]
+        sub = sub / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            sub = _filter(sub, torch.tensor([p.top_k for p in params]),
+                          torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+        probs = sub.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a CPU sync per row.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=rows[i].generator or generator)
+        tokens[random_rows] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+
+    for j, i in enumerate(want_logprobs):
+        row_lp = raw_logprobs[j]
+        entry = {token_list[i]: row_lp[token_list[i]].item()}
+        n = rows[i].params.logprobs
+        if n:
+            values, ids = row_lp.topk(n)
+            entry.update(zip(ids.tolist(), values.tolist(), strict=True))
+        logprobs_out[i] = entry
+    return token_list, logprobs_out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) -> list[LogprobsDict]:
+    """logits [T, vocab] at prompt positions; entry t holds the logprob of next_tokens[t] (+ top-n)."""
+    lp = logits.log_softmax(dim=-1)
+    ids = torch.tensor(next_tokens)
+    actual = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    result = [{tok: val} for tok, val in zip(next_tokens, actual, strict=True)]
+    if top_n:
+        values, top_ids = lp.topk(top_n, dim=-1)
+        for entry, vs, ts in zip(result, values.tolist(), top_ids.tolist(), strict=True):
+            for t, v in zip(ts, vs, strict=True):
+                entry.setdefault(t, v)
+    return result

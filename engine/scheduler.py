@@ -1,0 +1,157 @@
+"""One token budget per step, no phases (vLLM v1's policy at nano-vllm size; no torch).
+
+Each step: running requests first (decodes and unfinished prompt chunks), in arrival order,
+each taking the tokens it still lacks up to the remaining budget; then, if nothing was
+preempted, waiting requests in order, their prompts chunked to fit. When a running request
+cannot get a block, the newest running request is preempted by recompute: its blocks are
+freed (their hashes stay cached) and it goes to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at its `start` (= computed count before the step)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """The chunk reaches the last known token, so the step samples a next token for it."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            # prompt logprobs need logits at every prompt position, so such a request computes all
+            hits = [] if request.params.prompt_logprobs is not None else \
+                self.block_manager.get_computed_blocks(request)
+            num_hit = len(hits) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.block_manager.allocate(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:  # count each request's prompt once, not on resume
+                request.num_cached_tokens = num_hit
+                self.prefix_queries += request.num_tokens
+                self.prefix_hits += num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_hit, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what hit EOS/stop ids/length."""
+        finished = []
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Finish (or abort) a request wherever it is; its blocks are freed at once."""
+        if request.status.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status

@@ -1,0 +1,15 @@
+"""Tokenizer loading (HF fast tokenizers from the model folder, never from the hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(path: str | Path):
+    """The folder's tokenizer, loaded offline; a clear error when it has none."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise ValueError(f"{path} has no tokenizer.json / tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

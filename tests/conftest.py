@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random models (built once per session) and the real default model if imported."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_model_dir
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    from engine.model_import import default_model_dir, is_imported
+
+    path = default_model_dir()
+    if not is_imported(path):
+        pytest.skip(f"the default model is not imported at {path}; run `make model` first")
+    return path

@@ -1,0 +1,82 @@
+"""Exactness on a tiny random model: our greedy tokens and logprobs equal HF transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from tests.oracle import assert_matches_hf, hf_greedy
+
+MAX_NEW = 24
+SHARED = [5, 9, 17, 33, 65, 129, 200, 7] * 3  # 24 shared tokens: prefix-cache hits across prompts
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (5, 17, 33, 40)]
+    prompts += [SHARED + torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 9, 16, 30)]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return {i: hf_greedy(model, p, MAX_NEW) for i, p in enumerate(_prompts())}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+
+CONFIGS = {
+    "one-batch": {},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "chunked-prefill": {"max_num_batched_tokens": 7},
+    "block-size-1": {"block_size": 1},
+    "preemption": {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 64},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_tokens_equal_hf(tiny_model_dir, hf_reference, name):
+    llm = LLM(str(tiny_model_dir), dtype="float32", **CONFIGS[name])
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    ties = []
+    for i, out in enumerate(outs):
+        theirs, their_lp = hf_reference[i]
+        tie = assert_matches_hf(out.outputs[0].token_ids, out.outputs[0].logprobs, theirs, their_lp, f"{name}/{i}")
+        if tie:
+            ties.append(tie)
+    print("\n".join(ties))
+    stats = llm.stats()
+    assert stats.num_blocks_used == 0, "every block must be released once requests finish"
+    if name == "preemption":
+        assert stats.num_preemptions > 0, "the tiny cache was meant to force preemption"
+    if name == "one-batch":
+        assert stats.prefix_cache_hits >= 3 * 16, "prompts sharing 24 tokens should hit the cache"
+
+
+def test_one_prompt_at_a_time_equals_hf(tiny_model_dir, hf_reference):
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    for i, prompt in enumerate(_prompts()[:3]):
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        theirs, their_lp = hf_reference[i]
+        assert_matches_hf(out.outputs[0].token_ids, out.outputs[0].logprobs, theirs, their_lp, f"single/{i}")
+
+
+@pytest.mark.parametrize("chunk", [2048, 5])
+def test_prompt_logprobs_equal_hf_log_softmax(tiny_model_dir, chunk):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=chunk)
+    prompts = _prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(prompt)
+        for t in range(1, len(prompt)):
+            entry = out.prompt_logprobs[t]
+            assert abs(entry[prompt[t]] - ref[t - 1, prompt[t]].item()) < 1e-4
+            top = ref[t - 1].topk(3).indices.tolist()
+            assert set(top) <= set(entry)
