@@ -1,0 +1,43 @@
+"""FP8 (float8_e4m3fn) quantize / dequantize with multiply-to-dequantize scales.
+
+PyTorch's cast to float8 does not saturate (out-of-range becomes NaN), so every quantize
+clamps to ±448 first, as compressed-tensors and vLLM's kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_EPS = torch.finfo(torch.float32).eps
+
+
+def fp8_scale(x: torch.Tensor, strategy: str) -> torch.Tensor:
+    """absmax / 448 over the whole tensor ([1]) or per row (channel/token: [rows, 1]), fp32.
+
+    Rows are the last-dim slices; zero rows get a tiny scale instead of 0 so division stays finite.
+    """
+    a = x.detach().abs().float()
+    if strategy == "tensor":
+        amax = a.amax().reshape(1)
+    elif strategy in ("channel", "token"):
+        amax = a.amax(-1, keepdim=True)
+    else:
+        raise ValueError(f"fp8 scales support tensor/channel/token, got {strategy!r}")
+    return (amax / FP8_MAX).clamp(min=_EPS)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Saturating cast of ``x / scale`` to float8_e4m3fn (scale broadcasts over x)."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x8 · scale`` in ``dtype`` (computed in fp32)."""
+    return (x8.float() * scale.float()).to(dtype)
+
+
+def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Round-trip through FP8 in x's dtype: what an FP8 kernel sees of ``x``."""
+    return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)

@@ -1,0 +1,459 @@
+"""Quantized Linear modules, one per scheme family, speaking the engine's Linear protocol.
+
+Protocol (see ``engine/layers/linear.py``): ``load_shard(shard_id, tensors)`` takes the
+checkpoint tensors of one HF Linear keyed by suffix and validates them; ``finalize()`` merges
+fused shards (q/k/v, gate/up) into one canonical set of tensors and prepares the kernel for
+the device; ``forward`` runs the fast kernel; ``reference_forward`` is the dequantize-then-matmul
+oracle every kernel is tested against.
+
+Canonical tensors after ``finalize`` (fused shards concatenated along output rows):
+per-tensor shard scales become a per-row vector, which represents them exactly, so one kernel
+covers every shard layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale
+from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
+from quant.schemes import QuantScheme
+
+_EPS = torch.finfo(torch.float32).eps
+_INT4PACK_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4pack kernels accept
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+class QuantLinearBase(nn.Module):
+    """Shared shard bookkeeping: tensor-name checks, bias rows, staging until ``finalize``."""
+
+    def __init__(self, scheme: QuantScheme, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.scheme = scheme
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.output_size = sum(output_sizes)
+        self.dtype = dtype
+        # The device the model is being built on (honours ``with torch.device(...)``).
+        self._device = torch.empty(0).device
+        self.bias = nn.Parameter(torch.zeros(self.output_size, dtype=dtype), requires_grad=False) if bias else None
+        self._staged: dict[int, dict[str, torch.Tensor]] = {}
+        self._finalized = False
+
+    def expected_tensors(self) -> tuple[set[str], set[str]]:
+        """(required, optional) checkpoint suffixes of one shard, bias excluded."""
+        raise NotImplementedError
+
+    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Validate one shard's tensors and return them in canonical form for ``_build``."""
+        raise NotImplementedError
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        """Merge canonical shard tensors into buffers and prepare the kernel."""
+        raise NotImplementedError
+
+    def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        if self._finalized:
+            raise ValueError("load_shard after finalize")
+        if not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard {shard_id} out of range for {len(self.output_sizes)} shard(s)")
+        if shard_id in self._staged:
+            raise ValueError(f"shard {shard_id} loaded twice")
+        required, optional = self.expected_tensors()
+        names = set(tensors) - {"bias"}
+        unknown, missing = names - required - optional, required - names
+        if unknown:
+            raise ValueError(f"shard {shard_id}: unexpected tensors {sorted(unknown)} for scheme {self.scheme}")
+        if missing:
+            raise ValueError(f"shard {shard_id}: missing tensors {sorted(missing)} for scheme {self.scheme}")
+        rows = self.output_sizes[shard_id]
+        if "bias" in tensors:
+            if self.bias is None:
+                raise ValueError(f"shard {shard_id} 'bias': checkpoint has a bias for a Linear built without one")
+            if _shape(tensors["bias"]) != (rows,):
+                raise ValueError(f"shard {shard_id} 'bias': shape {_shape(tensors['bias'])} != ({rows},)")
+            start = sum(self.output_sizes[:shard_id])
+            self.bias.data[start : start + rows].copy_(tensors["bias"])
+        staged = {k: v for k, v in tensors.items() if k != "bias"}
+        self._staged[shard_id] = self._read_shard(f"shard {shard_id}", rows, staged)
+
+    def finalize(self) -> None:
+        missing = set(range(len(self.output_sizes))) - set(self._staged)
+        if missing:
+            raise ValueError(f"shards {sorted(missing)} were never loaded")
+        shards = [{k: v.to(self._device) for k, v in self._staged[i].items()} for i in range(len(self.output_sizes))]
+        self._build(shards)
+        self._staged = {}
+        self._finalized = True
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}, kernel={getattr(self, 'kernel', None)}"
+
+
+# ---------------------------------------------------------------- shard tensor checks
+
+
+def _check(where: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    if _shape(t) != shape:
+        raise ValueError(f"{where} '{name}': shape {_shape(t)} != expected {shape}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{where} '{name}': dtype {t.dtype} not in {[str(d) for d in dtypes]}")
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _read_scale(where: str, t: torch.Tensor, rows: int, n_groups: int, strategy: str) -> torch.Tensor:
+    """A weight scale of any strategy as fp32 [rows, n_groups]."""
+    name = "weight_scale"
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{where} '{name}': dtype {t.dtype} is not a float scale")
+    if strategy == "tensor":
+        if t.numel() != 1 or t.dim() > 1:
+            raise ValueError(f"{where} '{name}': per-tensor scale must have shape [1] or [], got {_shape(t)}")
+        scale = t.float().reshape(1, 1).expand(rows, 1)
+    elif strategy == "channel":
+        if _shape(t) not in ((rows, 1), (rows,)):
+            raise ValueError(f"{where} '{name}': per-channel scale shape {_shape(t)} != ({rows}, 1)")
+        scale = t.float().reshape(rows, 1)
+    else:
+        _check(where, name, t, (rows, n_groups), _FLOATS)
+        scale = t.float()
+    if not torch.isfinite(scale).all() or (scale <= 0).any():
+        raise ValueError(f"{where} '{name}': scales must be finite and positive")
+    return scale.contiguous()
+
+
+def _read_int_weight(where: str, scheme: QuantScheme, rows: int, cols: int, tensors: dict) -> dict[str, torch.Tensor]:
+    """int8 values [rows, cols], fp32 scale [rows, G], int8 zero point [rows, G] | None, g_idx [cols] | None."""
+    w = scheme.weights
+    n_groups = num_groups(cols, w.group_size)
+    qmin, qmax = int_range(w.num_bits)
+    if scheme.format == "pack-quantized":
+        _check(where, "weight_shape", tensors["weight_shape"], (2,), (torch.int64, torch.int32))
+        if tensors["weight_shape"].tolist() != [rows, cols]:
+            raise ValueError(f"{where} 'weight_shape': {tensors['weight_shape'].tolist()} != [{rows}, {cols}]")
+        words = -(-cols * w.num_bits // 32)
+        _check(where, "weight_packed", tensors["weight_packed"], (rows, words), (torch.int32,))
+        q = unpack_int32(tensors["weight_packed"], w.num_bits, (rows, cols))
+    else:
+        _check(where, "weight", tensors["weight"], (rows, cols), (torch.int8,))
+        q = tensors["weight"]
+        if w.num_bits < 8 and (q.min() < qmin or q.max() > qmax):
+            raise ValueError(f"{where} 'weight': values outside [{qmin}, {qmax}] for int{w.num_bits}")
+    out = {"q": q, "scale": _read_scale(where, tensors["weight_scale"], rows, n_groups, w.strategy)}
+    if not w.symmetric:
+        zp = tensors["weight_zero_point"]
+        if scheme.format == "pack-quantized" and w.strategy in ("group", "channel"):
+            zp_words = -(-rows * w.num_bits // 32)
+            _check(where, "weight_zero_point", zp, (zp_words, n_groups), (torch.int32,))
+            zp = unpack_int32(zp, w.num_bits, (rows, n_groups), dim=0)
+        elif w.strategy == "tensor":
+            if zp.numel() != 1:
+                raise ValueError(f"{where} 'weight_zero_point': per-tensor zero point must have one element")
+            zp = zp.reshape(1, 1).expand(rows, 1)
+        else:
+            _check(where, "weight_zero_point", zp, (rows, n_groups), (torch.int8,))
+        zp = zp.to(torch.int8)
+        if zp.min() < qmin or zp.max() > qmax:
+            raise ValueError(f"{where} 'weight_zero_point': values outside [{qmin}, {qmax}]")
+        out["zero_point"] = zp.contiguous()
+    if "weight_g_idx" in tensors:
+        g_idx = tensors["weight_g_idx"]
+        _check(where, "weight_g_idx", g_idx, (cols,), (torch.int32, torch.int64))
+        if g_idx.min() < 0 or g_idx.max() >= n_groups:
+            raise ValueError(f"{where} 'weight_g_idx': group indices outside [0, {n_groups})")
+        out["g_idx"] = g_idx.long()
+    return out
+
+
+def _int_weight_names(scheme: QuantScheme) -> tuple[set[str], set[str]]:
+    w = scheme.weights
+    required = {"weight_packed", "weight_shape"} if scheme.format == "pack-quantized" else {"weight"}
+    required.add("weight_scale")
+    if not w.symmetric:
+        required.add("weight_zero_point")
+    if w.actorder == "group":
+        required.add("weight_g_idx")
+    optional = {"weight_g_idx"} if w.strategy == "group" else set()
+    return required, optional
+
+
+def _merge_int_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor | None]:
+    g_idx = shards[0].get("g_idx")
+    for s in shards[1:]:
+        other = s.get("g_idx")
+        if (g_idx is None) != (other is None) or (g_idx is not None and not torch.equal(g_idx, other)):
+            # Fused shards share one input, so their activation order must agree (vLLM assumes it too).
+            raise ValueError("fused shards have different weight_g_idx")
+    has_zp = "zero_point" in shards[0]
+    return {
+        "q": torch.cat([s["q"] for s in shards]),
+        "scale": torch.cat([s["scale"] for s in shards]),
+        "zero_point": torch.cat([s["zero_point"] for s in shards]) if has_zp else None,
+        "g_idx": g_idx,
+    }
+
+
+# ---------------------------------------------------------------- FP8 W8A8 / W8A16
+
+
+class Fp8Linear(QuantLinearBase):
+    """FP8 weights (per-tensor or per-channel scale), optional FP8 input activations.
+
+    Input activations are dynamic per token, dynamic per tensor, or static per tensor
+    (``input_scale``; fused shards use the max, as vLLM does).
+
+    Kernels: CUDA runs ``torch._scaled_mm`` with row-wise scales (needs sm89+, in and out
+    multiples of 16). CPU dequantizes the weight once at ``finalize`` (FP8 matmul is 6-48x slower
+    than fp32 on our CPUs) but still rounds activations through FP8, so served numerics match an
+    FP8 GPU kernel up to accumulation order.
+    """
+
+    def expected_tensors(self) -> tuple[set[str], set[str]]:
+        acts = self.scheme.input_activations
+        required = {"weight", "weight_scale"}
+        if acts is not None and not acts.dynamic:
+            required.add("input_scale")
+        return required, set()
+
+    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        _check(where, "weight", tensors["weight"], (rows, self.input_size), (FP8_DTYPE,))
+        out = {
+            "weight": tensors["weight"],
+            "scale": _read_scale(where, tensors["weight_scale"], rows, 1, self.scheme.weights.strategy),
+        }
+        if "input_scale" in tensors:
+            s = tensors["input_scale"]
+            if s.numel() != 1 or s.dim() > 1 or s.dtype not in _FLOATS:
+                raise ValueError(f"{where} 'input_scale': expected one float, got {s.dtype} {_shape(s)}")
+            if not torch.isfinite(s).all() or s.item() <= 0:
+                raise ValueError(f"{where} 'input_scale': {s.item()} is not a positive finite scale")
+            out["input_scale"] = s.float().reshape(1)
+        return out
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        self.register_buffer("weight", torch.cat([s["weight"] for s in shards]), persistent=False)  # [out, in] fp8
+        self.register_buffer("weight_scale", torch.cat([s["scale"] for s in shards]), persistent=False)  # [out, 1]
+        input_scale = torch.stack([s["input_scale"] for s in shards]).amax().reshape(1) if "input_scale" in shards[0] else None
+        self.register_buffer("input_scale", input_scale, persistent=False)  # [1] | None
+        dims_ok = self.input_size % 16 == 0 and self.output_size % 16 == 0
+        if self.weight.is_cuda and self.scheme.input_activations is not None and dims_ok:
+            self.kernel = "scaled_mm"
+        else:
+            self.kernel = "dense"
+            self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale).to(dtype)  # [out, in]
+
+    def _act_scale(self, x2d: torch.Tensor) -> torch.Tensor:
+        acts = self.scheme.input_activations
+        if not acts.dynamic:
+            return self.input_scale
+        return fp8_scale(x2d, acts.strategy)  # token: [M, 1]; tensor: [1]
+
+    def _quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.scheme.input_activations is None:
+            return x2d
+        return fake_quantize_fp8(x2d, self._act_scale(x2d))
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.input_size).float()
+        y = F.linear(self._quantize_input(x2d), self.dequantized_weight())
+        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.input_size)
+        if self.kernel == "scaled_mm" and x.is_cuda:
+            sx = self._act_scale(x2d).float().expand(x2d.shape[0], 1).contiguous()  # [M, 1]
+            x8 = (x2d.float() / sx).clamp(-448.0, 448.0).to(FP8_DTYPE)
+            # mat2 must be column-major: weight is [out, in] row-major, so its transpose is.
+            y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(), out_dtype=x.dtype)
+        else:
+            y = F.linear(self._quantize_input(x2d).to(self.weight_dense.dtype), self.weight_dense)
+        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+
+# ---------------------------------------------------------------- INT4 / INT8 weight-only
+
+
+class WeightOnlyIntLinear(QuantLinearBase):
+    """W4A16 / W8A16: int weights (tensor/channel/group, sym or asym, optional g_idx), float activations.
+
+    Kernels, chosen at ``finalize`` by device and model dtype:
+    - CPU, bf16 model: ``torch._weight_int4pack_mm_for_cpu`` (int4, consecutive groups of
+      32/64/128/256 dividing in, out a multiple of 16) or ``torch._weight_int8pack_mm`` (symmetric per-channel int8).
+      These beat fp32 only with bf16 activations (10-80x slower with fp32).
+    - CUDA, bf16 model: ``torch._weight_int4pack_mm`` for the same int4 layouts.
+    - Otherwise (fp32 model, g_idx, odd groups): the weight is dequantized once to the model
+      dtype, trading memory for exactness.
+    """
+
+    def expected_tensors(self) -> tuple[set[str], set[str]]:
+        return _int_weight_names(self.scheme)
+
+    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _read_int_weight(where, self.scheme, rows, self.input_size, tensors)
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        merged = _merge_int_shards(shards)
+        self.register_buffer("qweight", merged["q"], persistent=False)  # [out, in] int8
+        self.register_buffer("weight_scale", merged["scale"], persistent=False)  # [out, G] fp32
+        self.register_buffer("weight_zero_point", merged["zero_point"], persistent=False)  # [out, G] int8 | None
+        self.register_buffer("g_idx", merged["g_idx"], persistent=False)  # [in] | None
+        self.kernel = self._pick_kernel()
+        if self.kernel == "int8pack":
+            self.register_buffer("kernel_scales", self.weight_scale[:, 0].to(torch.bfloat16), persistent=False)
+        elif self.kernel.startswith("int4pack"):
+            self._prepare_int4pack()
+        else:
+            self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
+
+    def _pick_kernel(self) -> str:
+        w = self.scheme.weights
+        group = w.group_size or self.input_size
+        if self.dtype != torch.bfloat16 or self.g_idx is not None:
+            return "dense"
+        if w.num_bits == 4 and group in _INT4PACK_GROUPS and self.input_size % group == 0:
+            if self.qweight.is_cuda:
+                return "int4pack_cuda" if self.output_size % 8 == 0 and self.input_size % 32 == 0 else "dense"
+            return "int4pack_cpu" if self.output_size % 16 == 0 else "dense"
+        if w.num_bits == 8 and w.symmetric and w.strategy != "group" and not self.qweight.is_cuda:
+            return "int8pack"
+        return "dense"
+
+    def _prepare_int4pack(self) -> None:
+        group = self.scheme.weights.group_size or self.input_size
+        n_groups = self.input_size // group
+        scale = self.weight_scale.expand(-1, n_groups)  # [out, K/G]
+        # The int4pack kernels compute (u − 8)·scale + zero with u = q + 8, so zero = −zp·scale.
+        zp = self.weight_zero_point
+        zero = torch.zeros_like(scale) if zp is None else -zp.float().expand(-1, n_groups) * scale
+        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/G, out, 2]
+        self.register_buffer("kernel_scales", scales_and_zeros, persistent=False)
+        u = (self.qweight.to(torch.int32) + 8).contiguous()  # [out, in] in 0..15
+        if self.kernel == "int4pack_cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(u, 1)
+        else:
+            inner_k_tiles = 8 if self.input_size % 256 == 0 else 4 if self.input_size % 128 == 0 else 2
+            u8 = ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8)  # [out, in/2], even column in the high nibble
+            packed = torch._convert_weight_to_int4pack(u8, inner_k_tiles)
+        self.register_buffer("kernel_weight", packed, persistent=False)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int(
+            self.qweight, self.weight_scale, self.weight_zero_point,
+            group_size=self.scheme.weights.group_size, g_idx=self.g_idx, dtype=dtype,
+        )  # [out, in]
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.float(), self.dequantized_weight())
+        return self._add_bias(y).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "dense":
+            return self._add_bias(F.linear(x.to(self.weight_dense.dtype), self.weight_dense)).to(x.dtype)
+        x2d = x.reshape(-1, self.input_size).to(torch.bfloat16)
+        if self.kernel == "int8pack":
+            y = torch._weight_int8pack_mm(x2d, self.qweight, self.kernel_scales)
+        else:
+            group = self.scheme.weights.group_size or self.input_size
+            mm = torch._weight_int4pack_mm_for_cpu if self.kernel == "int4pack_cpu" else torch._weight_int4pack_mm
+            y = mm(x2d, self.kernel_weight, group, self.kernel_scales)
+        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+
+# ---------------------------------------------------------------- INT8 W8A8
+
+
+def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fbgemm's packed per-channel int8 weight (qweight int8 [out, in], scale fp32 [out])."""
+    with warnings.catch_warnings():
+        # The quantized-tensor API is deprecated upstream, but it is the only door to fbgemm's
+        # dynamic int8 GEMM, still the fastest linear on AVX2 CPUs.
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+        qt = torch._make_per_channel_quantized_tensor(
+            qweight.cpu(), scale.double().cpu(), torch.zeros_like(scale, dtype=torch.long).cpu(), 0
+        )
+        return torch.ops.quantized.linear_prepack(qt, None)
+
+
+class Int8Linear(QuantLinearBase):
+    """W8A8 INT8 (``int-quantized``): symmetric int8 weights per channel, dynamic per-token int8 inputs.
+
+    The oracle quantizes each token with scale absmax/127 (vLLM's runtime kernel). CPU runs
+    fbgemm's dynamic int8 GEMM (the fastest linear here), which quantizes its input per tensor
+    to 7 bits (``reduce_range``, which avoids int16 saturation on AVX2). To keep one loud token
+    from flattening every other row of a batch, rows are first divided by their own absmax and
+    the output rows multiplied back: the result no longer depends on batch composition, at about
+    twice the per-token rounding error. CUDA uses per-token quantization and ``torch._int_mm``.
+    """
+
+    def expected_tensors(self) -> tuple[set[str], set[str]]:
+        return _int_weight_names(self.scheme)
+
+    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _read_int_weight(where, self.scheme, rows, self.input_size, tensors)
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        merged = _merge_int_shards(shards)
+        self.register_buffer("qweight", merged["q"], persistent=False)  # [out, in] int8
+        self.register_buffer("weight_scale", merged["scale"], persistent=False)  # [out, 1] fp32
+        if self.qweight.is_cuda:
+            self.kernel = "int_mm"
+        else:
+            self.kernel = "fbgemm"
+            self._packed = _fbgemm_prepack(self.qweight, self.weight_scale[:, 0])
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.weight_scale).to(dtype)  # [out, in]
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.input_size).float()
+        s = (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)  # [M, 1]
+        xq = torch.round(x2d / s).clamp(-127, 127) * s
+        y = F.linear(xq, self.dequantized_weight())
+        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.input_size).float()
+        if self.kernel == "int_mm" and x.is_cuda:
+            s = (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)  # [M, 1]
+            xq = torch.round(x2d / s).clamp(-127, 127).to(torch.int8)
+            m = xq.shape[0]
+            if m <= 16:  # _int_mm on CUDA needs more than 16 rows
+                xq = F.pad(xq, (0, 0, 0, 17 - m))
+            acc = torch._int_mm(xq, self.qweight.t())[:m]  # [M, out] int32
+            y = acc.float() * s * self.weight_scale.t()
+        else:
+            row_scale = x2d.abs().amax(-1, keepdim=True).clamp(min=_EPS)  # [M, 1]
+            y = torch.ops.quantized.linear_dynamic(x2d / row_scale, self._packed, True) * row_scale
+        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+
+def make_quantized_linear(
+    scheme: QuantScheme, input_size: int, output_sizes: list[int], *, bias: bool, dtype: torch.dtype
+) -> QuantLinearBase:
+    """The module for ``scheme``; raises ValueError for combinations no kernel here runs."""
+    w, acts = scheme.weights, scheme.input_activations
+    if w.type == "float":
+        if w.strategy == "group":
+            raise ValueError("FP8 weights need per-tensor or per-channel scales, not groups")
+        return Fp8Linear(scheme, input_size, output_sizes, bias, dtype)
+    if acts is None:
+        return WeightOnlyIntLinear(scheme, input_size, output_sizes, bias, dtype)
+    if w.strategy == "group":
+        raise ValueError("W8A8 int8 needs per-channel or per-tensor weight scales, not groups")
+    return Int8Linear(scheme, input_size, output_sizes, bias, dtype)

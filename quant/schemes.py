@@ -1,0 +1,246 @@
+"""What a quantized tensor means: compressed-tensors ``QuantizationArgs`` / ``QuantizationScheme`` as frozen dataclasses.
+
+We parse and emit the CT JSON ourselves instead of importing compressed-tensors at serve time:
+vLLM validates these dicts with pydantic ``extra="forbid"``, so the writer must emit only the
+long-standing keys, and the reader must reject what our kernels cannot run instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+TYPES = ("int", "float")
+WEIGHT_STRATEGIES = ("tensor", "channel", "group")
+INPUT_STRATEGIES = ("tensor", "token")
+ACTORDERS = ("group", "weight")
+# CT aliases: "dynamic" → "group" (g_idx stored), "static" → "weight" (calibration order only).
+_ACTORDER_ALIASES = {"dynamic": "group", "static": "weight", True: "group", False: None}
+
+# Keys CT's QuantizationArgs knows (0.13 and later). Anything else is a foreign format.
+_ARGS_KEYS = {
+    "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+    "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype",
+}
+_SCHEME_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
+
+FORMATS = ("dense", "float-quantized", "naive-quantized", "int-quantized", "pack-quantized", "mixed-precision")
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """How one tensor (weights, input activations or KV) is quantized.
+
+    ``group_size`` is set only for the group strategy. ``dynamic`` means the scale is computed
+    at run time (no ``*_scale`` tensor in the checkpoint).
+    """
+
+    type: str = "int"
+    num_bits: int = 8
+    strategy: str = "tensor"
+    group_size: int | None = None
+    symmetric: bool = True
+    dynamic: bool = False
+    actorder: str | None = None
+    observer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in TYPES:
+            raise ValueError(f"quantization type {self.type!r} is not one of {TYPES}")
+        if self.type == "float" and self.num_bits != 8:
+            raise ValueError(f"float quantization supports 8 bits (float8_e4m3fn) only, got {self.num_bits}")
+        if self.type == "int" and self.num_bits not in (4, 8):
+            raise ValueError(f"int quantization supports 4 or 8 bits, got {self.num_bits}")
+        if self.strategy not in WEIGHT_STRATEGIES + INPUT_STRATEGIES + ("attn_head",):
+            raise ValueError(f"unsupported quantization strategy {self.strategy!r}")
+        if self.strategy == "group":
+            if self.group_size is None or self.group_size <= 0:
+                raise ValueError(f"group strategy needs a positive group_size, got {self.group_size}")
+        elif self.group_size is not None:
+            raise ValueError(f"group_size={self.group_size} is only valid with the group strategy")
+        if self.strategy == "token" and not self.dynamic:
+            raise ValueError("token strategy must be dynamic")
+        if self.type == "float" and not self.symmetric:
+            raise ValueError("float8 quantization must be symmetric")
+        if self.actorder not in (None,) + ACTORDERS:
+            raise ValueError(f"actorder {self.actorder!r} is not one of {ACTORDERS}")
+        if self.actorder == "group" and self.strategy != "group":
+            raise ValueError("actorder 'group' needs the group strategy")
+
+    @property
+    def is_int4(self) -> bool:
+        return self.type == "int" and self.num_bits == 4
+
+    def to_dict(self) -> dict[str, Any]:
+        """The CT ``QuantizationArgs`` JSON, restricted to keys every vLLM-pinned CT accepts."""
+        d: dict[str, Any] = {
+            "num_bits": self.num_bits,
+            "type": self.type,
+            "symmetric": self.symmetric,
+            "group_size": self.group_size,
+            "strategy": self.strategy,
+            "block_structure": None,
+            "dynamic": self.dynamic,
+            "actorder": self.actorder,
+        }
+        if self.observer is not None:
+            d["observer"] = self.observer
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, what: str) -> QuantArgs:
+        """Parse CT ``QuantizationArgs`` JSON; ``what`` names the field in errors."""
+        unknown = set(d) - _ARGS_KEYS
+        if unknown:
+            raise ValueError(f"{what}: unknown QuantizationArgs keys {sorted(unknown)}")
+        if d.get("block_structure") is not None or d.get("strategy") == "block":
+            raise ValueError(f"{what}: block quantization is not supported")
+        if d.get("dynamic") == "local" or d.get("strategy") == "tensor_group":
+            raise ValueError(f"{what}: tensor_group (NVFP4-style) quantization is not supported")
+        group_size = d.get("group_size")
+        strategy = d.get("strategy")
+        if strategy is None:
+            # CT inference: a positive group size means group, -1 means channel, none means tensor.
+            strategy = "group" if group_size and group_size > 0 else "channel" if group_size == -1 else "tensor"
+        if strategy != "group" and group_size == -1:
+            group_size = None
+        actorder = d.get("actorder")
+        actorder = _ACTORDER_ALIASES.get(actorder, actorder)
+        try:
+            return cls(
+                type=d.get("type", "int"),
+                num_bits=int(d.get("num_bits", 8)),
+                strategy=strategy,
+                group_size=group_size,
+                symmetric=bool(d.get("symmetric", True)),
+                dynamic=bool(d.get("dynamic", False)),
+                actorder=actorder,
+                observer=d.get("observer"),
+            )
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from e
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """The quantization of one Linear: weights, optional input activations, and the on-disk format."""
+
+    weights: QuantArgs
+    input_activations: QuantArgs | None = None
+    format: str = "naive-quantized"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS or self.format in ("dense", "mixed-precision"):
+            raise ValueError(f"a quantized Linear cannot use format {self.format!r}")
+        w, a = self.weights, self.input_activations
+        if w.strategy not in WEIGHT_STRATEGIES or w.dynamic:
+            raise ValueError(f"weights must be static tensor/channel/group, got {w.strategy} dynamic={w.dynamic}")
+        if self.format == "pack-quantized" and w.type != "int":
+            raise ValueError("pack-quantized holds int weights only")
+        if a is not None:
+            if a.strategy not in INPUT_STRATEGIES:
+                raise ValueError(f"input activations must use token or tensor strategy, got {a.strategy!r}")
+            if a.actorder is not None:
+                raise ValueError("actorder is not allowed on input activations")
+            if not a.symmetric:
+                raise ValueError("asymmetric input activations are not supported")
+            if a.type != w.type or a.num_bits != 8:
+                raise ValueError(f"input activations {a.type}{a.num_bits} do not pair with weights {w.type}{w.num_bits}")
+            if w.type == "int" and (not a.dynamic or not w.symmetric or w.num_bits != 8):
+                raise ValueError("int8 activations need dynamic per-token quantization and symmetric int8 weights")
+
+    def to_dict(self, targets: list[str], *, with_format: bool) -> dict[str, Any]:
+        """The CT ``QuantizationScheme`` JSON for a config group."""
+        d: dict[str, Any] = {
+            "targets": list(targets),
+            "weights": self.weights.to_dict(),
+            "input_activations": self.input_activations.to_dict() if self.input_activations else None,
+            "output_activations": None,
+        }
+        if with_format:
+            d["format"] = self.format
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, fmt: str | None, what: str) -> QuantScheme | None:
+        """Parse a CT scheme; ``fmt`` is the global format (used when the group has none).
+
+        Returns None for groups without weight quantization (attention-only groups that exist
+        to calibrate ``q_scale``): they quantize no Linear.
+        """
+        unknown = set(d) - _SCHEME_KEYS
+        if unknown:
+            raise ValueError(f"{what}: unknown QuantizationScheme keys {sorted(unknown)}")
+        if d.get("output_activations") is not None:
+            raise ValueError(f"{what}: output activation quantization is not supported")
+        if d.get("weights") is None:
+            return None
+        weights = QuantArgs.from_dict(d["weights"], what=f"{what}.weights")
+        acts = d.get("input_activations")
+        acts = QuantArgs.from_dict(acts, what=f"{what}.input_activations") if acts is not None else None
+        group_fmt = d.get("format") or fmt
+        if group_fmt in (None, "mixed-precision"):
+            group_fmt = infer_format(weights, acts)
+        if group_fmt not in FORMATS:
+            raise ValueError(f"{what}: unsupported compression format {group_fmt!r}; supported: {FORMATS}")
+        try:
+            return cls(weights=weights, input_activations=acts, format=group_fmt)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from e
+
+
+def infer_format(weights: QuantArgs, acts: QuantArgs | None) -> str:
+    """CT's format choice for a scheme (first match wins, as in CT's ``format.py``)."""
+    if weights.type == "int" and acts is not None:
+        return "int-quantized"
+    if weights.type == "int":
+        return "pack-quantized"
+    if acts is not None:
+        return "float-quantized"
+    return "naive-quantized"
+
+
+def _fp8(strategy: str, **kw: Any) -> QuantArgs:
+    return QuantArgs(type="float", num_bits=8, strategy=strategy, **kw)
+
+
+FP8_KV = _fp8("tensor")
+PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w8a16")
+
+
+def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> QuantScheme:
+    """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``W8A8``, ``W4A16``; w8a16 is per-channel).
+
+    ``group_size`` applies to w4a16 only (it must divide each Linear's input size for the fast
+    CPU kernel: 32 or 64 for hidden 576). w8a16 is per-channel because the CPU int8 kernel takes
+    one scale per output row.
+    """
+    if name == "fp8-dynamic":
+        return QuantScheme(_fp8("channel"), _fp8("token", dynamic=True), "float-quantized")
+    if name == "fp8-static":
+        return QuantScheme(_fp8("tensor"), _fp8("tensor", observer="static_minmax"), "float-quantized")
+    if name == "w8a8-int8":
+        return QuantScheme(QuantArgs(strategy="channel"), QuantArgs(strategy="token", dynamic=True), "int-quantized")
+    if name == "w4a16":
+        weights = QuantArgs(num_bits=4, strategy="group", group_size=group_size, actorder=actorder)
+        return QuantScheme(weights, None, "pack-quantized")
+    if name == "w8a16":
+        return QuantScheme(QuantArgs(strategy="channel", actorder=actorder), None, "pack-quantized")
+    raise ValueError(f"unknown scheme preset {name!r}; choose one of {PRESETS}")
+
+
+def with_group_size(scheme: QuantScheme, group_size: int) -> QuantScheme:
+    """The same scheme with another weight group size (for ``--group-size``)."""
+    return replace(scheme, weights=replace(scheme.weights, strategy="group", group_size=group_size))
+
+
+# CT preset names that may appear as config-group names with a bare target list.
+CT_PRESETS = {
+    "FP8_DYNAMIC": lambda: preset("fp8-dynamic"),
+    "FP8": lambda: preset("fp8-static"),
+    "W8A8": lambda: preset("w8a8-int8"),
+    "INT8": lambda: preset("w8a8-int8"),
+    "W4A16": lambda: preset("w4a16"),
+    "W4A16_ASYM": lambda: replace(preset("w4a16"), weights=replace(preset("w4a16").weights, symmetric=False)),
+    "W8A16": lambda: QuantScheme(QuantArgs(strategy="group", group_size=128), None, "pack-quantized"),
+}

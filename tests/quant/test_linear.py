@@ -1,0 +1,197 @@
+"""Quantized Linear modules: every fast forward against its dequantize-then-matmul oracle.
+
+Tolerances (relative Frobenius error of forward vs reference_forward):
+- dense kernels in fp32 run the same math as the oracle: 1e-5;
+- bf16 kernels round the activations and the accumulation to bf16: 2e-2;
+- W8A8 int8 on fbgemm quantizes activations to 7 bits per (normalized) tensor instead of
+  8 bits per token: about twice the oracle's rounding error, bounded here by 5e-2.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from quant.checkpoint import quantize_weight
+from quant.linear import Fp8Linear, Int8Linear, WeightOnlyIntLinear, make_quantized_linear
+from quant.schemes import QuantArgs, QuantScheme, preset
+from tests.quant.hyp import quick
+
+FAST_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def build(scheme, input_size, output_sizes, dtype=torch.float32, bias=True, seed=0, input_scale=None):
+    """A finalized module plus the fp weights it was quantized from (shards concatenated)."""
+    g = torch.Generator().manual_seed(seed)
+    module = make_quantized_linear(scheme, input_size, output_sizes, bias=bias, dtype=dtype)
+    weights = []
+    for i, rows in enumerate(output_sizes):
+        w = (torch.randn(rows, input_size, generator=g) * 0.05 * (i + 1)).to(dtype)
+        tensors = quantize_weight(w, scheme, input_scale=input_scale)
+        if bias:
+            tensors["bias"] = torch.randn(rows, generator=g).to(dtype)
+        module.load_shard(i, tensors)
+        weights.append(w)
+    module.finalize()
+    return module, torch.cat(weights)
+
+
+def shapes():
+    # in multiple of 64 so every int4 group size divides it; shard rows small and varied.
+    return st.tuples(st.sampled_from([64, 128]), st.lists(st.sampled_from([8, 16, 24]), min_size=1, max_size=3),
+                     st.integers(1, 9))
+
+
+@quick
+@given(shape=shapes(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       name=st.sampled_from(["fp8-dynamic", "fp8-static", "w4a16", "w8a16"]), seed=st.integers(0, 1000))
+def test_fast_forward_matches_reference(shape, dtype, name, seed):
+    k, sizes, m = shape
+    scheme = preset(name, group_size=32)
+    module, _ = build(scheme, k, sizes, dtype, seed=seed, input_scale=0.02 if name == "fp8-static" else None)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    y = module(x)
+    assert y.dtype == dtype and y.shape == (m, sum(sizes))
+    assert rel_err(y, module.reference_forward(x)) < FAST_TOL[dtype]
+
+
+@quick
+@given(shape=shapes(), seed=st.integers(0, 1000), loud=st.sampled_from([1.0, 100.0]))
+def test_int8_fbgemm_matches_per_token_reference(shape, seed, loud):
+    k, sizes, m = shape
+    module, _ = build(preset("w8a8-int8"), k, sizes, seed=seed)
+    assert module.kernel == "fbgemm"
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0] *= loud  # one loud token must not degrade the other rows
+    y, ref = module(x), module.reference_forward(x)
+    for row in range(m):
+        assert rel_err(y[row], ref[row]) < 5e-2
+
+
+def test_kernel_choice_follows_dtype():
+    assert build(preset("w4a16", group_size=32), 64, [16], torch.bfloat16)[0].kernel == "int4pack_cpu"
+    assert build(preset("w4a16", group_size=32), 64, [16], torch.float32)[0].kernel == "dense"
+    assert build(preset("w8a16"), 64, [16], torch.bfloat16)[0].kernel == "int8pack"
+    assert build(preset("w4a16", group_size=48), 96, [16], torch.bfloat16)[0].kernel == "dense"  # 48 not a kernel group
+    assert build(preset("w4a16", group_size=32), 64, [8], torch.bfloat16)[0].kernel == "dense"  # out not a multiple of 16
+
+
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w8a16"])
+def test_reference_is_close_to_unquantized(name):
+    module, w = build(preset(name, group_size=32), 128, [32, 16], input_scale=0.05 if name == "fp8-static" else None)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
+    exact = F.linear(x, w, module.bias)
+    budget = 0.06 if name == "w4a16" else 0.03
+    assert rel_err(module.reference_forward(x), exact) < budget
+
+
+def test_per_tensor_shard_scales_merge_exactly():
+    module, _ = build(preset("fp8-static"), 64, [16, 8, 8], input_scale=0.01)
+    assert isinstance(module, Fp8Linear)
+    assert module.weight_scale.shape == (32, 1)
+    # shard 2's weights are 3x larger, so its rows carry its own (larger) scale
+    assert module.weight_scale[24, 0] > module.weight_scale[0, 0]
+    assert torch.equal(module.weight_scale[:16], module.weight_scale[:1].expand(16, 1))
+
+
+def test_static_input_scale_takes_max_over_shards():
+    scheme = preset("fp8-static")
+    module = make_quantized_linear(scheme, 32, [8, 8], bias=False, dtype=torch.float32)
+    for i, s in enumerate([0.5, 2.0]):
+        module.load_shard(i, quantize_weight(torch.randn(8, 32), scheme, input_scale=s))
+    module.finalize()
+    assert module.input_scale.item() == 2.0
+
+
+def test_asymmetric_and_g_idx_int4():
+    k, g = 64, 32
+    w = torch.randn(32, k, generator=torch.Generator().manual_seed(3))
+    asym = QuantScheme(QuantArgs(num_bits=4, strategy="group", group_size=g, symmetric=False), None, "pack-quantized")
+    for dtype in (torch.float32, torch.bfloat16):
+        module = make_quantized_linear(asym, k, [32], bias=False, dtype=dtype)
+        module.load_shard(0, quantize_weight(w.to(dtype), asym))
+        module.finalize()
+        assert module.kernel == ("int4pack_cpu" if dtype == torch.bfloat16 else "dense")
+        x = torch.randn(3, k).to(dtype)
+        assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[dtype]
+        assert rel_err(module.dequantized_weight(), w) < 0.1
+    # actorder group: columns belong to groups through g_idx
+    ordered = QuantScheme(QuantArgs(num_bits=4, strategy="group", group_size=g, actorder="group"), None,
+                          "pack-quantized")
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(0))
+    g_idx = torch.empty(k, dtype=torch.long)
+    g_idx[perm] = torch.arange(k) // g
+    q = torch.randint(-8, 8, (32, k), dtype=torch.int8)
+    scale = torch.rand(32, k // g) + 0.1
+    module = make_quantized_linear(ordered, k, [32], bias=False, dtype=torch.float32)
+    module.load_shard(0, quantize_weight(w, ordered, q=q, scale=scale, g_idx=g_idx))
+    module.finalize()
+    assert isinstance(module, WeightOnlyIntLinear) and module.kernel == "dense"
+    torch.testing.assert_close(module.dequantized_weight(), q.float() * scale[:, g_idx])
+
+
+def test_naive_int8_weight_layout_loads():
+    scheme = QuantScheme(QuantArgs(strategy="channel"), QuantArgs(strategy="token", dynamic=True), "naive-quantized")
+    module, w = build(scheme, 64, [16])
+    assert isinstance(module, Int8Linear)
+    assert rel_err(module.dequantized_weight(), w) < 0.01
+
+
+def test_load_errors_name_the_tensor():
+    scheme = preset("w4a16", group_size=32)
+    good = quantize_weight(torch.randn(16, 64), scheme)
+
+    def fresh():
+        return make_quantized_linear(scheme, 64, [16], bias=False, dtype=torch.float32)
+
+    with pytest.raises(ValueError, match=r"'weight_packed': shape \(16, 4\)"):
+        fresh().load_shard(0, {**good, "weight_packed": good["weight_packed"][:, :4]})
+    with pytest.raises(ValueError, match=r"'weight_shape'"):
+        fresh().load_shard(0, {**good, "weight_shape": torch.tensor([16, 72])})
+    with pytest.raises(ValueError, match=r"'weight_scale'"):
+        fresh().load_shard(0, {**good, "weight_scale": good["weight_scale"][:, :1]})
+    with pytest.raises(ValueError, match=r"missing tensors \['weight_scale'\]"):
+        fresh().load_shard(0, {k: v for k, v in good.items() if k != "weight_scale"})
+    with pytest.raises(ValueError, match=r"unexpected tensors \['weight_zero_point'\]"):
+        fresh().load_shard(0, {**good, "weight_zero_point": torch.zeros(2, 2, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="bias"):
+        fresh().load_shard(0, {**good, "bias": torch.zeros(16)})
+    module = fresh()
+    with pytest.raises(ValueError, match=r"shards \[0\] were never loaded"):
+        module.finalize()
+    fp8 = preset("fp8-static")
+    with pytest.raises(ValueError, match="'input_scale'"):
+        make_quantized_linear(fp8, 64, [16], bias=False, dtype=torch.float32).load_shard(
+            0, {**quantize_weight(torch.randn(16, 64), fp8, input_scale=1.0), "input_scale": torch.tensor([0.0])})
+    with pytest.raises(ValueError, match="'weight': dtype"):
+        make_quantized_linear(fp8, 64, [16], bias=False, dtype=torch.float32).load_shard(
+            0, {**quantize_weight(torch.randn(16, 64), fp8, input_scale=1.0), "weight": torch.randn(16, 64)})
+
+
+def test_unsupported_combinations_are_refused():
+    with pytest.raises(ValueError, match="groups"):
+        make_quantized_linear(QuantScheme(QuantArgs(strategy="group", group_size=32),
+                                          QuantArgs(strategy="token", dynamic=True), "int-quantized"),
+                              64, [8], bias=False, dtype=torch.float32)
+    with pytest.raises(ValueError):
+        QuantScheme(QuantArgs(num_bits=4, strategy="group", group_size=32),
+                    QuantArgs(strategy="token", dynamic=True), "int-quantized")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "w4a16", "w8a8-int8"])
+def test_cuda_kernels_match_reference(name):
+    with torch.device("cuda"):
+        module, _ = build(preset(name, group_size=64), 256, [128, 64], torch.bfloat16,
+                          input_scale=0.02 if name == "fp8-static" else None)
+    expected = {"fp8-dynamic": "scaled_mm", "fp8-static": "scaled_mm", "w4a16": "int4pack_cuda", "w8a8-int8": "int_mm"}
+    assert module.kernel == expected[name]
+    for m in (1, 8, 33):
+        x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(module(x), module.reference_forward(x)) < 3e-2
