@@ -41,10 +41,11 @@ class QuantLinearBase(nn.Module):
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
         self.dtype = dtype
-        # The device the model is being built on (honours ``with torch.device(...)``).
-        self._device = torch.empty(0).device
+        # Follows the module through ``.to()`` / ``to_empty()`` so finalize knows the target device.
+        self.register_buffer("_device_probe", torch.empty(0), persistent=False)
         self.bias = nn.Parameter(torch.zeros(self.output_size, dtype=dtype), requires_grad=False) if bias else None
         self._staged: dict[int, dict[str, torch.Tensor]] = {}
+        self._bias_loaded: set[int] = set()
         self._finalized = False
 
     def expected_tensors(self) -> tuple[set[str], set[str]]:
@@ -81,6 +82,7 @@ class QuantLinearBase(nn.Module):
                 raise ValueError(f"shard {shard_id} 'bias': shape {_shape(tensors['bias'])} != ({rows},)")
             start = sum(self.output_sizes[:shard_id])
             self.bias.data[start : start + rows].copy_(tensors["bias"])
+            self._bias_loaded.add(shard_id)
         staged = {k: v for k, v in tensors.items() if k != "bias"}
         self._staged[shard_id] = self._read_shard(f"shard {shard_id}", rows, staged)
 
@@ -88,7 +90,11 @@ class QuantLinearBase(nn.Module):
         missing = set(range(len(self.output_sizes))) - set(self._staged)
         if missing:
             raise ValueError(f"shards {sorted(missing)} were never loaded")
-        shards = [{k: v.to(self._device) for k, v in self._staged[i].items()} for i in range(len(self.output_sizes))]
+        if self.bias is not None and len(self._bias_loaded) != len(self.output_sizes):
+            unset = sorted(set(range(len(self.output_sizes))) - self._bias_loaded)
+            raise ValueError(f"shards {unset}: 'bias' missing for a Linear built with a bias")
+        device = self._device_probe.device
+        shards = [{k: v.to(device) for k, v in self._staged[i].items()} for i in range(len(self.output_sizes))]
         self._build(shards)
         self._staged = {}
         self._finalized = True

@@ -195,3 +195,25 @@ def test_cuda_kernels_match_reference(name):
     for m in (1, 8, 33):
         x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
         assert rel_err(module(x), module.reference_forward(x)) < 3e-2
+
+
+def test_meta_construction_then_to_empty_loads_on_target_device():
+    # The engine builds the model on the meta device, then materializes it with to_empty().
+    scheme = preset("w8a16")
+    with torch.device("meta"):
+        module = make_quantized_linear(scheme, 64, [16], bias=True, dtype=torch.float32)
+    module.to_empty(device="cpu")
+    w = torch.randn(16, 64)
+    module.load_shard(0, {**quantize_weight(w, scheme), "bias": torch.ones(16)})
+    module.finalize()
+    assert module.qweight.device.type == "cpu"
+    assert rel_err(module(torch.ones(2, 64)), F.linear(torch.ones(2, 64), w, torch.ones(16))) < 0.01
+
+
+def test_missing_bias_is_an_error():
+    scheme = preset("w8a16")
+    module = make_quantized_linear(scheme, 64, [16, 16], bias=True, dtype=torch.float32)
+    module.load_shard(0, {**quantize_weight(torch.randn(16, 64), scheme), "bias": torch.ones(16)})
+    module.load_shard(1, quantize_weight(torch.randn(16, 64), scheme))
+    with pytest.raises(ValueError, match=r"shards \[1\]: 'bias' missing"):
+        module.finalize()
