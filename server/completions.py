@@ -86,9 +86,8 @@ class _Renderer:
             if c.finished:
                 self.done.add(index)
                 self.usage.completion_tokens += len(c.token_ids)
-        if not choices:
-            return []
-        return [CompletionResponse(id=self.request_id, model=self.model, choices=choices)]
+        # one choice per chunk, as OpenAI streams it (clients read choices[0])
+        return [CompletionResponse(id=self.request_id, model=self.model, choices=[choice]) for choice in choices]
 
     def usage_chunk(self) -> list[CompletionResponse]:
         if not (self.body.stream_options and self.body.stream_options.include_usage):

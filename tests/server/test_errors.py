@@ -1,0 +1,106 @@
+"""Error statuses and OpenAI's error body shape: 400, 401, 404, 503, 504; never a traceback."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server.app import build_app
+from server.config import ServerConfig
+from tests.server.conftest import MODEL_NAME, serve, wait_until_idle
+from tests.server.live import serve_in_thread
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and isinstance(error["message"], str)
+    assert "Traceback" not in response.text
+    return error
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
+    ({"prompt": "hi " * 600, "max_tokens": 4}, "prompt"),
+    ({"prompt": "hi", "model": "no-such-model"}, "model"),
+    ({"prompt": "hi", "n": 1000}, "n"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "logprobs": 99}, "logprobs"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({}, "prompt"),
+])
+def test_completion_400s(base_url, body, param):
+    error = assert_openai_error(httpx.post(base_url + "/v1/completions", json=body, timeout=30), 400)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_chat_400s(base_url):
+    r = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+    r = httpx.post(base_url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert_openai_error(r, 400)
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=10,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0})
+    assert_openai_error(r, 400)
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=-5)
+    assert "max_tokens" in str(info.value)
+
+
+def test_unknown_route_is_404_in_openai_shape(base_url):
+    assert_openai_error(httpx.get(base_url + "/v1/nothing", timeout=10), 404)
+
+
+def test_api_key(engine):
+    with serve(engine, api_key="sekrit") as url:
+        assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10), 401)
+        wrong = {"Authorization": "Bearer sekriT"}
+        assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=wrong), 401)
+        assert_openai_error(httpx.get(url + "/health", timeout=10), 401)
+        assert_openai_error(httpx.get(url + "/metrics", timeout=10), 401)
+        with openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0) as good:
+            assert good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
+        with openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as bad, \
+                pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    with serve(engine, api_key="sekrit", metrics_public=True) as url:
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+        assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10), 401)
+
+
+def test_timeout_is_504_and_frees_the_request(engine):
+    body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    with serve(engine, request_timeout_s=0.2) as url:
+        assert_openai_error(httpx.post(url + "/v1/completions", json=body, timeout=30), 504)
+        wait_until_idle(engine, timeout_s=2)
+        # a stream that times out after it started ends with an error event, then [DONE]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert '"code": 504' in lines[-2] and lines[-1] == "data: [DONE]"
+        wait_until_idle(engine, timeout_s=2)
+
+
+def test_503_while_loading_then_ready(engine):
+    app = build_app(None, ServerConfig(served_model_name=MODEL_NAME))
+    with serve_in_thread(app) as url:
+        assert_openai_error(httpx.get(url + "/health", timeout=10), 503)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert_openai_error(r, 503)
+        assert r.headers["retry-after"]
+        app.state.driftgate.attach(engine)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        app.state.driftgate.begin_drain()
+        assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10), 503)
+        assert_openai_error(httpx.get(url + "/health", timeout=10), 503)

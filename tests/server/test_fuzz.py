@@ -1,0 +1,79 @@
+"""Schema-based fuzzing: bodies drawn from the request models' JSON schemas, and arbitrary JSON.
+
+Whatever arrives, the server answers without a 5xx (504 aside: a fuzzed request may ask for
+a lot of work, and the fuzz server times out fast), within a bound, in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tests.server.conftest import serve, wait_until_idle
+
+ROUTES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                            HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+
+
+def _bounded(body: dict) -> dict:
+    """Keep generation short (the fuzz targets validation, not throughput)."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and 8 < value < 10**6:
+            body[key] = value % 8 + 1
+    return body
+
+
+@pytest.fixture(scope="module")
+def fuzz_url(engine):
+    with serve(engine, request_timeout_s=3, max_n=4) as url:
+        yield url
+
+
+def _check(http: httpx.Client, route: str, body) -> None:
+    r = http.post(route, json=body)
+    assert r.status_code < 500 or r.status_code == 504, (route, body, r.status_code, r.text)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == r.status_code
+    elif route.startswith("/v1") and body.get("stream") is not True:
+        assert r.json()["usage"]["total_tokens"] > 0
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_schema_bodies_never_5xx(fuzz_url, engine, route):
+    @_SETTINGS
+    @given(from_schema(ROUTES[route].model_json_schema()).map(_bounded))
+    def run(body: dict) -> None:
+        with httpx.Client(base_url=fuzz_url, timeout=30) as http:
+            _check(http, route, body)
+
+    run()
+    wait_until_idle(engine)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_arbitrary_json_never_5xx(fuzz_url, route):
+    @_SETTINGS
+    @given(_JSON)
+    def run(body) -> None:
+        with httpx.Client(base_url=fuzz_url, timeout=30) as http:
+            _check(http, route, body)
+
+    run()

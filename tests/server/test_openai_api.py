@@ -1,0 +1,128 @@
+"""The official `openai` client against a live server: the fields real clients send."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_completion_greedy_is_deterministic_and_reports_usage(client):
+    first = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    second = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = first.choices[0]
+    assert choice.text == second.choices[0].text
+    assert choice.finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens > 0
+    assert 0 < first.usage.completion_tokens <= 12
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_completion_stream_matches_non_stream(client):
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_stream_matches_non_stream(client):
+    full = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=16, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=16,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_n_greater_than_one(client):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, n=2, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=2, stream=True))
+    assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+
+
+def test_stop_string_truncates(client):
+    free = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(free) > 4
+    stop = free[len(free) // 2: len(free) // 2 + 2]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free[: free.index(stop)]
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0
+        assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob)
+        assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs_first_null(client, base_url):
+    prompt_ids = httpx.post(base_url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(PROMPT)
+    assert len(lp.token_logprobs) == len(prompt_ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+
+
+def test_token_id_and_batched_prompts(client):
+    ids = [5, 6, 7, 8]
+    single = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)
+    batch = client.completions.create(model=MODEL_NAME, prompt=[ids, [9, 10]], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == single.choices[0].text
+    assert batch.usage.prompt_tokens == 6
+
+
+def test_models_tokenize_detokenize_version(base_url):
+    with httpx.Client(base_url=base_url, timeout=10) as http:
+        models = http.get("/v1/models").json()
+        assert models["data"][0]["id"] == MODEL_NAME and models["data"][0]["max_model_len"] > 0
+        tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert tokens["count"] == len(tokens["tokens"]) > 0
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+        chat_tokens = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat_tokens["count"] > tokens["count"]
+        assert http.get("/version").json()["version"]
+        assert http.get("/tokenizer_info").json()["eos_token"]
+
+
+def test_metrics_exposition(client, base_url):
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4)
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    for name in ("driftgate:num_requests_running", "driftgate:num_requests_waiting", "driftgate:kv_cache_usage_perc",
+                 "driftgate:prefix_cache_hit_rate", "driftgate:num_preemptions_total",
+                 "driftgate:time_to_first_token_seconds_bucket", "driftgate:inter_token_latency_seconds_bucket",
+                 "driftgate:e2e_request_latency_seconds_count", "driftgate:request_success_total"):
+        assert name in text, name
+    assert 'driftgate:http_requests_total{route="/v1/completions",status="200"}' in text
