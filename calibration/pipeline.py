@@ -195,6 +195,8 @@ def calibrate(
                 output_error = _relative_error(heldout_out.outputs(), heldout_ref.outputs())
             else:
                 heldout_out, output_error = heldout_ref, 0.0 if heldout else None
+            if show_progress and output_error is not None:
+                progress.write(f"layer {layer_idx + 1}/{len(layers)}: held-out output error {output_error:.4f}")
         layer.to(source_device)
         calib_stream, heldout_stream = calib_out, heldout_out
         if kv is not None:
