@@ -9,11 +9,10 @@ from __future__ import annotations
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis_jsonschema import from_schema
 
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tests.server.conftest import serve, wait_until_idle
+from tests.server.schema_strategy import ANY_JSON, from_model_schema
 
 ROUTES = {
     "/v1/completions": CompletionRequest,
@@ -21,11 +20,6 @@ ROUTES = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
-    max_leaves=12,
-)
 _SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                             HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
@@ -59,7 +53,7 @@ def _check(http: httpx.Client, route: str, body) -> None:
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_schema_bodies_never_5xx(fuzz_url, engine, route):
     @_SETTINGS
-    @given(from_schema(ROUTES[route].model_json_schema()).map(_bounded))
+    @given(from_model_schema(ROUTES[route].model_json_schema()).map(_bounded))
     def run(body: dict) -> None:
         with httpx.Client(base_url=fuzz_url, timeout=30) as http:
             _check(http, route, body)
@@ -71,7 +65,7 @@ def test_schema_bodies_never_5xx(fuzz_url, engine, route):
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_arbitrary_json_never_5xx(fuzz_url, route):
     @_SETTINGS
-    @given(_JSON)
+    @given(ANY_JSON)
     def run(body) -> None:
         with httpx.Client(base_url=fuzz_url, timeout=30) as http:
             _check(http, route, body)
