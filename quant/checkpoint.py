@@ -36,9 +36,11 @@ _COPIED_FILES = re.compile(
 # ---------------------------------------------------------------- weights → checkpoint tensors
 
 
-def _scale_dtype(weight: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.dtype:
+def _scale_dtype(weight: torch.Tensor, scale: torch.Tensor | None, scale_dtype: torch.dtype | None) -> torch.dtype:
     if scale_dtype is not None:
         return scale_dtype
+    if scale is not None:
+        return scale.dtype
     return weight.dtype if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
@@ -64,12 +66,12 @@ def quantize_weight(
     (RTN). With ``q`` (int8 values from GPTQ) ``scale`` (and ``zero_point`` when asymmetric,
     ``g_idx`` for actorder group) come from the algorithm. ``input_scale`` (absmax/448 over the
     calibration set) is required for static FP8 activations. Scales are stored in ``scale_dtype``
-    (default: the weight's dtype) and RTN values are computed from the stored scales, so the
+    (default: the given scale's dtype, else the weight's) and RTN values are computed from the stored scales, so the
     checkpoint dequantizes to exactly what we measured.
     """
     w = scheme.weights
     out, cols = weight.shape
-    sdtype = _scale_dtype(weight, scale_dtype)
+    sdtype = _scale_dtype(weight, scale, scale_dtype)
     tensors: dict[str, torch.Tensor] = {}
     acts = scheme.input_activations
     static_input = acts is not None and not acts.dynamic
