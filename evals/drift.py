@@ -312,7 +312,10 @@ def compare_items(
         ) if n >= 2 else (table.delta, table.delta),
         mcnemar_p=stats.mcnemar_exact_p(table.num_right_to_wrong, table.num_wrong_to_right),
         mcnemar_drop_p=stats.mcnemar_one_sided_drop_p(table.num_right_to_wrong, table.num_wrong_to_right),
-        min_detectable_drop=stats.min_detectable_drop(n, table.flip_rate, alpha=1 - confidence),
+        # Power at the upper Wilson bound of the flip rate: with few or no observed flips the
+        # point rate would claim a resolution the run does not have.
+        min_detectable_drop=stats.min_detectable_drop(
+            n, stats.wilson_interval(table.num_flips, n, two_sided)[1], alpha=1 - confidence),
         num_confident_items=int(confident.sum()),
         num_confident_flips=int((confident & right_to_wrong).sum()),
         choice_kl_mean=float(np.mean(kls)) if kls else None,

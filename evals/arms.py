@@ -1,0 +1,218 @@
+"""Run one arm of the gate (baseline or candidate) through the engine, and cache baselines.
+
+An arm is: the policy's lm-eval tasks on fixed item ids (per-item results kept), plus
+greedy generations for Tier 2. The baseline arm is cached under a key of everything that
+could change its results, so gating N candidates runs it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lm_eval
+
+from engine import LLM, SamplingParams
+from evals import data
+from evals.drift import FullLogprobsFn, ItemResult, items_from_samples
+from evals.lm_eval_model import DriftgateLM
+from evals.policy import GatePolicy
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "driftgate" / "gate-baselines"
+CACHE_FORMAT = 1
+
+
+@dataclass(slots=True)
+class ArmResults:
+    """Everything one arm produced that the comparison needs (JSON round-trippable)."""
+
+    items: dict[str, dict[int, ItemResult]]
+    scores: dict[str, dict[str, float]]  # task -> lm-eval aggregate metrics
+    generations: list[list[int]] = field(default_factory=list)  # Tier 2, one per prompt
+    wall_seconds: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "items": {t: [asdict(i) for i in items.values()] for t, items in self.items.items()},
+            "scores": self.scores,
+            "generations": self.generations,
+            "wall_seconds": self.wall_seconds,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict) -> ArmResults:
+        items = {}
+        for task, rows in raw["items"].items():
+            items[task] = {}
+            for row in rows:
+                for key in ("choice_scores", "choice_logprobs"):
+                    if row[key] is not None:
+                        row[key] = tuple(row[key])
+                items[task][int(row["doc_id"])] = ItemResult(**row)
+        return cls(items=items, scores=raw["scores"], generations=raw["generations"],
+                   wall_seconds=raw["wall_seconds"], prefix_cache_queries=raw["prefix_cache_queries"],
+                   prefix_cache_hits=raw["prefix_cache_hits"])
+
+
+def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "auto",
+                 max_num_batched_tokens: int | None = None) -> LLM:
+    return LLM(
+        str(model_dir),
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=policy.engine.max_model_len,
+        max_num_seqs=policy.engine.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or policy.engine.max_num_batched_tokens,
+        seed=policy.seed,
+    )
+
+
+def task_manager(data_dir: Path):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(data_dir)})
+
+
+def spread_ids(total: int, count: int | str) -> list[int]:
+    """`count` item ids spread evenly over [0, total) (all when count is "all" or too big).
+
+    Evenly spaced rather than the first N because several sets are ordered by source.
+    """
+    if count == "all" or int(count) >= total:
+        return list(range(total))
+    return [i * total // int(count) for i in range(int(count))]
+
+
+def selected_ids(policy: GatePolicy, data_dir: Path) -> dict[str, list[int]]:
+    tasks = task_manager(data_dir).load([t.name for t in policy.tier1.tasks])["tasks"]
+    return {spec.name: spread_ids(len(tasks[spec.name].test_docs()), spec.items) for spec in policy.tier1.tasks}
+
+
+def run_tasks(llm: LLM, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]],
+              label: str) -> tuple[dict[str, dict[int, ItemResult]], dict[str, dict[str, float]]]:
+    """Run the policy's tasks on the given item ids; per-item results and aggregate scores."""
+    lm = DriftgateLM(llm=llm)
+    print(f"[gate] {label}: lm-eval on {', '.join(f'{t} ({len(v)})' for t, v in ids.items())}", flush=True)
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(ids),
+        task_manager=task_manager(data_dir),
+        samples=ids,
+        bootstrap_iters=0,
+        log_samples=True,
+        random_seed=policy.seed,
+        numpy_random_seed=policy.seed,
+        torch_random_seed=policy.seed,
+        fewshot_random_seed=policy.seed,
+        verbosity="ERROR",
+    )
+    runaway = frozenset(ctx for ctx, rec in lm.generations.items() if rec.hit_max_tokens)
+    items = {spec.name: items_from_samples(out["samples"][spec.name], spec.metric, runaway)
+             for spec in policy.tier1.tasks}
+    scores = {task: {k: float(v) for k, v in res.items() if isinstance(v, int | float) and "stderr" not in k}
+              for task, res in out["results"].items()}
+    return items, scores
+
+
+def tier2_prompts(llm: LLM, data_dir: Path, num_prompts: int) -> list[list[int]]:
+    """GSM8K 8-shot chain-of-thought prompts: long, shared-prefix, decode-heavy."""
+    task = task_manager(data_dir).load(["driftgate_gsm8k_cot"])["tasks"]["driftgate_gsm8k_cot"]
+    docs = task.test_docs()
+    ids = spread_ids(len(docs), num_prompts)
+    return [llm.tokenizer.encode(task.fewshot_context(docs[i], num_fewshot=8)) for i in ids]
+
+
+def greedy_generations(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations; prompts are cut from the left (keeping the question) to leave room."""
+    room = llm.engine.max_model_len - max_new_tokens
+    if room < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in max_model_len")
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    outputs = llm.generate([p[-room:] for p in prompts], params, use_tqdm=True)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def full_logprobs_fn(llm: LLM) -> FullLogprobsFn | None:
+    """The engine's full-vocabulary scorer for Tier 0, or None while the engine lacks one."""
+    return getattr(llm, "score_full_logprobs", None)
+
+
+def tier0_sequences(llm: LLM, data_dir: Path, policy: GatePolicy, generations: list[list[int]],
+                    prompts: list[list[int]]) -> list[list[int]]:
+    """WikiText articles plus the baseline's own greedy generations (with their prompts), truncated."""
+    limit = policy.tier0.max_tokens_per_sequence
+    docs = data.load_wikitext(data_dir)
+    picked = [docs[i]["page"] for i in spread_ids(len(docs), policy.tier0.num_documents)]
+    sequences = [llm.tokenizer.encode(text)[:limit] for text in picked]
+    sequences += [(p + g)[-limit:] for p, g in zip(prompts, generations, strict=True)]  # the tail holds the generation
+    return [s for s in sequences if len(s) >= 2]
+
+
+def run_arm(model_dir: Path, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]], *,
+            label: str, kv_cache_dtype: str = "auto", max_num_batched_tokens: int | None = None,
+            tier2_prompt_ids: list[list[int]] | None = None) -> tuple[ArmResults, LLM]:
+    """Build the engine for one arm, run tasks and Tier 2 generations, and return both."""
+    start = time.perf_counter()
+    llm = build_engine(model_dir, policy, kv_cache_dtype=kv_cache_dtype,
+                       max_num_batched_tokens=max_num_batched_tokens)
+    items, scores = run_tasks(llm, policy, data_dir, ids, label)
+    generations: list[list[int]] = []
+    if tier2_prompt_ids:
+        print(f"[gate] {label}: {len(tier2_prompt_ids)} greedy generations", flush=True)
+        generations = greedy_generations(llm, tier2_prompt_ids, policy.tier2.max_new_tokens)
+    engine_stats = llm.stats()
+    arm = ArmResults(items=items, scores=scores, generations=generations,
+                     wall_seconds=time.perf_counter() - start,
+                     prefix_cache_queries=engine_stats.prefix_cache_queries,
+                     prefix_cache_hits=engine_stats.prefix_cache_hits)
+    return arm, llm
+
+
+class BaselineCache:
+    """Baseline arm results on disk, keyed by what determines them."""
+
+    def __init__(self, root: Path = DEFAULT_CACHE_DIR):
+        self.root = Path(root)
+
+    @staticmethod
+    def key(baseline_hashes: dict[str, str], policy: GatePolicy, data_hashes: dict[str, str],
+            ids: dict[str, list[int]], variant: str) -> str:
+        task_files = {p.name: data.file_sha256(p) for p in sorted(TASKS_DIR.glob("*")) if p.is_file()}
+        material = {
+            "format": CACHE_FORMAT,
+            "variant": variant,
+            "weights": baseline_hashes,
+            "task_files": task_files,  # YAMLs carry the task versions; any edit changes the key
+            "data": data_hashes,
+            "ids": ids,
+            "tasks": [asdict(t) for t in policy.tier1.tasks],
+            "engine": asdict(policy.engine),
+            "noise_floor": asdict(policy.noise_floor),
+            "tier2": asdict(policy.tier2),
+            "seed": policy.seed,
+            "lm_eval": lm_eval.__version__,
+        }
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+    def load(self, key: str) -> ArmResults | None:
+        path = self.root / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            return ArmResults.from_json(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return None  # a damaged cache entry is recomputed, never trusted
+
+    def store(self, key: str, arm: ArmResults) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{key}.json.tmp"
+        tmp.write_text(json.dumps(arm.to_json()))
+        tmp.replace(self.root / f"{key}.json")

@@ -1,0 +1,188 @@
+"""`driftgate gate`: run both arms, decide, write the reports and the candidate's verdict.
+
+Exit codes: 0 pass, 1 drift (the policy failed), 2 could not evaluate. Anything that stops
+the evaluation (bad input, missing data, a crash) is 2, never 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+EXIT_PASS, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+
+
+class GateInputError(RuntimeError):
+    """The gate cannot evaluate these inputs; the message says why."""
+
+
+def add_gate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--baseline", required=True, help="BF16 (reference) model directory")
+    parser.add_argument("--candidate", required=True, help="quantized checkpoint directory to judge")
+    parser.add_argument("--policy", default="default", help="shipped policy name (default, quick) or a TOML path")
+    parser.add_argument("--report-dir", default=None, help="where reports go (default: CANDIDATE/gate-report)")
+    parser.add_argument("--data-dir", default=None, help="evaluation data (default: $DRIFTGATE_DATA, ../shared/data)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="candidate's KV-cache dtype (auto, fp8)")
+    parser.add_argument("--cache-dir", default=None, help="baseline result cache (default ~/.cache/driftgate)")
+    parser.add_argument("--no-cache", action="store_true", help="always re-run the baseline arm")
+
+
+def check_model_dir(path: Path, role: str) -> dict[str, str]:
+    """Refuse a folder that is missing, has no config or weights, or holds unreadable safetensors."""
+    from safetensors import safe_open
+
+    from evals.verdict import weight_files, weight_hashes
+
+    if not path.is_dir():
+        raise GateInputError(f"{role} directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise GateInputError(f"{role} directory {path} has no config.json")
+    files = weight_files(path)
+    if not files:
+        raise GateInputError(f"{role} directory {path} has no weight files")
+    for f in files:
+        if f.suffix == ".safetensors":
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    for name in handle.keys():
+                        handle.get_slice(name)  # parses each tensor's header entry
+            except Exception as exc:  # safetensors raises several types for a damaged file
+                raise GateInputError(f"{role} weight file {f} is not readable safetensors: {exc}") from exc
+    return weight_hashes(path)
+
+
+def run_gate(args: argparse.Namespace) -> int:
+    """Entry point for `driftgate gate`; returns the process exit code."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        return _run(args)
+    except Exception as exc:  # noqa: BLE001 — every failure to evaluate must become exit 2
+        from evals.data import DataMissingError
+        from evals.drift import PromptMismatchError
+        from evals.policy import PolicyError
+
+        known = (GateInputError, PolicyError, DataMissingError, PromptMismatchError)
+        prefix = "driftgate gate: cannot evaluate" if isinstance(exc, known) else "driftgate gate: crashed"
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        if not isinstance(exc, known):
+            import traceback
+
+            traceback.print_exc()
+        return EXIT_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
+    from evals import arms, data, drift, gate, report, verdict
+    from evals.policy import load_policy
+
+    started = time.perf_counter()
+    policy = load_policy(args.policy)
+    data_dir = data.resolve_data_dir(args.data_dir)
+    needed = [t.name for t in policy.tier1.tasks]
+    needed += ["driftgate_gsm8k_cot"] if policy.tier2.enabled else []
+    needed += ["driftgate_wikitext"] if policy.tier0.enabled else []
+    data_hashes = data.check_task_files(data_dir, sorted(set(needed)))
+    baseline_dir, candidate_dir = Path(args.baseline), Path(args.candidate)
+    baseline_hashes = check_model_dir(baseline_dir, "baseline")
+    candidate_hashes = check_model_dir(candidate_dir, "candidate")
+    ids = arms.selected_ids(policy, data_dir)
+    cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
+
+    candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
+                                       kv_cache_dtype=args.kv_cache_dtype)
+    prompts = arms.tier2_prompts(cand_llm, data_dir, policy.tier2.num_prompts) if policy.tier2.enabled else []
+    if prompts:
+        print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
+        candidate.generations = arms.greedy_generations(cand_llm, prompts, policy.tier2.max_new_tokens)
+
+    baseline, base_llm, cached = _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts,
+                                               baseline_dir, baseline_hashes, data_hashes, variant="baseline")
+    noise = None
+    if policy.noise_floor.enabled:
+        noise, _, _ = _baseline_arm(args, arms, cache, policy, data_dir, ids, [], baseline_dir, baseline_hashes,
+                                    data_hashes, variant="noise_floor")
+
+    comparisons, pooled = gate.compare_arms(policy, baseline.items, candidate.items)
+    noise_cmp, noise_pooled = gate.compare_arms(policy, baseline.items, noise.items) if noise else ({}, None)
+
+    parity, skip_reason = None, None
+    if policy.tier0.enabled:
+        if base_llm is None:
+            base_llm = arms.build_engine(baseline_dir, policy)
+        base_fn, cand_fn = arms.full_logprobs_fn(base_llm), arms.full_logprobs_fn(cand_llm)
+        if base_fn is None or cand_fn is None:
+            skip_reason = "engine has no LLM.score_full_logprobs(token_ids) yet; Tier 0 not run"
+        else:
+            sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
+            print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
+            parity = drift.logit_parity(sequences, base_fn, cand_fn)
+    agreement = (drift.generation_agreement(baseline.generations, candidate.generations)
+                 if prompts and baseline.generations else None)
+
+    checks = gate.decide(policy, comparisons, pooled, noise_pooled=noise_pooled, parity=parity,
+                         parity_skip_reason=skip_reason, agreement=agreement)
+    result = gate.outcome(checks, comparisons=comparisons, pooled=pooled, noise_floor=noise_cmp,
+                          noise_pooled=noise_pooled, parity=parity, agreement=agreement)
+
+    manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
+                         cached, time.perf_counter() - started)
+    items = {arm_name: arm.to_json()["items"] for arm_name, arm in (("baseline", baseline), ("candidate", candidate))}
+    full = report.build_report(result, manifest, items)
+    report_dir = Path(args.report_dir) if args.report_dir else candidate_dir / "gate-report"
+    paths = report.write_reports(full, report_dir)
+    metrics = {"checks": full["checks"], "tier1_pooled": full["tier1"]["pooled"], "tier0": full["tier0"],
+               "tier2": full["tier2"]}
+    verdict.write_verdict(candidate_dir, passed=result.passed, policy=asdict(policy), metrics=metrics,
+                          baseline_hashes=baseline_hashes, candidate_hashes=candidate_hashes)
+    print(report.render_markdown(full).split("\n## Worst")[0])
+    print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}; reports in {paths['md'].parent}; "
+          f"{time.perf_counter() - started:.0f}s", flush=True)
+    return EXIT_PASS if result.passed else EXIT_DRIFT
+
+
+def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_dir, baseline_hashes, data_hashes,
+                  *, variant):
+    """The baseline (or its noise-floor rerun) from cache, or run and stored."""
+    key = cache.key(baseline_hashes, policy, data_hashes, ids, variant)
+    if not args.no_cache and (hit := cache.load(key)) is not None:
+        print(f"[gate] {variant}: cached ({key[:12]})", flush=True)
+        return hit, None, True
+    batched = policy.noise_floor.max_num_batched_tokens if variant == "noise_floor" else None
+    arm, llm = arms.run_arm(baseline_dir, policy, data_dir, ids, label=variant, max_num_batched_tokens=batched,
+                            tier2_prompt_ids=prompts or None)
+    cache.store(key, arm)
+    return arm, llm, False
+
+
+def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate, cached,
+              seconds) -> dict:
+    import lm_eval
+    import torch
+
+    return {
+        "baseline_dir": str(Path(args.baseline).resolve()),
+        "candidate_dir": str(Path(args.candidate).resolve()),
+        "baseline_weights_sha256": baseline_hashes,
+        "candidate_weights_sha256": candidate_hashes,
+        "candidate_config": json.loads((Path(args.candidate) / "config.json").read_text()).get("quantization_config"),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "data_sha256": data_hashes,
+        "policy": asdict(policy),
+        "seed": policy.seed,
+        "lm_eval_version": lm_eval.__version__,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "baseline_cached": cached,
+        "baseline_scores": baseline.scores,
+        "candidate_scores": candidate.scores,
+        "wall_seconds": {"total": seconds, "baseline": baseline.wall_seconds, "candidate": candidate.wall_seconds},
+        "prefix_cache": {"candidate_queries": candidate.prefix_cache_queries,
+                         "candidate_hits": candidate.prefix_cache_hits},
+        "all_prompt_hashes_matched": True,  # compare_items raises PromptMismatchError otherwise
+    }

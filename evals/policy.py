@@ -1,0 +1,188 @@
+"""The gate policy: which tasks, how many items, and every threshold, read from TOML.
+
+One dataclass per section, validated on construction; an unknown key anywhere raises an
+error that names it, because a misspelt threshold silently falling back to a default is
+exactly the failure a gate must not have. Thresholds are fractions (0.01 = 1 point) and
+are compared unrounded.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+POLICY_DIR = Path(__file__).resolve().parent / "policies"
+ENDPOINTS = ("pooled", "separate", "report")
+
+
+class PolicyError(ValueError):
+    """The policy file is malformed; the message names the offending key."""
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise PolicyError(f"unknown policy key {where}.{unknown[0]} (allowed: {', '.join(sorted(known))})")
+    try:
+        return cls(**raw)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"{where}: {exc}") from exc
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
+
+
+@dataclass(slots=True)
+class TaskSpec:
+    """One lm-eval task in the gate; `items` is a count (spread evenly over the set) or "all"."""
+
+    name: str
+    metric: str
+    items: int | str = "all"
+    endpoint: str = "pooled"  # pooled: part of the primary MC endpoint; separate: its own; report: no gating
+    max_drop: float | None = None  # required for endpoint = "separate"
+    chance: float | None = None  # accuracy of guessing, for the above-chance hard fail
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
+        if self.items != "all" and (not isinstance(self.items, int) or self.items < 2):
+            raise ValueError(f"items must be 'all' or an integer >= 2, got {self.items!r}")
+        if "," not in self.metric:
+            raise ValueError(f"metric must be 'name,filter' as lm-eval reports it, got {self.metric!r}")
+        if self.endpoint == "separate" and self.max_drop is None:
+            raise ValueError(f"task {self.name} is a separate endpoint and needs max_drop")
+        if self.max_drop is not None:
+            _check_fraction("max_drop", self.max_drop)
+
+
+@dataclass(slots=True)
+class EnginePolicy:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be positive")
+
+
+@dataclass(slots=True)
+class Tier0Policy:
+    """Logit parity on WikiText-2 articles and the baseline's own greedy generations."""
+
+    enabled: bool = True
+    num_documents: int = 4
+    max_tokens_per_sequence: int = 1024
+    max_kl_mean: float = 0.05
+    max_kl_p99: float = 1.0
+    min_top1_agreement: float = 0.9
+    max_kl_growth: float = 2.0  # p99 KL of the last position bucket over the first
+
+    def __post_init__(self) -> None:
+        _check_fraction("min_top1_agreement", self.min_top1_agreement)
+        if self.num_documents < 1 or self.max_tokens_per_sequence < 2:
+            raise ValueError("num_documents must be >= 1 and max_tokens_per_sequence >= 2")
+
+
+@dataclass(slots=True)
+class Tier1Policy:
+    tasks: list[TaskSpec] = field(default_factory=list)
+    max_pooled_drop: float = 0.01
+    max_flip_rate_above_floor: float = 0.02
+    confident_margin: float = 0.2
+    max_confident_flip_rate: float = 0.01
+    chance_sigma: float = 2.0
+    max_invalid_rate_rise: float = 0.02
+    max_runaway_rate_rise: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("at least one task is required")
+        self.tasks = [t if isinstance(t, TaskSpec) else _build(TaskSpec, t, f"tier1.tasks[{i}]")
+                      for i, t in enumerate(self.tasks)]
+        names = [t.name for t in self.tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate task names in {names}")
+        for name in ("max_pooled_drop", "max_flip_rate_above_floor", "confident_margin",
+                     "max_confident_flip_rate", "max_invalid_rate_rise", "max_runaway_rate_rise"):
+            _check_fraction(name, getattr(self, name))
+
+
+@dataclass(slots=True)
+class Tier2Policy:
+    """Greedy long generations from GSM8K few-shot prompts, compared token by token."""
+
+    enabled: bool = True
+    num_prompts: int = 8
+    max_new_tokens: int = 256
+    min_mean_agreed_prefix: float = 32.0  # tokens
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError("num_prompts and max_new_tokens must be positive")
+
+
+@dataclass(slots=True)
+class NoiseFloorPolicy:
+    """The baseline run a second time with a different token budget (different batching)."""
+
+    enabled: bool = True
+    max_num_batched_tokens: int = 512
+
+
+@dataclass(slots=True)
+class GatePolicy:
+    """The whole policy; build with `load_policy`."""
+
+    name: str
+    inconclusive: str = "fail"  # what an undecided endpoint does: "fail" (closed) or "pass"
+    confidence: float = 0.95  # one-sided level of the drop bound
+    seed: int = 0
+    bootstrap_resamples: int = 2000
+    engine: EnginePolicy = field(default_factory=EnginePolicy)
+    tier0: Tier0Policy = field(default_factory=Tier0Policy)
+    tier1: Tier1Policy = field(default_factory=Tier1Policy)
+    tier2: Tier2Policy = field(default_factory=Tier2Policy)
+    noise_floor: NoiseFloorPolicy = field(default_factory=NoiseFloorPolicy)
+
+    def __post_init__(self) -> None:
+        if self.inconclusive not in ("fail", "pass"):
+            raise ValueError(f"inconclusive must be 'fail' or 'pass', got {self.inconclusive!r}")
+        if not 0.5 < self.confidence < 1.0:
+            raise ValueError(f"confidence must be in (0.5, 1), got {self.confidence}")
+        if self.bootstrap_resamples < 100:
+            raise ValueError("bootstrap_resamples must be at least 100")
+
+
+_SECTIONS = {"engine": EnginePolicy, "tier0": Tier0Policy, "tier1": Tier1Policy, "tier2": Tier2Policy,
+             "noise_floor": NoiseFloorPolicy}
+
+
+def policy_from_dict(raw: dict[str, Any]) -> GatePolicy:
+    raw = dict(raw)
+    sections = {key: _build(cls, raw.pop(key), key) for key, cls in _SECTIONS.items() if key in raw}
+    if "tier1" not in sections:
+        raise PolicyError("policy needs a [tier1] section with at least one task")
+    return _build(GatePolicy, {**raw, **sections}, "policy")
+
+
+def load_policy(name_or_path: str | Path) -> GatePolicy:
+    """Load a shipped policy by name ("default", "quick") or a TOML file by path."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = POLICY_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise PolicyError(f"policy file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{path}: {exc}") from exc
+    raw.setdefault("name", path.stem)
+    return policy_from_dict(raw)

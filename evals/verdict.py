@@ -1,0 +1,84 @@
+"""verdict.json: the gate's decision bound to the exact weight files it judged.
+
+The server's `--require-gate` calls `check_verdict`; any edit to a weight file after the
+gate ran changes its sha256 and voids the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from evals.data import file_sha256
+
+VERDICT_FILE = "verdict.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+FORMAT_VERSION = 1
+
+
+class VerdictError(RuntimeError):
+    """The checkpoint has no valid passing verdict; the message says which check failed."""
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """Every weight file in the folder, sorted by name."""
+    return sorted(p for p in Path(model_dir).iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+
+
+def weight_hashes(model_dir: Path) -> dict[str, str]:
+    """{file name: sha256} for every weight file; a folder with none is an error."""
+    files = weight_files(model_dir)
+    if not files:
+        raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {model_dir}")
+    return {p.name: file_sha256(p) for p in files}
+
+
+def write_verdict(
+    candidate_dir: Path,
+    *,
+    passed: bool,
+    policy: dict[str, Any],
+    metrics: dict[str, Any],
+    baseline_hashes: dict[str, str],
+    candidate_hashes: dict[str, str] | None = None,
+) -> Path:
+    """Write CANDIDATE/verdict.json and return its path."""
+    candidate_dir = Path(candidate_dir)
+    body = {
+        "format_version": FORMAT_VERSION,
+        "verdict": "pass" if passed else "fail",
+        "weights_sha256": candidate_hashes if candidate_hashes is not None else weight_hashes(candidate_dir),
+        "baseline_weights_sha256": baseline_hashes,
+        "policy": policy,
+        "metrics": metrics,
+    }
+    path = candidate_dir / VERDICT_FILE
+    path.write_text(json.dumps(body, indent=2, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def check_verdict(model_dir: str | Path) -> None:
+    """Raise VerdictError unless a passing verdict matches every current weight file."""
+    model_dir = Path(model_dir)
+    path = model_dir / VERDICT_FILE
+    if not path.is_file():
+        raise VerdictError(f"{model_dir} has no {VERDICT_FILE}; run `driftgate gate` on it first")
+    try:
+        body = json.loads(path.read_text())
+        recorded = body["weights_sha256"]
+        verdict = body["verdict"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise VerdictError(f"{path} is unreadable or incomplete ({exc}); re-run the gate") from exc
+    if verdict != "pass":
+        raise VerdictError(f"{path} records a failing gate verdict ({verdict!r}); this checkpoint drifted")
+    try:
+        current = weight_hashes(model_dir)
+    except FileNotFoundError as exc:
+        raise VerdictError(str(exc)) from exc
+    if current.keys() != recorded.keys():
+        raise VerdictError(
+            f"weight files changed since the gate ran: now {sorted(current)}, verdict covers {sorted(recorded)}")
+    changed = sorted(name for name in current if current[name] != recorded[name])
+    if changed:
+        raise VerdictError(f"weights changed since the gate ran (sha256 mismatch: {', '.join(changed)})")
