@@ -1,0 +1,65 @@
+"""`driftgate serve` as a real process: loads, serves, logs without prompt text, drains on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+SECRET_PROMPT = "The quick brown fox"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_0(tiny_model_dir: Path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", str(tiny_model_dir), "--port", str(port), "--served-model-name", "tiny",
+         "--drain-timeout", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        body = {"prompt": SECRET_PROMPT, "max_tokens": 64, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                events.append(line[5:].strip())
+                if len(events) == 2:
+                    proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]"
+        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+        assert finish[-1] == "length"  # the in-flight request ran to the end during the drain
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.communicate()[1]
+    request_lines = [json.loads(line.split(": ", 1)[1]) for line in stderr.splitlines()
+                     if "driftgate.server.access" in line]
+    completions = [line for line in request_lines if line["route"] == "/v1/completions"]
+    assert completions and completions[0]["status"] == 200 and completions[0]["output_tokens"] == 64
+    assert completions[0]["ttft_s"] is not None
+    assert SECRET_PROMPT not in stderr
