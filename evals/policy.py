@@ -141,7 +141,7 @@ class NoiseFloorPolicy:
 class GatePolicy:
     """The whole policy; build with `load_policy`."""
 
-    name: str
+    name: str = "custom"
     inconclusive: str = "fail"  # what an undecided endpoint does: "fail" (closed) or "pass"
     confidence: float = 0.95  # one-sided level of the drop bound
     seed: int = 0

@@ -1,0 +1,145 @@
+"""Policy validation, decision rules on fabricated comparisons, and the verdict file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evals import drift, gate, verdict
+from evals.policy import PolicyError, load_policy, policy_from_dict
+
+BASE_POLICY = {"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "chance": 0.5}], "max_pooled_drop": 0.02}}
+
+
+def test_shipped_policies_load():
+    assert load_policy("quick").tier1.tasks[0].items == 200
+    assert load_policy("default").tier1.max_pooled_drop == 0.015
+
+
+@pytest.mark.parametrize(("raw", "named"), [
+    ({**BASE_POLICY, "max_drop_typo": 1}, "policy.max_drop_typo"),
+    ({**BASE_POLICY, "tier0": {"max_kl": 1}}, "tier0.max_kl"),
+    ({"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "itmes": 3}]}}, "tier1.tasks[0].itmes"),
+])
+def test_unknown_keys_are_named(raw, named):
+    with pytest.raises(PolicyError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        policy_from_dict(raw)
+
+
+def test_invalid_values_are_rejected():
+    with pytest.raises(PolicyError, match="inconclusive"):
+        policy_from_dict({**BASE_POLICY, "inconclusive": "maybe"})
+    with pytest.raises(PolicyError, match="max_drop"):
+        policy_from_dict({"tier1": {"tasks": [{"name": "g", "metric": "exact_match,strict-match",
+                                               "endpoint": "separate"}]}})
+
+
+def _arm(correct, margin_high=False):
+    lls = (-0.01, -9.0) if margin_high else (-0.69, -0.70)
+    return {i: drift.ItemResult(doc_id=i, prompt_hash=str(i), correct=bool(c), choice_scores=lls,
+                                choice_logprobs=lls) for i, c in enumerate(correct)}
+
+
+def _policy(**tier1):
+    return policy_from_dict({"tier1": {**BASE_POLICY["tier1"], **tier1}, "tier0": {"enabled": False},
+                             "tier2": {"enabled": False}})
+
+
+def _statuses(checks):
+    return {c.name: c.status for c in checks}
+
+
+def test_identical_arms_pass_with_enough_items():
+    policy = _policy()
+    base = _arm([i % 3 != 0 for i in range(4000)])
+    per_task, pooled = gate.compare_arms(policy, {"t": base}, {"t": base})
+    checks = gate.decide(policy, per_task, pooled)
+    assert gate.outcome(checks, comparisons=per_task, pooled=pooled).passed
+    assert _statuses(checks)["tier1.pooled_drop"] == gate.PASS
+
+
+def test_clear_drop_fails_on_the_point_estimate():
+    policy = _policy()
+    base = _arm([True] * 900 + [False] * 100)
+    cand = _arm([False] * 100 + [True] * 800 + [False] * 100)  # 100 right->wrong: 10-point drop
+    per_task, pooled = gate.compare_arms(policy, {"t": base}, {"t": cand})
+    checks = gate.decide(policy, per_task, pooled)
+    assert _statuses(checks)["tier1.pooled_drop"] == gate.FAIL
+    assert not gate.outcome(checks, comparisons=per_task, pooled=pooled).passed
+
+
+def test_small_sample_is_inconclusive_and_fails_closed_unless_policy_says_pass():
+    base = _arm([True, False] * 10)
+    strict = _policy()
+    per_task, pooled = gate.compare_arms(strict, {"t": base}, {"t": base})
+    checks = gate.decide(strict, per_task, pooled)
+    assert _statuses(checks)["tier1.pooled_drop"] == gate.INCONCLUSIVE
+    assert not gate.outcome(checks, comparisons=per_task, pooled=pooled).passed
+    no_chance_check = {"tasks": [{"name": "t", "metric": "acc,none"}], "max_pooled_drop": 0.02}
+    lenient = policy_from_dict({"inconclusive": "pass", "tier1": no_chance_check, "tier0": {"enabled": False}})
+    checks = gate.decide(lenient, per_task, pooled)
+    assert _statuses(checks)["tier1.pooled_drop"] == gate.WARN
+    assert gate.outcome(checks, comparisons=per_task, pooled=pooled).passed
+
+
+def test_chance_level_scorer_is_a_hard_fail():
+    policy = _policy(max_pooled_drop=1.0)
+    coin = _arm([i % 2 == 0 for i in range(400)])  # exactly 50% on a 2-way task
+    per_task, pooled = gate.compare_arms(policy, {"t": coin}, {"t": coin})
+    statuses = _statuses(gate.decide(policy, per_task, pooled))
+    assert statuses["hard.t.baseline_above_chance"] == gate.FAIL
+
+
+def test_confident_flips_and_flip_excess_over_the_noise_floor():
+    policy = _policy(max_pooled_drop=1.0, max_confident_flip_rate=0.01, max_flip_rate_above_floor=0.02)
+    base = _arm([True] * 950 + [False] * 50, margin_high=True)
+    flipped = [False] * 30 + [True] * 920 + [True] * 30 + [False] * 20  # 30 each way: zero net delta
+    cand = _arm(flipped)
+    per_task, pooled = gate.compare_arms(policy, {"t": base}, {"t": cand})
+    noise_cmp, noise_pooled = gate.compare_arms(policy, {"t": base}, {"t": base})
+    statuses = _statuses(gate.decide(policy, per_task, pooled, noise_pooled=noise_pooled))
+    assert statuses["tier1.confident_flips"] == gate.FAIL  # 3% of items flipped despite a confident baseline
+    assert statuses["tier1.flip_rate_above_floor"] == gate.FAIL  # 6% flips vs a 0% floor
+
+
+def test_tier0_and_tier2_rules():
+    policy = policy_from_dict({**BASE_POLICY, "tier0": {"max_kl_mean": 0.01, "max_kl_growth": 2.0},
+                               "tier2": {"min_mean_agreed_prefix": 10}})
+    flat = drift.ParityStats(num_tokens=100, kl_mean=0.001, kl_p99=0.01, top1_agreement=0.99, nll_delta_mean=0.0)
+    late = drift.ParityStats(num_tokens=100, kl_mean=0.05, kl_p99=0.5, top1_agreement=0.8, nll_delta_mean=0.1)
+    parity = drift.LogitParity(overall=late, by_position={"0-256": flat, "256-1024": late})
+    agreement = drift.generation_agreement([[1, 2, 3]], [[1, 9, 3]])
+    per_task, pooled = gate.compare_arms(policy, {"t": _arm([1, 0])}, {"t": _arm([1, 0])})
+    statuses = _statuses(gate.decide(policy, per_task, pooled, parity=parity, agreement=agreement))
+    assert statuses["tier0.kl_mean"] == gate.FAIL and statuses["tier0.kl_growth"] == gate.FAIL
+    assert statuses["tier2.mean_agreed_prefix"] == gate.FAIL
+    skipped = _statuses(gate.decide(policy, per_task, pooled, parity_skip_reason="no scorer"))
+    assert skipped["tier0"] == gate.SKIPPED
+
+
+def test_verdict_round_trip_and_tamper_detection(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights-v1")
+    with pytest.raises(verdict.VerdictError, match="no verdict.json"):
+        verdict.check_verdict(tmp_path)
+    verdict.write_verdict(tmp_path, passed=True, policy={"name": "p"}, metrics={}, baseline_hashes={"b": "x"})
+    verdict.check_verdict(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"weights-v2")
+    with pytest.raises(verdict.VerdictError, match="sha256 mismatch: model.safetensors"):
+        verdict.check_verdict(tmp_path)
+    verdict.write_verdict(tmp_path, passed=False, policy={}, metrics={}, baseline_hashes={})
+    with pytest.raises(verdict.VerdictError, match="failing"):
+        verdict.check_verdict(tmp_path)
+    (tmp_path / "verdict.json").write_text("{not json")
+    with pytest.raises(verdict.VerdictError, match="unreadable"):
+        verdict.check_verdict(tmp_path)
+
+
+def test_verdict_notices_added_weight_files(tmp_path):
+    (tmp_path / "a.safetensors").write_bytes(b"a")
+    verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={}, baseline_hashes={})
+    (tmp_path / "b.safetensors").write_bytes(b"b")
+    with pytest.raises(verdict.VerdictError, match="weight files changed"):
+        verdict.check_verdict(tmp_path)
+    body = json.loads((tmp_path / "verdict.json").read_text())
+    assert set(body) >= {"verdict", "weights_sha256", "policy", "metrics", "baseline_weights_sha256"}
