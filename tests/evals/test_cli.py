@@ -1,0 +1,129 @@
+"""`driftgate gate` end to end on the tiny model: exit codes, reports, verdict, baseline cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from evals import data, verdict
+from evals.cli import EXIT_DRIFT, EXIT_ERROR, EXIT_PASS, add_gate_args, run_gate
+from tests.helpers import make_tiny_model_dir
+
+TINY_POLICY = """
+[engine]
+max_model_len = 512
+[noise_floor]
+max_num_batched_tokens = 64
+[tier0]
+num_documents = 1
+max_tokens_per_sequence = 128
+[tier1]
+max_pooled_drop = 0.5
+max_flip_rate_above_floor = 0.2
+max_confident_flip_rate = 1.0
+[[tier1.tasks]]
+name = "driftgate_arc_easy"
+metric = "acc_norm,none"
+items = 8
+[[tier1.tasks]]
+name = "driftgate_piqa"
+metric = "acc,none"
+items = 8
+[tier2]
+num_prompts = 1
+max_new_tokens = 8
+min_mean_agreed_prefix = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    try:
+        data.resolve_data_dir()
+    except data.DataMissingError as exc:
+        pytest.skip(f"shared evaluation data not present: {exc}")
+    root = tmp_path_factory.mktemp("gate")
+    baseline = make_tiny_model_dir(root / "baseline")
+    policy = root / "tiny.toml"
+    policy.write_text(TINY_POLICY)
+    return root, baseline, policy
+
+
+def _gate(baseline, candidate, policy, root, *extra):
+    parser = argparse.ArgumentParser()
+    add_gate_args(parser)
+    args = parser.parse_args(["--baseline", str(baseline), "--candidate", str(candidate), "--policy", str(policy),
+                              "--cache-dir", str(root / "cache"), "--report-dir", str(root / "report"), *extra])
+    return run_gate(args)
+
+
+def test_missing_candidate_is_exit_2(setup, capsys):
+    root, baseline, policy = setup
+    assert _gate(baseline, root / "nope", policy, root) == EXIT_ERROR
+    assert "candidate directory" in capsys.readouterr().err
+
+
+def test_corrupt_safetensors_is_exit_2(setup, capsys):
+    root, baseline, policy = setup
+    bad = root / "corrupt"
+    shutil.copytree(baseline, bad)
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    assert _gate(baseline, bad, policy, root) == EXIT_ERROR
+    assert "not readable safetensors" in capsys.readouterr().err
+
+
+def test_bad_policy_key_is_exit_2_and_named(setup, capsys):
+    root, baseline, _ = setup
+    policy = root / "typo.toml"
+    policy.write_text(TINY_POLICY.replace("max_pooled_drop", "max_poled_drop"))
+    assert _gate(baseline, baseline, policy, root) == EXIT_ERROR
+    assert "tier1.max_poled_drop" in capsys.readouterr().err
+
+
+def test_missing_data_file_is_exit_2(setup, tmp_path, capsys):
+    root, baseline, policy = setup
+    (tmp_path / "arc").mkdir()
+    assert _gate(baseline, baseline, policy, root, "--data-dir", str(tmp_path)) == EXIT_ERROR
+    assert "missing data file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
+    root, baseline, policy = setup
+    candidate = root / "copy"
+    shutil.copytree(baseline, candidate)
+    assert _gate(baseline, candidate, policy, root) == EXIT_PASS
+    verdict.check_verdict(candidate)
+    report = json.loads((root / "report" / "report.json").read_text())
+    assert report["verdict"] == "pass"
+    assert report["tier1"]["pooled"]["right_to_wrong"] == 0 and report["tier1"]["pooled"]["wrong_to_right"] == 0
+    assert (root / "report" / "report.md").read_text().startswith("# Gate verdict: **PASS**")
+    assert "data:image/png;base64" in (root / "report" / "report.html").read_text()
+    assert not report["manifest"]["baseline_cached"]
+    capsys.readouterr()
+    assert _gate(baseline, candidate, policy, root) == EXIT_PASS
+    assert "baseline: cached" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_fails_with_a_failing_verdict(setup):
+    root, baseline, policy = setup
+    damaged = root / "damaged"
+    shutil.copytree(baseline, damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2:
+            tensors[name] = tensor + torch.randn(tensor.shape, generator=generator) * 0.5
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    assert _gate(baseline, damaged, policy, root) == EXIT_DRIFT
+    report = json.loads((root / "report" / "report.json").read_text())
+    failed = {c["name"] for c in report["checks"] if c["status"] in ("fail", "inconclusive")}
+    assert failed & {"tier1.pooled_drop", "tier1.flip_rate_above_floor", "tier2.mean_agreed_prefix"}
+    with pytest.raises(verdict.VerdictError, match="failing"):
+        verdict.check_verdict(damaged)
