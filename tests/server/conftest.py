@@ -11,15 +11,9 @@ import pytest
 
 from server.app import build_app
 from server.config import ServerConfig
-from tests.helpers import make_tiny_model_dir
 from tests.server.live import serve_in_thread
 
 MODEL_NAME = "tiny"
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")

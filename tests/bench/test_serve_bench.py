@@ -1,0 +1,119 @@
+"""`driftgate bench serve`: metric definitions on hand-made results, arrivals, datasets, and a live run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import datasets
+from bench.serve import (
+    RequestResult,
+    add_bench_serve_args,
+    arrival_gaps,
+    compute_metrics,
+    parse_slo,
+    run_bench_serve,
+)
+
+
+def test_tpot_excludes_first_token_and_goodput_needs_every_slo():
+    fast = RequestResult(prompt_len=10, output_len=5, ttft=0.1, latency=0.5, itl=[0.1] * 4)
+    slow_first = RequestResult(prompt_len=10, output_len=5, ttft=1.0, latency=1.4, itl=[0.1] * 4)
+    single = RequestResult(prompt_len=10, output_len=1, ttft=0.2, latency=0.2)
+    failed = RequestResult(prompt_len=10, error="HTTP 429")
+    assert fast.tpot == pytest.approx(0.1) and single.tpot == 0.0
+    m = compute_metrics([fast, slow_first, single, failed], duration_s=2.0, slo=parse_slo("ttft:500,tpot:150"))
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["goodput"] == pytest.approx(2 / 2.0)  # slow_first misses the TTFT SLO
+    assert m["output_throughput"] == pytest.approx(11 / 2.0)
+    assert m["total_token_throughput"] == pytest.approx((30 + 11) / 2.0)
+    assert m["tpot_ms"]["mean"] == pytest.approx(100.0)  # the single-token request has no TPOT
+    assert m["itl_ms"]["median"] == pytest.approx(100.0)
+    assert m["ttft_ms"]["p99"] <= 1000.0
+    assert compute_metrics([fast], 1.0, {})["goodput"] is None
+
+
+def test_parse_slo_rejects_unknown_metrics():
+    assert parse_slo("ttft:2000, tpot:50") == {"ttft": 2.0, "tpot": 0.05}
+    with pytest.raises(ValueError):
+        parse_slo("latency:5")
+
+
+def test_arrivals_are_gamma_with_the_requested_rate():
+    rng = np.random.default_rng(0)
+    poisson = arrival_gaps(20_000, rate=4.0, burstiness=1.0, rng=rng)
+    assert poisson.mean() == pytest.approx(0.25, rel=0.03)
+    assert poisson.std() == pytest.approx(0.25, rel=0.05)  # exponential: std == mean
+    regular = arrival_gaps(20_000, rate=4.0, burstiness=8.0, rng=rng)
+    assert regular.mean() == pytest.approx(0.25, rel=0.03) and regular.std() < 0.5 * poisson.std()
+    assert not arrival_gaps(5, math.inf, 1.0, rng).any()
+
+
+def test_data_dir_resolution_order(tmp_path, monkeypatch):
+    env_dir = tmp_path / "env"
+    env_dir.mkdir()
+    monkeypatch.setenv("DRIFTGATE_DATA", str(env_dir))
+    assert datasets.find_data_dir(str(tmp_path)) == tmp_path
+    assert datasets.find_data_dir(None) == env_dir
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tests.helpers import write_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_prefix_shared_prompts_share_the_prefix(tokenizer):
+    samples = datasets.prefix_shared(tokenizer, 4, prefix_len=64, input_len=8, output_len=5,
+                                     rng=np.random.default_rng(0))
+    prefix = samples[0].prompt.split("\n")[0]
+    assert len({s.prompt for s in samples}) == 4
+    assert all(s.prompt.startswith(prefix) and s.output_len == 5 and s.prompt_len > 64 for s in samples)
+
+
+def test_sharegpt_samples_are_pruned_and_reproducible(tokenizer):
+    try:
+        data_dir = datasets.find_data_dir(None)
+    except FileNotFoundError:
+        pytest.skip("no ../shared/data here")
+    draw = [datasets.sharegpt(tokenizer, data_dir, 30, 64, False, np.random.default_rng(3)) for _ in range(2)]
+    assert [s.prompt for s in draw[0]] == [s.prompt for s in draw[1]]
+    assert all(4 <= s.prompt_len <= 1024 and 4 <= s.output_len <= 1024 for s in draw[0])
+    assert len({s.output_len for s in draw[0]}) > 5  # drawn, not fixed
+
+
+def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: Path):
+    from tests.server.conftest import MODEL_NAME, serve
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_args(parser)
+    with serve(engine) as url:
+        args = parser.parse_args([
+            "--base-url", url, "--model", MODEL_NAME, "--tokenizer", str(tiny_model_dir), "--dataset", "random",
+            "--num-prompts", "6", "--input-len", "16", "--output-len", "8", "--ignore-eos", "--sweep", "4,inf",
+            "--max-concurrency", "4",
+            "--temperature", "1.0",  # greedy on random weights can settle on special tokens (no text)
+            "--slo", "ttft:60000,tpot:60000", "--result-json", str(tmp_path / "r.json"),
+            "--plot", str(tmp_path / "p.png"), "--no-progress", "--max-duration", "120",
+        ])
+        assert run_bench_serve(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [run["request_rate"] for run in result["runs"]] == [4.0, math.inf]
+    for run in result["runs"]:
+        assert run["completed"] == 6 and run["failed"] == 0
+        # the server generated exactly 8 each; re-tokenizing a random model's text need not give 8 back
+        assert [r["server_output_len"] for r in run["requests"]] == [8] * 6
+        assert run["total_output_tokens"] > 0
+        assert run["goodput"] == pytest.approx(run["request_throughput"])
+        assert 0 < run["ttft_ms"]["median"] <= run["e2el_ms"]["median"]
+    assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p_sweep.png").stat().st_size > 0
