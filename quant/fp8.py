@@ -18,19 +18,19 @@ def fp8_scale(x: torch.Tensor, strategy: str) -> torch.Tensor:
 
     Rows are the last-dim slices; zero rows get a tiny scale instead of 0 so division stays finite.
     """
-    a = x.detach().abs().float()
+    a = x.detach().float()
     if strategy == "tensor":
-        amax = a.amax().reshape(1)
+        amax = torch.linalg.vector_norm(a, ord=float("inf")).reshape(1)
     elif strategy in ("channel", "token"):
-        amax = a.amax(-1, keepdim=True)
+        amax = torch.linalg.vector_norm(a, ord=float("inf"), dim=-1, keepdim=True)  # one kernel: max |x|
     else:
         raise ValueError(f"fp8 scales support tensor/channel/token, got {strategy!r}")
-    return (amax / FP8_MAX).clamp(min=_EPS)
+    return (amax / FP8_MAX).clamp_(min=_EPS)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Saturating cast of ``x / scale`` to float8_e4m3fn (scale broadcasts over x)."""
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x.float() / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -40,4 +40,4 @@ def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Round-trip through FP8 in x's dtype: what an FP8 kernel sees of ``x``."""
-    return dequantize_fp8(quantize_fp8(x, scale), scale, x.dtype)
+    return quantize_fp8(x, scale).float().mul_(scale).to(x.dtype)

@@ -8,7 +8,8 @@ oracle every kernel is tested against.
 
 Canonical tensors after ``finalize`` (fused shards concatenated along output rows):
 per-tensor shard scales become a per-row vector, which represents them exactly, so one kernel
-covers every shard layout.
+covers every shard layout. The kernel is picked for the device the module sits on at
+``finalize``: move the module before loading, not after.
 """
 
 from __future__ import annotations
@@ -254,7 +255,8 @@ class Fp8Linear(QuantLinearBase):
         input_scale = torch.stack([s["input_scale"] for s in shards]).amax().reshape(1) if "input_scale" in shards[0] else None
         self.register_buffer("input_scale", input_scale, persistent=False)  # [1] | None
         dims_ok = self.input_size % 16 == 0 and self.output_size % 16 == 0
-        if self.weight.is_cuda and self.scheme.input_activations is not None and dims_ok:
+        fp8_gpu = self.weight.is_cuda and torch.cuda.get_device_capability(self.weight.device) >= (8, 9)
+        if fp8_gpu and self.scheme.input_activations is not None and dims_ok:
             self.kernel = "scaled_mm"
         else:
             self.kernel = "dense"
@@ -281,11 +283,13 @@ class Fp8Linear(QuantLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.input_size)
-        if self.kernel == "scaled_mm" and x.is_cuda:
+        if self.kernel == "scaled_mm":
             sx = self._act_scale(x2d).float().expand(x2d.shape[0], 1).contiguous()  # [M, 1]
             x8 = (x2d.float() / sx).clamp(-448.0, 448.0).to(FP8_DTYPE)
             # mat2 must be column-major: weight is [out, in] row-major, so its transpose is.
-            y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(), out_dtype=x.dtype)
+            # Row-wise scaling only produces bf16.
+            y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(),
+                                 out_dtype=torch.bfloat16)
         else:
             y = F.linear(self._quantize_input(x2d).to(self.weight_dense.dtype), self.weight_dense)
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
@@ -352,7 +356,8 @@ class WeightOnlyIntLinear(QuantLinearBase):
         if self.kernel == "int4pack_cpu":
             packed = torch._convert_weight_to_int4pack_for_cpu(u, 1)
         else:
-            inner_k_tiles = 8 if self.input_size % 256 == 0 else 4 if self.input_size % 128 == 0 else 2
+            # The CUDA layout tiles K by inner_k_tiles·16 columns.
+            inner_k_tiles = 8 if self.input_size % 128 == 0 else 4 if self.input_size % 64 == 0 else 2
             u8 = ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8)  # [out, in/2], even column in the high nibble
             packed = torch._convert_weight_to_int4pack(u8, inner_k_tiles)
         self.register_buffer("kernel_weight", packed, persistent=False)
@@ -404,7 +409,8 @@ class Int8Linear(QuantLinearBase):
     to 7 bits (``reduce_range``, which avoids int16 saturation on AVX2). To keep one loud token
     from flattening every other row of a batch, rows are first divided by their own absmax and
     the output rows multiplied back: the result no longer depends on batch composition, at about
-    twice the per-token rounding error. CUDA uses per-token quantization and ``torch._int_mm``.
+    twice the per-token rounding error. CUDA uses per-token quantization and ``torch._int_mm``
+    (in and out multiples of 8; other shapes run the oracle).
     """
 
     def expected_tensors(self) -> tuple[set[str], set[str]]:
@@ -418,7 +424,9 @@ class Int8Linear(QuantLinearBase):
         self.register_buffer("qweight", merged["q"], persistent=False)  # [out, in] int8
         self.register_buffer("weight_scale", merged["scale"], persistent=False)  # [out, 1] fp32
         if self.qweight.is_cuda:
-            self.kernel = "int_mm"
+            # cuBLASLt int8 GEMM needs in and out multiples of 8; otherwise run the oracle.
+            dims_ok = self.input_size % 8 == 0 and self.output_size % 8 == 0
+            self.kernel = "int_mm" if dims_ok else "reference"
         else:
             self.kernel = "fbgemm"
             self._packed = _fbgemm_prepack(self.qweight, self.weight_scale[:, 0])
@@ -434,8 +442,10 @@ class Int8Linear(QuantLinearBase):
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "reference":
+            return self.reference_forward(x)
         x2d = x.reshape(-1, self.input_size).float()
-        if self.kernel == "int_mm" and x.is_cuda:
+        if self.kernel == "int_mm":
             s = (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)  # [M, 1]
             xq = torch.round(x2d / s).clamp(-127, 127).to(torch.int8)
             m = xq.shape[0]
@@ -443,9 +453,11 @@ class Int8Linear(QuantLinearBase):
                 xq = F.pad(xq, (0, 0, 0, 17 - m))
             acc = torch._int_mm(xq, self.qweight.t())[:m]  # [M, out] int32
             y = acc.float() * s * self.weight_scale.t()
+        elif x2d.shape[0] == 1:  # one row: fbgemm's per-tensor scale already is per token
+            y = torch.ops.quantized.linear_dynamic(x2d, self._packed, True)
         else:
-            row_scale = x2d.abs().amax(-1, keepdim=True).clamp(min=_EPS)  # [M, 1]
-            y = torch.ops.quantized.linear_dynamic(x2d / row_scale, self._packed, True) * row_scale
+            row_scale = torch.linalg.vector_norm(x2d, ord=float("inf"), dim=-1, keepdim=True).clamp_(min=_EPS)  # [M, 1]
+            y = torch.ops.quantized.linear_dynamic(x2d / row_scale, self._packed, True).mul_(row_scale)
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
 
