@@ -3,12 +3,14 @@
 Per decoder layer, over every calibration sample (one sequence each, plain causal attention,
 no KV cache):
 
-1. run the layer with observers hooked on each Linear input and on the post-RoPE K/V;
+1. run the layer with observers hooked on each Linear input (skipped when the algorithm
+   needs no statistics: plain RTN with dynamic activations);
 2. record the unquantized layer's output on the held-out samples;
 3. let the quantizer replace the layer's weights (statistics in, checkpoint tensors out);
-4. re-run the now-quantized layer on every sample: its outputs are the next layer's inputs,
-   so later layers calibrate against the error earlier layers really make (GPTQ's sequential
-   order), and the held-out outputs give the layer's relative output error.
+4. re-run the now-quantized layer on every sample with the post-RoPE K/V observers hooked:
+   its outputs are the next layer's inputs, so later layers calibrate against the error
+   earlier layers really make (GPTQ's sequential order), the KV scales cover the values the
+   served model will cache, and the held-out outputs give the layer's relative output error.
 
 Only one layer's activations (all samples) and statistics live at a time; the layer itself is
 moved to the compute device only while it is processed.
@@ -58,6 +60,7 @@ class LayerQuantization:
 class LayerQuantizer(Protocol):
     """Turns one layer's statistics into quantized weights, in place, and its checkpoint tensors."""
 
+    needs_statistics: bool  # False: quantizes from the weights alone, so observe after quantizing
     needs_hessian: bool
     needs_activations: bool
 
@@ -171,7 +174,10 @@ def calibrate(
     layers = model.model.layers
     calib_stream, heldout_stream = _embed(model, samples, device), _embed(model, heldout, device)
     result = CalibrationResult(tensors={}, changed={}, kv_absmax=[], layers=[])
-    num_passes = 2 * (len(samples) + len(heldout)) if quantizer else len(samples) + len(heldout)
+    needs_statistics = quantizer is not None and quantizer.needs_statistics
+    num_calib_passes = 2 if needs_statistics else 1
+    num_heldout_passes = 2 if quantizer is not None else 1
+    num_passes = num_calib_passes * len(samples) + num_heldout_passes * len(heldout)
     for layer_idx, layer in enumerate(layers):
         start = time.perf_counter()
         layer_targets = [t for t in targets if t.layer_idx == layer_idx]
@@ -181,8 +187,9 @@ def calibrate(
         layer.to(device)
         with tqdm(total=num_passes, desc=f"layer {layer_idx + 1}/{len(layers)}", unit="pass",
                   disable=not show_progress, leave=False) as progress:
-            with _observing(layer, stats, kv):
-                calib_out = _run_layer(layer, calib_stream, progress)
+            if needs_statistics:
+                with _observing(layer, stats, None):
+                    _run_layer(layer, calib_stream, progress)
             heldout_ref = _run_layer(layer, heldout_stream, progress)
             weight_errors: dict[str, float] = {}
             if quantizer is not None:
@@ -190,7 +197,11 @@ def calibrate(
                 result.tensors.update(quantized.tensors)
                 result.changed.update(quantized.changed)
                 weight_errors = quantized.weight_errors
+            # K/V (and, when quantization needed none, the Linear inputs) are observed on the
+            # quantized layer: those are the values the served model will produce.
+            with _observing(layer, {} if needs_statistics else stats, kv):
                 calib_out = _run_layer(layer, calib_stream, progress)
+            if quantizer is not None:
                 heldout_out = _run_layer(layer, heldout_stream, progress)
                 output_error = _relative_error(heldout_out.outputs(), heldout_ref.outputs())
             else:

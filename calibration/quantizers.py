@@ -1,9 +1,9 @@
 """Apply one weight scheme and algorithm to a calibrated decoder layer, through ``quant/``.
 
-Every quantized Linear is replaced in the layer by the very module the engine will serve
-(built from the checkpoint tensors we are about to write, run through its reference forward),
-so the next layer calibrates against — and the error report measures — what serving computes,
-activation quantization included.
+Every quantized Linear is replaced in the layer by the very module the engine will serve,
+built from the checkpoint tensors we are about to write, so the next layer calibrates
+against — and the error report measures — what serving computes, activation quantization
+included, and a tensor the engine would reject fails here, before anything is written.
 """
 
 from __future__ import annotations
@@ -15,19 +15,8 @@ from calibration.pipeline import LayerQuantization, LinearStats
 from calibration.targets import LinearTarget
 from quant.checkpoint import quantize_weight
 from quant.fp8 import fp8_scale
-from quant.linear import QuantLinearBase, make_quantized_linear
+from quant.linear import make_quantized_linear
 from quant.schemes import QuantScheme
-
-
-class ReferenceLinear(nn.Module):
-    """Calls a quantized Linear's dequantize-then-matmul forward: exact on any device and dtype."""
-
-    def __init__(self, quantized: QuantLinearBase):
-        super().__init__()
-        self.quantized = quantized
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quantized.reference_forward(x)
 
 
 def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -46,6 +35,8 @@ class WeightQuantizer:
     def __init__(self, scheme: QuantScheme, algorithm: str):
         self.scheme = scheme
         self.algorithm = algorithm
+        acts = scheme.input_activations
+        self.needs_statistics = algorithm != "rtn" or (acts is not None and not acts.dynamic)
         self.needs_hessian = algorithm == "gptq"
         self.needs_activations = algorithm == "awq"
 
@@ -56,8 +47,9 @@ class WeightQuantizer:
             module = layer.get_submodule(target.module_path)
             weight = module.weight.detach().float().cpu()  # [out, in], all shards
             input_scale = self._input_scale(stats[target.module_path])
-            quantized = make_quantized_linear(self.scheme, target.input_size, list(target.output_sizes),
-                                              bias=module.bias is not None, dtype=module.weight.dtype)
+            with torch.device(module.weight.device):  # the kernel is chosen for the device it is built on
+                quantized = make_quantized_linear(self.scheme, target.input_size, list(target.output_sizes),
+                                                  bias=module.bias is not None, dtype=module.weight.dtype)
             for shard_id, (prefix, rows) in enumerate(zip(target.prefixes, _shard_rows(target), strict=True)):
                 tensors = self._quantize_shard(weight[rows], stats[target.module_path], input_scale)
                 result.tensors[prefix] = tensors
@@ -70,8 +62,7 @@ class WeightQuantizer:
             for prefix, rows in zip(target.prefixes, _shard_rows(target), strict=True):
                 result.weight_errors[prefix] = _relative_error(dequantized[rows], weight[rows])
             parent_path, _, leaf = target.module_path.rpartition(".")
-            setattr(layer.get_submodule(parent_path), leaf,
-                    ReferenceLinear(quantized).to(module.weight.device))
+            setattr(layer.get_submodule(parent_path), leaf, quantized)
         return result
 
     def _input_scale(self, stats: LinearStats) -> torch.Tensor | None:
