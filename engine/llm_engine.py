@@ -69,6 +69,13 @@ class LLMEngine:
                                  args.max_position_embeddings)
         kv_dtype = self._kv_dtype()
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(kv_dtype)
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            # one sequence must always fit, or it would preempt itself forever
+            if config.max_model_len is not None:
+                raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len="
+                                 f"{config.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
+            self.max_model_len = capacity
         self.kv_cache = KVCache(args.num_layers, num_blocks * config.block_size, args.num_kv_heads,
                                 args.head_dim, kv_dtype, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -132,6 +139,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        return self.submit(self.make_request(request_id, prompt, params))
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> _RequestState:
+        """Tokenize and validate without touching engine state (safe from any thread)."""
         prompt_ids = self.tokenize_prompt(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -154,13 +165,18 @@ class LLMEngine:
                                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                             [] if params.logprobs is not None else None))
         prompt_lp = [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
-        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
-                              sequences, prompt_lp)
-        self.requests[request_id] = state
-        for seq in sequences:
+        return _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
+                             sequences, prompt_lp)
+
+    def submit(self, state: _RequestState) -> str:
+        """Queue a request made by `make_request` (engine thread only)."""
+        if state.request_id in self.requests:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
+        self.requests[state.request_id] = state
+        for seq in state.sequences:
             self._seq_owner[seq.request.request_id] = state
             self.scheduler.add_request(seq.request)
-        return request_id
+        return state.request_id
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now and free its KV blocks; False if it is unknown or already done."""

@@ -101,3 +101,27 @@ def make_tiny_model_dir(
                 p.normal_(0.0, 0.08)
     model.save_pretrained(dest, safe_serialization=True)
     return dest
+
+
+def make_requests(num: int, num_tokens: int | list[int], *, max_tokens: int = 4, vocab: int = 50,
+                  seed: int = 0, prefix: list[int] | None = None):
+    """Requests with random prompts (optionally sharing `prefix`), for scheduler/block tests."""
+    import random
+
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Request
+
+    rng = random.Random(seed)
+    lengths = num_tokens if isinstance(num_tokens, list) else [num_tokens] * num
+    return [Request(f"r{i}", (prefix or []) + [rng.randrange(vocab) for _ in range(n)],
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            for i, n in enumerate(lengths)]
+
+
+def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 64, max_model_len: int = 256, prefix_caching: bool = True):
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), bm)

@@ -1,0 +1,158 @@
+"""The engine on a background thread, streaming to asyncio callers.
+
+The step loop runs in its own thread (torch releases the GIL inside kernels), so an asyncio
+server stays responsive while the model computes. Requests and aborts reach the loop as
+commands applied between steps; outputs come back through `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("driftgate.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (the request ends; the engine keeps going)."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+        if engine is None:
+            if config is None:
+                raise ValueError("give an EngineConfig or an LLMEngine")
+            engine = LLMEngine(config)
+        self.engine = engine
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._stats = engine.stats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.last_step_time = time.monotonic()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="driftgate-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (never blocks on the engine thread)."""
+        return self._stats
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; ValueError before the first yield
+        for a bad request. Cancelling the consumer aborts the request and frees its blocks."""
+        if not self.is_alive:
+            raise EngineError("the engine is not running")
+        state = self.engine.make_request(request_id, prompt, params)
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, stream)
+        self._commands.put(("add", state))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's KV blocks are freed before the next forward."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- the loop (engine thread) -----------------------------------------------------------
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._streams_lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.submit(arg)
+                except ValueError as e:
+                    self._deliver(arg.request_id, e)
+            else:
+                self.engine.abort_request(arg)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._stats = self.engine.stats()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug must end the affected requests, not the server
+                log.exception("engine step failed; aborting in-flight requests")
+                self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                continue
+            self.last_step_time = time.monotonic()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._stats = self.engine.stats()
+        self._fail_all(EngineError("the engine is shutting down"))
+
+    def _fail_all(self, error: EngineError) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, error)

@@ -1,0 +1,112 @@
+"""`driftgate` console script: one entry point, each subcommand owned by its package.
+
+Subcommand modules are imported only when chosen, so `driftgate import-model` does not pay for
+FastAPI or lm-eval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+# name → (module, function adding its arguments, function running it, one-line help)
+COMMANDS = {
+    "import-model": ("engine.cli", "add_import_args", "run_import", "import a GGUF (default: SmolLM2-135M) as an HF folder"),
+    "generate": ("engine.cli", "add_generate_args", "run_generate", "offline generation for prompts or chats"),
+    "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
+    "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
+    "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline` or `bench serve`"),
+}
+
+
+def add_import_args(parser: argparse.ArgumentParser) -> None:
+    from engine.model_import import KNOWN_MODELS
+
+    parser.add_argument("name", nargs="?", help=f"a known model: {', '.join(KNOWN_MODELS)}")
+    parser.add_argument("--gguf", type=Path, help="import this Llama-family GGUF file instead")
+    parser.add_argument("--dest", type=Path, help="output folder (default: $DRIFTGATE_HOME/models/NAME)")
+    parser.add_argument("--force", action="store_true", help="re-import even if the folder exists")
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from engine.model_import import import_model
+
+    try:
+        path = import_model(args.name, gguf=args.gguf, dest=args.dest, force=args.force)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder")
+    parser.add_argument("prompts", nargs="+", help="prompts (chat messages with --chat)")
+    parser.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    try:
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        else:
+            outs = llm.generate(args.prompts, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(args.prompts, outs, strict=True):
+        print(f"### {prompt}\n{out.outputs[0].text}\n")
+    return 0
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", required=True)
+    from bench.offline import add_offline_args
+    from bench.serve import add_bench_serve_args
+
+    add_offline_args(sub.add_parser("offline", help="offline throughput and batch-1 decode vs HF"))
+    add_bench_serve_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "offline":
+        from bench.offline import run_offline
+
+        return run_offline(args)
+    from bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="driftgate", description="Serve quantized LLMs that provably did not drift.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, add_fn, _, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text)
+        if name == command:
+            getattr(importlib.import_module(module), add_fn)(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    module, _, run_fn, _ = COMMANDS[args.command]
+    return getattr(importlib.import_module(module), run_fn)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

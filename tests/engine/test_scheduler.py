@@ -1,0 +1,97 @@
+"""Scheduler policy on fabricated requests: budget, chunking, decode priority, preemption."""
+
+from __future__ import annotations
+
+from engine.sequence import RequestStatus
+from tests.helpers import make_requests, make_scheduler
+
+
+def _run_step(sched, token=7):
+    out = sched.schedule()
+    sampled = {c.request.request_id: token for c in out.chunks if c.completes_sequence}
+    return out, sched.update_from_output(out, sampled)
+
+
+def test_token_budget_chunks_prefill():
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=10)
+    (req,) = make_requests(1, 25)
+    sched.add_request(req)
+    sizes = []
+    while req.num_output_tokens == 0:
+        out, _ = _run_step(sched)
+        sizes.append(out.num_batched_tokens)
+    assert sizes == [10, 10, 5]
+
+
+def test_running_decodes_come_before_new_prefills():
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=8)
+    a, b = make_requests(2, 6, max_tokens=10)
+    sched.add_request(a)
+    _run_step(sched)
+    sched.add_request(b)
+    out, _ = _run_step(sched)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("r0", 1), ("r1", 6)]
+
+
+def test_max_num_seqs_caps_running():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2)
+    for r in make_requests(4, 3):
+        sched.add_request(r)
+    out, _ = _run_step(sched)
+    assert len(out.chunks) == 2 and len(sched.waiting) == 2
+
+
+def test_preemption_recomputes_and_puts_victim_first():
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    reqs = make_requests(2, 7, max_tokens=10)  # 17 tokens: each alone fits in 5 blocks, not both
+    for r in reqs:
+        sched.add_request(r)
+    preempted = []
+    for _ in range(30):
+        out, _ = _run_step(sched)
+        preempted += out.preempted
+        if not sched.has_unfinished():
+            break
+    assert preempted, "two requests growing in 5 blocks of 4 must collide"
+    victim = preempted[0]
+    assert victim.request_id == "r1", "the newest running request is the victim"
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(r.num_output_tokens == 10 for r in reqs)
+    assert sched.block_manager.num_free_blocks == 5
+    assert sched.num_preemptions == len(preempted)
+
+
+def test_finish_frees_blocks_at_once():
+    sched = make_scheduler(num_blocks=8)
+    (req,) = make_requests(1, 9, max_tokens=50)
+    sched.add_request(req)
+    _run_step(sched)
+    assert sched.block_manager.num_free_blocks < 8
+    sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert sched.block_manager.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_stop_token_and_length():
+    sched = make_scheduler(num_blocks=16)
+    a, b = make_requests(2, 4, max_tokens=3)
+    a.params.stop_token_ids = [7]
+    sched.add_request(a)
+    sched.add_request(b)
+    _, finished = _run_step(sched, token=7)
+    assert finished == [a] and a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == 7
+    for _ in range(2):
+        _run_step(sched, token=7)
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.num_output_tokens == 3
+
+
+def test_prefix_hits_are_counted_once():
+    sched = make_scheduler(num_blocks=32)
+    shared = list(range(100, 116))
+    a, b = make_requests(2, 3, prefix=shared)
+    sched.add_request(a)
+    _run_step(sched)
+    sched.add_request(b)
+    out, _ = _run_step(sched)
+    chunk_b = next(c for c in out.chunks if c.request is b)
+    assert chunk_b.start == 16 and b.num_cached_tokens == 16
+    assert sched.prefix_hits == 16
