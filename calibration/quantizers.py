@@ -4,19 +4,29 @@ Every quantized Linear is replaced in the layer by the very module the engine wi
 built from the checkpoint tensors we are about to write, so the next layer calibrates
 against — and the error report measures — what serving computes, activation quantization
 included, and a tensor the engine would reject fails here, before anything is written.
+
+The math (RTN, the GPTQ solve, the AWQ grid search, folding scales) is ``quant/``'s; this
+module only knows the Llama block's wiring: which Linears share an input and which op
+produces that input.
 """
 
 from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from calibration.pipeline import LayerQuantization, LinearStats
 from calibration.targets import LinearTarget
+from quant.awq import awq_search_scales
 from quant.checkpoint import quantize_weight
 from quant.fp8 import fp8_scale
+from quant.gptq import gptq_quantize
 from quant.linear import make_quantized_linear
 from quant.schemes import QuantScheme
+from quant.smoothing import fold_smoothing_scales
 
 
 def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -24,9 +34,39 @@ def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx.float() - exact.float()).norm() / norm) if norm > 0 else 0.0
 
 
-def _shard_rows(target: LinearTarget) -> list[slice]:
-    starts = [sum(target.output_sizes[:i]) for i in range(len(target.output_sizes))]
-    return [slice(s, s + n) for s, n in zip(starts, target.output_sizes, strict=True)]
+def _shard_rows(output_sizes: tuple[int, ...]) -> list[slice]:
+    starts = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+    return [slice(s, s + n) for s, n in zip(starts, output_sizes, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class _SmoothMapping:
+    """AWQ pair: the balance Linear at ``balance`` reads channels produced by ``smooth``.
+
+    ``smooth`` is an RMSNorm (whole weight) or rows ``rows`` of a fused Linear's weight.
+    """
+
+    balance: str
+    smooth: str
+    rows: slice | None = None
+
+
+def _awq_mappings(layer: nn.Module) -> list[_SmoothMapping]:
+    """The Llama block's smoothable pairs.
+
+    v_proj → o_proj is left out under grouped-query attention: its scales would have to be
+    shared by the query heads reading one KV head, which the search does not model.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    mappings = [
+        _SmoothMapping("self_attn.qkv_proj", "input_layernorm"),
+        _SmoothMapping("mlp.gate_up_proj", "post_attention_layernorm"),
+        _SmoothMapping("mlp.down_proj", "mlp.gate_up_proj", _shard_rows(tuple(mlp.gate_up_proj.output_sizes))[1]),
+    ]
+    if attn.num_heads == attn.num_kv_heads:
+        mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj",
+                                       _shard_rows(tuple(attn.qkv_proj.output_sizes))[2]))
+    return mappings
 
 
 class WeightQuantizer:
@@ -43,27 +83,66 @@ class WeightQuantizer:
     def quantize_layer(self, layer_idx: int, layer: nn.Module, targets: list[LinearTarget],
                        stats: dict[str, LinearStats]) -> LayerQuantization:
         result = LayerQuantization(tensors={}, weight_errors={})
+        if self.algorithm == "awq":
+            result.changed = self._smooth(layer_idx, layer, targets, stats)
         for target in targets:
-            module = layer.get_submodule(target.module_path)
-            weight = module.weight.detach().float().cpu()  # [out, in], all shards
-            input_scale = self._input_scale(stats[target.module_path])
-            with torch.device(module.weight.device):  # the kernel is chosen for the device it is built on
-                quantized = make_quantized_linear(self.scheme, target.input_size, list(target.output_sizes),
-                                                  bias=module.bias is not None, dtype=module.weight.dtype)
-            for shard_id, (prefix, rows) in enumerate(zip(target.prefixes, _shard_rows(target), strict=True)):
-                tensors = self._quantize_shard(weight[rows], stats[target.module_path], input_scale)
-                result.tensors[prefix] = tensors
-                shard_tensors = dict(tensors)
-                if module.bias is not None:
-                    shard_tensors["bias"] = module.bias.detach()[rows].cpu()
-                quantized.load_shard(shard_id, shard_tensors)
-            quantized.finalize()
-            dequantized = quantized.dequantized_weight()
-            for prefix, rows in zip(target.prefixes, _shard_rows(target), strict=True):
-                result.weight_errors[prefix] = _relative_error(dequantized[rows], weight[rows])
-            parent_path, _, leaf = target.module_path.rpartition(".")
-            setattr(layer.get_submodule(parent_path), leaf, quantized)
+            self._quantize_target(layer, target, stats[target.module_path], result)
         return result
+
+    def _quantize_target(self, layer: nn.Module, target: LinearTarget, stats: LinearStats,
+                         result: LayerQuantization) -> None:
+        module = layer.get_submodule(target.module_path)
+        weight = module.weight.detach().float().cpu()  # [out, in], all shards
+        shard_tensors = self._quantize_weight(weight, target, stats)
+        with torch.device(module.weight.device):  # the kernel is chosen for the device it is built on
+            quantized = make_quantized_linear(self.scheme, target.input_size, list(target.output_sizes),
+                                              bias=module.bias is not None, dtype=module.weight.dtype)
+        rows = _shard_rows(target.output_sizes)
+        for shard_id, (prefix, tensors) in enumerate(zip(target.prefixes, shard_tensors, strict=True)):
+            result.tensors[prefix] = tensors
+            bias = {} if module.bias is None else {"bias": module.bias.detach()[rows[shard_id]].cpu()}
+            quantized.load_shard(shard_id, {**tensors, **bias})
+        quantized.finalize()
+        dequantized = quantized.dequantized_weight()
+        for prefix, shard in zip(target.prefixes, rows, strict=True):
+            result.weight_errors[prefix] = _relative_error(dequantized[shard], weight[shard])
+        parent_path, _, leaf = target.module_path.rpartition(".")
+        setattr(layer.get_submodule(parent_path), leaf, quantized)
+
+    def _quantize_weight(self, weight: torch.Tensor, target: LinearTarget,
+                         stats: LinearStats) -> list[dict[str, torch.Tensor]]:
+        """Checkpoint tensors of each shard of ``weight`` [sum(output_sizes), in]."""
+        rows = _shard_rows(target.output_sizes)
+        input_scale = self._input_scale(stats)
+        # A fresh input_scale per shard: safetensors refuses to save tensors that share memory.
+        fresh_scale = (lambda: None) if input_scale is None else input_scale.clone
+        if self.algorithm != "gptq":
+            return [quantize_weight(weight[r], self.scheme, input_scale=fresh_scale(), scale_dtype=torch.float32)
+                    for r in rows]
+        w = self.scheme.weights
+        try:
+            # Rows are solved independently given H, so a fused weight is solved in one call
+            # unless its shards each need their own per-tensor scale.
+            blocks = rows if w.strategy == "tensor" else [slice(0, weight.shape[0])]
+            solved = [gptq_quantize(weight[b], stats.hessian.hessian, num_bits=w.num_bits,
+                                    group_size=w.group_size, symmetric=w.symmetric, actorder=w.actorder)
+                      for b in blocks]
+        except ValueError as exc:
+            warnings.warn(f"{target.prefixes[0]}: {exc}; falling back to RTN for this Linear", stacklevel=2)
+            return [quantize_weight(weight[r], self.scheme, input_scale=fresh_scale(), scale_dtype=torch.float32)
+                    for r in rows]
+        if len(solved) == 1:
+            whole = solved[0]
+            pick = [(whole, r) for r in rows]
+        else:
+            pick = [(s, slice(0, r.stop - r.start)) for s, r in zip(solved, rows, strict=True)]
+        return [
+            quantize_weight(
+                weight[r], self.scheme, q=s.q[local], scale=s.scale[local],
+                zero_point=None if s.zero_point is None else s.zero_point[local], g_idx=s.g_idx,
+                input_scale=fresh_scale(), scale_dtype=torch.float32)
+            for (s, local), r in zip(pick, rows, strict=True)
+        ]
 
     def _input_scale(self, stats: LinearStats) -> torch.Tensor | None:
         acts = self.scheme.input_activations
@@ -71,8 +150,41 @@ class WeightQuantizer:
             return None
         return fp8_scale(stats.input_absmax.per_channel, "tensor")  # absmax over the whole set / 448
 
-    def _quantize_shard(self, weight: torch.Tensor, stats: LinearStats,
-                        input_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        # A fresh input_scale per shard: safetensors refuses to save tensors that share memory.
-        shard_input_scale = None if input_scale is None else input_scale.clone()
-        return quantize_weight(weight, self.scheme, input_scale=shard_input_scale, scale_dtype=torch.float32)
+    def _smooth(self, layer_idx: int, layer: nn.Module, targets: list[LinearTarget],
+                stats: dict[str, LinearStats]) -> dict[str, torch.Tensor]:
+        """Search every mapping's scales on the unsmoothed layer, then fold them all in place.
+
+        Searching first keeps each search on the statistics it was observed with; folding is
+        output-preserving, so the order of the folds does not matter. Returns the norm weights
+        that absorbed scales, by checkpoint name (smoothed Linear rows are quantized next).
+        """
+        quantized = {t.module_path: t for t in targets}
+        w = self.scheme.weights
+        searched = []
+        for mapping in _awq_mappings(layer):
+            if mapping.balance not in quantized or (mapping.rows is not None and mapping.smooth not in quantized):
+                continue  # nothing to protect, or the scales would land in a Linear kept dense
+            balance_stats = stats[mapping.balance]
+            found = awq_search_scales(
+                layer.get_submodule(mapping.balance).weight, balance_stats.token_sample.rows,
+                num_bits=w.num_bits, group_size=w.group_size, symmetric=w.symmetric,
+                act_mean_abs=balance_stats.mean_abs.mean)
+            searched.append((mapping, found.scales))
+        changed: dict[str, torch.Tensor] = {}
+        for mapping, scales in searched:
+            balance = layer.get_submodule(mapping.balance)
+            smooth = layer.get_submodule(mapping.smooth)
+            smooth_weight = smooth.weight.data if mapping.rows is None else smooth.weight.data[mapping.rows]
+            smooth_bias = None
+            if mapping.rows is not None and getattr(smooth, "bias", None) is not None:
+                smooth_bias = smooth.bias.data[mapping.rows]
+            scales = scales.to(balance.weight.device)
+            [balanced], smoothed, bias = fold_smoothing_scales(
+                scales, balance_weights=[balance.weight.data], smooth_weight=smooth_weight, smooth_bias=smooth_bias)
+            balance.weight.data.copy_(balanced)
+            smooth_weight.copy_(smoothed)  # a view: writes into the norm or the fused Linear's rows
+            if bias is not None:
+                smooth_bias.copy_(bias)
+            if mapping.rows is None:  # a norm: written from here; smoothed Linear rows are quantized next
+                changed[f"model.layers.{layer_idx}.{mapping.smooth}.weight"] = smooth.weight.detach().cpu().clone()
+        return changed

@@ -1,0 +1,79 @@
+"""GPTQ and AWQ through the whole command: lower held-out layer error than RTN, checkpoints that reload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from calibration.cli import main
+from tests.calibration.factories import write_calib_file
+from tests.helpers import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def outlier_model_dir(tmp_path_factory):
+    """A tiny Llama whose norms amplify a few channels ×10, the activation outliers AWQ exists for."""
+    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("outlier-llama"))
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith("layernorm.weight")]:
+        weight = torch.ones_like(tensors[name])
+        weight[torch.randperm(weight.numel(), generator=g)[:4]] = 10.0
+        tensors[name] = weight
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def runs(outlier_model_dir, tmp_path_factory):
+    """calibration.json of w4a16 with each algorithm, same data, seed and held-out samples."""
+    root = tmp_path_factory.mktemp("algos")
+    calib = write_calib_file(root / "calib.jsonl", 48)
+    reports = {}
+    for algo in ("rtn", "gptq", "awq"):
+        out = root / algo
+        assert main([str(outlier_model_dir), "--calib", str(calib), "-o", str(out), "--scheme", "w4a16",
+                     "--algo", algo, "--num-samples", "32", "--num-heldout", "16"]) == 0
+        reports[algo] = (out, json.loads((out / "calibration.json").read_text()))
+    return reports
+
+
+@pytest.mark.parametrize("algo", ["gptq", "awq"])
+def test_layer_output_error_below_rtn_on_heldout_samples(runs, algo):
+    rtn_errors = [layer["output_error"] for layer in runs["rtn"][1]["layers"]]
+    errors = [layer["output_error"] for layer in runs[algo][1]["layers"]]
+    assert runs[algo][1]["dataset"]["is_heldout_disjoint"]
+    assert all(e < r for e, r in zip(errors, rtn_errors, strict=True)), (algo, errors, rtn_errors)
+
+
+def test_awq_folds_scales_into_the_norms_it_writes(runs, outlier_model_dir):
+    source = load_file(outlier_model_dir / "model.safetensors")
+    awq = load_file(runs["awq"][0] / "model.safetensors")
+    rtn = load_file(runs["rtn"][0] / "model.safetensors")
+    name = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(awq[name], source[name])
+    assert torch.equal(rtn[name], source[name])
+
+
+@pytest.mark.parametrize("algo", ["gptq", "awq"])
+def test_checkpoint_reloads_and_tracks_the_source_model(runs, outlier_model_dir, tiny_tokenizer, algo):
+    from engine.loader import load_model
+
+    text = "A scheduler stores keys in fixed-size blocks. What is the capital of France? Paris."
+    ids = torch.tensor(tiny_tokenizer(text)["input_ids"])
+    positions = torch.arange(ids.numel())
+    logits = {}
+    for key, folder in (("source", outlier_model_dir), ("rtn", runs["rtn"][0]), (algo, runs[algo][0])):
+        model, _ = load_model(folder, dtype=torch.float32)
+        with torch.no_grad():
+            logits[key] = model.compute_logits(model(ids, positions))
+
+    def error(key):
+        return float((logits[key] - logits["source"]).norm() / logits["source"].norm())
+
+    # on text like the calibration set's, but not in it, the served checkpoint beats RTN too
+    assert error(algo) < error("rtn")
