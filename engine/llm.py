@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
@@ -65,6 +66,10 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[i] for i in ids]
+
+    def score_full_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(· | tokens[:t+1]) over the whole vocabulary for every t: [T, vocab] fp32."""
+        return self.engine.score(token_ids)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

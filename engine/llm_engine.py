@@ -16,7 +16,7 @@ from engine.loader import load_model
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import Request, RequestStatus
 from engine.tokenizer import load_tokenizer
 
@@ -251,6 +251,33 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         if req.status.is_finished:
             seq.finish_reason = "length" if req.status == RequestStatus.FINISHED_LENGTH else "stop"
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Full next-token log-probabilities [T, vocab] (fp32) of one sequence, row t after tokens[:t+1].
+
+        Goes through the paged KV cache in chunks of max_num_batched_tokens, so an fp8 cache and
+        chunking are exercised exactly as in serving. Only while no request is running.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine")
+        token_ids = self.tokenize_prompt(token_ids)
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise ValueError(f"score() takes 1..{self.max_model_len} tokens, got {len(token_ids)}")
+        request = Request("__score__", token_ids, SamplingParams(temperature=0.0))
+        rows = []
+        try:
+            budget = self.config.max_num_batched_tokens
+            for start in range(0, len(token_ids), budget):
+                n = min(budget, len(token_ids) - start)
+                if not self.block_manager.allocate(request, n):
+                    raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
+                hidden = self.runner.forward([ScheduledChunk(request, start, n)])
+                rows.append(self.model.compute_logits(hidden).log_softmax(dim=-1))
+                request.num_computed_tokens = start + n
+        finally:
+            self.block_manager.free(request)
+        return torch.cat(rows)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -76,10 +76,15 @@ class ModelRunner:
         return input_ids_t, positions_t, meta
 
     @torch.inference_mode()
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run the model over `chunks` (single-token ones first); hidden states [num_tokens, hidden]."""
+        input_ids, positions, meta = self.build_metadata(chunks)
+        return self.model(input_ids, positions, ForwardContext(meta, self.kv_cache))
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
-        input_ids, positions, meta = self.build_metadata(chunks)
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_cache))
+        hidden = self.forward(chunks)
 
         # Rows whose logits are needed: the last row of completing chunks, plus every prompt row
         # of requests that asked for prompt logprobs.

@@ -31,6 +31,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (the sampled one always included)
     prompt_logprobs: int | None = None  # top-n per prompt token; 0 = only the prompt token's own
+    # First prompt position whose logprob is wanted (scoring a continuation after a shared
+    # context): earlier positions may then come from the prefix cache and are reported as None.
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

@@ -94,9 +94,11 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            # prompt logprobs need logits at every prompt position, so such a request computes all
-            hits = [] if request.params.prompt_logprobs is not None else \
-                self.block_manager.get_computed_blocks(request)
+            hits = self.block_manager.get_computed_blocks(request)
+            if request.params.prompt_logprobs is not None:
+                # logits at position p score token p + 1: compute from prompt_logprobs_start − 1 on
+                limit = max(request.params.prompt_logprobs_start - 1, 0) // self.block_manager.block_size
+                hits = hits[:limit]
             num_hit = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.block_manager.allocate(request, num_new, hits):

@@ -80,3 +80,28 @@ def test_prompt_logprobs_equal_hf_log_softmax(tiny_model_dir, chunk):
             assert abs(entry[prompt[t]] - ref[t - 1, prompt[t]].item()) < 1e-4
             top = ref[t - 1].topk(3).indices.tolist()
             assert set(top) <= set(entry)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])
+def test_score_full_logprobs_equals_hf(tiny_model_dir, kwargs):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    llm = LLM(str(tiny_model_dir), dtype="float32", **kwargs)
+    prompt = _prompts()[3]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    torch.testing.assert_close(llm.score_full_logprobs(prompt), ref, atol=1e-4, rtol=0)
+    assert llm.stats().num_blocks_used == 0
+
+
+def test_prompt_logprobs_start_reuses_prefix_cache(tiny_model_dir):
+    """A continuation scored after a shared context hits the cache and keeps exact logprobs."""
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    context = SHARED + [11, 12, 13]
+    base = llm.generate([context + [20, 21]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=len(context))
+    hits_before = llm.stats().prefix_cache_hits
+    again = llm.generate([context + [20, 21]], params, use_tqdm=False)[0]
+    assert llm.stats().prefix_cache_hits - hits_before == 16
+    for t in (len(context), len(context) + 1):
+        assert again.prompt_logprobs[t] == pytest.approx(base.prompt_logprobs[t], abs=1e-5)

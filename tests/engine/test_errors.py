@@ -1,0 +1,90 @@
+"""Foreseeable mistakes are ValueErrors that say what to change; the engine keeps serving others."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.loader import load_model
+
+
+def test_prompt_longer_than_context(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=4), use_tqdm=False)
+    out = llm.generate([[5] * 10], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1, "the engine must keep working after a rejected request"
+    assert llm.stats().num_blocks_used == 0 and llm.stats().num_waiting == 0
+
+
+def test_bad_request_in_a_batch_rejects_batch_without_leaking(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=32)
+    with pytest.raises(ValueError):
+        llm.generate([[5] * 4, [6] * 50], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n must be"),
+    ({"logprobs": 50}, "logprobs"),
+])
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_out_of_vocabulary_token_ids(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_unknown_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="import-model"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_unsupported_architecture(tiny_model_dir, tmp_path):
+    bad = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_model_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(bad)
+
+
+def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "missing"
+    shutil.copytree(tiny_model_dir, bad)
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate_up_proj"):
+        load_model(bad)
+
+
+def test_corrupt_safetensors(tiny_model_dir, tmp_path):
+    bad = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_model(bad)
+
+
+def test_unknown_engine_argument(tiny_model_dir):
+    with pytest.raises(ValueError, match="max_num_seq"):
+        LLM(str(tiny_model_dir), max_num_seq=4)
+
+
+def test_fp8_kv_without_scales_says_how_to_calibrate(tiny_model_dir):
+    with pytest.raises(ValueError, match="--kv-cache fp8"):
+        LLM(str(tiny_model_dir), kv_cache_dtype="fp8")

@@ -1,0 +1,63 @@
+"""Sampler: exact greedy, filters keep the right support, seeds reproduce, penalties follow OpenAI."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import SamplingRow, apply_penalties, sample
+from engine.sampling_params import SamplingParams
+
+
+def _row(**kw) -> SamplingRow:
+    return SamplingRow(SamplingParams(**kw), [1, 2], [3, 3], None)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 100)
+    tokens, _ = sample(logits.clone(), [_row(temperature=0.0) for _ in range(5)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    for kw, allowed in [({"top_k": 2}, {0, 1}), ({"top_p": 0.7}, {0, 1}), ({"min_p": 0.35}, {0, 1}),
+                        ({"top_p": 0.5}, {0})]:
+        seen = {sample(logits.clone(), [_row(temperature=1.0, **kw)], g)[0][0] for _ in range(300)}
+        assert seen == allowed, kw
+
+
+def test_sampling_follows_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(probs.log().unsqueeze(0), [_row(temperature=1.0)], g)[0][0]] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+def test_per_request_seed_reproduces():
+    logits = torch.randn(1, 1000)
+    def draw():
+        row = SamplingRow(SamplingParams(temperature=1.0, seed=7), [], [], torch.Generator().manual_seed(7))
+        return [sample(logits.clone(), [row])[0][0] for _ in range(5)]
+    assert draw() == draw()
+
+
+def test_penalties():
+    logits = torch.zeros(1, 5)
+    logits[0, 4] = 2.0
+    row = SamplingRow(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0),
+                      [4], [3, 3], None)
+    out = apply_penalties(logits.clone(), [row])
+    assert out[0, 3].item() == -(0.5 + 2 * 0.25) * 2.0  # presence once + frequency per occurrence, then ×2 (negative)
+    assert out[0, 4].item() == 1.0  # positive logit of a prompt token divided by the repetition penalty
+    assert out[0, 0].item() == 0.0
+
+
+def test_logprobs_are_raw_and_include_chosen():
+    logits = torch.randn(1, 50)
+    tokens, lps = sample(logits.clone(), [_row(temperature=0.0, logprobs=3)])
+    ref = logits.log_softmax(-1)[0]
+    assert set(ref.topk(3).indices.tolist()) <= set(lps[0])
+    assert abs(lps[0][tokens[0]] - ref[tokens[0]].item()) < 1e-6
