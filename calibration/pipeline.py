@@ -1,7 +1,7 @@
 """Layer-by-layer calibration: observe a layer, quantize it, feed its quantized output onward.
 
-Per decoder layer, over every calibration sample (one sequence each, plain causal attention,
-no KV cache):
+Per decoder layer, over every calibration sample (each its own causal sequence; samples are
+batched through the engine's multi-sequence attention path with a scratch KV cache):
 
 1. run the layer with observers hooked on each Linear input (skipped when the algorithm
    needs no statistics: plain RTN with dynamic activations);
@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from calibration.observers import AbsMaxObserver, HessianObserver, MeanAbsObserver, TokenSampleObserver
 from calibration.targets import LinearTarget
+from engine.layers.attention import AttentionMetadata, ForwardContext, KVCache, PrefillSpan
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ class LayerReport:
     layer_idx: int
     weight_errors: dict[str, float]
     output_error: float | None  # relative Frobenius error of the layer output on held-out samples
-    input_absmax: dict[str, float]  # module path → per-tensor absmax of its input
+    input_absmax: dict[str, float]  # module path → per-tensor absmax of its input (when observed)
     k_absmax: list[float] | None  # per KV head
     v_absmax: list[float] | None
     seconds: float
@@ -89,6 +90,7 @@ class CalibrationResult:
     changed: dict[str, torch.Tensor]
     kv_absmax: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [num_kv_heads] fp32
     layers: list[LayerReport]
+    num_tokens_observed: int  # calibration tokens run through the model (0 when nothing needed them)
 
 
 @dataclass(slots=True)
@@ -110,16 +112,52 @@ def _embed(model: nn.Module, samples: list[torch.Tensor], device: torch.device) 
     return _Stream(hidden, [None] * len(samples))
 
 
-def _run_layer(layer: nn.Module, stream: _Stream, progress: tqdm) -> _Stream:
-    hidden, residual = [], []
-    with torch.no_grad():
-        for h, r in zip(stream.hidden, stream.residual, strict=True):
-            positions = torch.arange(h.shape[0], device=h.device)
-            h, r = layer(h, r, positions, None)
-            hidden.append(h)
-            residual.append(r)
-            progress.update()
-    return _Stream(hidden, residual)
+class _BatchedRunner:
+    """Runs a layer over many samples at once, each still its own causal sequence.
+
+    Samples are packed into batches of up to ``max_batch_tokens`` and sent through the
+    engine's multi-sequence attention path (one prefill span per sample, a scratch KV cache),
+    so the Linears see one large matmul instead of one small one per sample: on a busy
+    two-core CPU a 130-token layer call costs as much as a 1000-token one.
+    """
+
+    def __init__(self, lengths: list[int], max_batch_tokens: int, cache: KVCache, device: torch.device):
+        self.batches: list[list[int]] = []
+        for i, n in enumerate(lengths):
+            if self.batches and sum(lengths[j] for j in self.batches[-1]) + n <= max_batch_tokens:
+                self.batches[-1].append(i)
+            else:
+                self.batches.append([i])
+        self.lengths = lengths
+        self.cache = cache  # scratch: every batch overwrites slots 0..batch_tokens of the running layer
+        self.device = device
+
+    def _context(self, batch: list[int]) -> tuple[ForwardContext, torch.Tensor]:
+        spans, positions, start = [], [], 0
+        for i in batch:
+            n = self.lengths[i]
+            spans.append(PrefillSpan(token_start=start, num_query_tokens=n,
+                                     context_slots=torch.arange(start, start + n, device=self.device), mask=None))
+            positions.append(torch.arange(n, device=self.device))
+            start += n
+        metadata = AttentionMetadata(slot_mapping=torch.arange(start, device=self.device), num_decode_tokens=0,
+                                     decode_slots=None, decode_mask=None, prefills=spans)
+        return ForwardContext(metadata=metadata, kv_cache=self.cache), torch.cat(positions)
+
+    def run(self, layer: nn.Module, stream: _Stream, progress: tqdm) -> _Stream:
+        hidden: list[torch.Tensor] = []
+        residual: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for batch in self.batches:
+                ctx, positions = self._context(batch)
+                h = torch.cat([stream.hidden[i] for i in batch])  # [batch_tokens, hidden_size]
+                r = None if stream.residual[batch[0]] is None else torch.cat([stream.residual[i] for i in batch])
+                h, r = layer(h, r, positions, ctx)
+                sizes = [self.lengths[i] for i in batch]
+                hidden.extend(h.split(sizes))
+                residual.extend(r.split(sizes))
+                progress.update(len(batch))
+        return _Stream(hidden, residual)
 
 
 @contextmanager
@@ -163,34 +201,48 @@ def calibrate(
     *,
     observe_kv: bool,
     device: torch.device | str = "cpu",
+    max_batch_tokens: int = 2048,
     show_progress: bool = True,
 ) -> CalibrationResult:
     """Run the sequential pipeline over every decoder layer of ``model`` (modified in place).
 
     ``quantizer`` None quantizes no weight (KV-scales-only runs). ``samples`` and ``heldout``
-    are token-id tensors ``[num_tokens]``.
+    are token-id tensors ``[num_tokens]``; up to ``max_batch_tokens`` of them run per call.
     """
     device = torch.device(device)
     layers = model.model.layers
-    calib_stream, heldout_stream = _embed(model, samples, device), _embed(model, heldout, device)
-    result = CalibrationResult(tensors={}, changed={}, kv_absmax=[], layers=[])
     needs_statistics = quantizer is not None and quantizer.needs_statistics
+    if not (needs_statistics or observe_kv):
+        # Nothing reads the calibration activations (RTN on weights alone, no KV scales): only
+        # the held-out samples run, for the error report. A full pass would cost a whole forward.
+        samples = []
+    calib_stream, heldout_stream = _embed(model, samples, device), _embed(model, heldout, device)
+    lengths = [int(s.numel()) for s in samples], [int(s.numel()) for s in heldout]
+    attn = layers[0].self_attn
+    num_slots = max([min(max_batch_tokens, sum(lengths[0]) + sum(lengths[1])), *lengths[0], *lengths[1]])
+    cache = KVCache(len(layers), num_slots, attn.num_kv_heads, attn.head_dim, model.model.embed_tokens.weight.dtype,
+                    device)
+    calib_runner = _BatchedRunner(lengths[0], max_batch_tokens, cache, device)
+    heldout_runner = _BatchedRunner(lengths[1], max_batch_tokens, cache, device)
+    result = CalibrationResult(tensors={}, changed={}, kv_absmax=[], layers=[],
+                               num_tokens_observed=sum(int(s.numel()) for s in samples))
     num_calib_passes = 2 if needs_statistics else 1
     num_heldout_passes = 2 if quantizer is not None else 1
     num_passes = num_calib_passes * len(samples) + num_heldout_passes * len(heldout)
     for layer_idx, layer in enumerate(layers):
         start = time.perf_counter()
         layer_targets = [t for t in targets if t.layer_idx == layer_idx]
-        stats = {t.module_path: _new_stats(t, quantizer, num_calls=len(samples)) for t in layer_targets}
+        stats = {t.module_path: _new_stats(t, quantizer, num_calls=len(calib_runner.batches))
+                 for t in layer_targets}
         kv = (AbsMaxObserver(channel_dim=1), AbsMaxObserver(channel_dim=1)) if observe_kv else None
         source_device = next(layer.parameters()).device
         layer.to(device)
-        with tqdm(total=num_passes, desc=f"layer {layer_idx + 1}/{len(layers)}", unit="pass",
+        with tqdm(total=num_passes, desc=f"layer {layer_idx + 1}/{len(layers)}", unit="sample",
                   disable=not show_progress, leave=False) as progress:
             if needs_statistics:
                 with _observing(layer, stats, None):
-                    _run_layer(layer, calib_stream, progress)
-            heldout_ref = _run_layer(layer, heldout_stream, progress)
+                    calib_runner.run(layer, calib_stream, progress)
+            heldout_ref = heldout_runner.run(layer, heldout_stream, progress)
             weight_errors: dict[str, float] = {}
             if quantizer is not None:
                 quantized = quantizer.quantize_layer(layer_idx, layer, layer_targets, stats)
@@ -200,9 +252,9 @@ def calibrate(
             # K/V (and, when quantization needed none, the Linear inputs) are observed on the
             # quantized layer: those are the values the served model will produce.
             with _observing(layer, {} if needs_statistics else stats, kv):
-                calib_out = _run_layer(layer, calib_stream, progress)
+                calib_out = calib_runner.run(layer, calib_stream, progress)
             if quantizer is not None:
-                heldout_out = _run_layer(layer, heldout_stream, progress)
+                heldout_out = heldout_runner.run(layer, heldout_stream, progress)
                 output_error = _relative_error(heldout_out.outputs(), heldout_ref.outputs())
             else:
                 heldout_out, output_error = heldout_ref, 0.0 if heldout else None
@@ -214,7 +266,8 @@ def calibrate(
             result.kv_absmax.append((kv[0].per_channel, kv[1].per_channel))
         result.layers.append(LayerReport(
             layer_idx=layer_idx, weight_errors=weight_errors, output_error=output_error,
-            input_absmax={path: float(s.input_absmax.per_tensor) for path, s in stats.items()},
+            input_absmax={path: float(s.input_absmax.per_tensor) for path, s in stats.items()
+                          if s.input_absmax.per_channel is not None},
             k_absmax=kv[0].per_channel.tolist() if kv else None,
             v_absmax=kv[1].per_channel.tolist() if kv else None,
             seconds=time.perf_counter() - start))

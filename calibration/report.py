@@ -55,6 +55,7 @@ def build_report(options: QuantizeOptions, calib: CalibrationSet, result: Calibr
             "num_heldout": len(calib.heldout),
             "is_heldout_disjoint": calib.is_heldout_disjoint,
             "num_tokens": calib.num_tokens,
+            "num_tokens_observed": result.num_tokens_observed,
             "max_seq_len": options.max_seq_len,
             "seed": options.seed,
         },

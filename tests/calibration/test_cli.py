@@ -88,8 +88,12 @@ def test_existing_output_is_kept_without_overwrite(tmp_path, tiny_model_dir, cal
     assert "exists; pass --overwrite" in _one_line_error(capsys)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert _quantize(tiny_model_dir, calib_file, out, "--scheme", "w4a16", "--overwrite") == 0
-    assert (out / "calibration.json").is_file() and not (out / "keep.txt").exists()
+    assert not (out / "keep.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp folder left next to it
+    report = json.loads((out / "calibration.json").read_text())
+    # RTN with no KV scales reads no activations: only the held-out samples ran, for the error report
+    assert report["dataset"]["num_tokens_observed"] == 0 and report["layers"][0]["input_absmax"] == {}
+    assert report["layers"][0]["output_error"] > 0
 
 
 def test_console_script_exit_code(tmp_path, tiny_model_dir):
@@ -121,7 +125,7 @@ def test_w4a16_with_kv_reloads_and_records_its_run(tmp_path, tiny_model_dir, cal
     assert report["group_size"] == 64 and report["group_size_requested"] == "auto"
     assert report["dataset"]["num_samples"] == 8 and report["dataset"]["num_heldout"] == 4
     assert report["dataset"]["sha256"] == hashlib.sha256(calib_file.read_bytes()).hexdigest()
-    assert report["dataset"]["num_tokens"] > 8
+    assert report["dataset"]["num_tokens_observed"] == report["dataset"]["num_tokens"] > 8
     assert report["tools"]["torch"].startswith(torch.__version__.split("+")[0])
     assert report["wall_seconds"] > 0
     for layer_idx, layer in enumerate(report["layers"]):

@@ -22,7 +22,8 @@ def _samples(num: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, 300, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g) for _ in range(num)]
 
 
-def test_kv_absmax_is_the_max_over_every_sample(tiny_model):
+@pytest.mark.parametrize("max_batch_tokens", [1, 30, 2048])  # one sample per call, a few, all at once
+def test_kv_absmax_is_the_max_over_every_sample(tiny_model, max_batch_tokens):
     samples = _samples(7)
     per_sample: list[list[torch.Tensor]] = []  # [sample][layer] → [2, num_kv_heads]
 
@@ -41,7 +42,8 @@ def test_kv_absmax_is_the_max_over_every_sample(tiny_model):
             h.remove()
         per_sample.append(maxes)
 
-    result = calibrate(tiny_model, samples, [], [], None, observe_kv=True, show_progress=False)
+    result = calibrate(tiny_model, samples, [], [], None, observe_kv=True, max_batch_tokens=max_batch_tokens,
+                       show_progress=False)
     for layer_idx, (k_absmax, v_absmax) in enumerate(result.kv_absmax):
         expected = torch.stack([s[layer_idx] for s in per_sample]).amax(0)
         torch.testing.assert_close(k_absmax, expected[0])
@@ -51,9 +53,10 @@ def test_kv_absmax_is_the_max_over_every_sample(tiny_model):
     assert result.layers[0].k_absmax == result.kv_absmax[0][0].tolist()
 
 
-def test_unquantized_pipeline_reproduces_the_model(tiny_model):
-    """Layer-by-layer with no quantizer must equal a plain forward: the stream bookkeeping is right."""
-    samples = _samples(3, seed=1)
+@pytest.mark.parametrize("max_batch_tokens", [30, 2048])
+def test_unquantized_pipeline_reproduces_the_model(tiny_model, max_batch_tokens):
+    """Layer-by-layer with no quantizer must equal a plain forward: batching and stream bookkeeping are right."""
+    samples = _samples(5, seed=1)
     last_layer = tiny_model.model.layers[-1]
     seen: list[torch.Tensor] = []
     handle = last_layer.register_forward_hook(lambda _m, _args, out: seen.append(out[0] + out[1]))
@@ -62,10 +65,12 @@ def test_unquantized_pipeline_reproduces_the_model(tiny_model):
             tiny_model(ids, torch.arange(ids.numel()))
     expected, seen[:] = list(seen), []
     linears = select_targets(layer_linears(tiny_model), ("lm_head",))
-    result = calibrate(tiny_model, samples, [], linears, None, observe_kv=False, show_progress=False)
+    result = calibrate(tiny_model, samples, [], linears, None, observe_kv=True, max_batch_tokens=max_batch_tokens,
+                       show_progress=False)
     handle.remove()
-    for got, want in zip(seen, expected, strict=True):
-        torch.testing.assert_close(got, want)
+    # samples run batched (several causal sequences per call); they must match one-at-a-time forwards
+    assert len(seen) < len(samples)
+    torch.testing.assert_close(torch.cat(seen), torch.cat(expected))
     assert [r.output_error for r in result.layers] == [None, None]  # no held-out samples, no error to report
     assert set(result.layers[0].input_absmax) == {"self_attn.qkv_proj", "self_attn.o_proj",
                                                   "mlp.gate_up_proj", "mlp.down_proj"}
