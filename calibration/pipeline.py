@@ -232,7 +232,7 @@ def calibrate(
     for layer_idx, layer in enumerate(layers):
         start = time.perf_counter()
         layer_targets = [t for t in targets if t.layer_idx == layer_idx]
-        stats = {t.module_path: _new_stats(t, quantizer, num_calls=len(calib_runner.batches))
+        stats = {t.module_path: _new_stats(t, quantizer, num_calls=len(calib_runner.batches), device=device)
                  for t in layer_targets}
         kv = (AbsMaxObserver(channel_dim=1), AbsMaxObserver(channel_dim=1)) if observe_kv else None
         source_device = next(layer.parameters()).device
@@ -277,12 +277,13 @@ def calibrate(
 _AWQ_MAX_TOKENS = 1024  # activation rows kept per Linear for AWQ's grid search (21 candidates × matmul)
 
 
-def _new_stats(target: LinearTarget, quantizer: LayerQuantizer | None, num_calls: int) -> LinearStats:
+def _new_stats(target: LinearTarget, quantizer: LayerQuantizer | None, num_calls: int,
+               device: torch.device) -> LinearStats:
     needs_hessian = quantizer is not None and quantizer.needs_hessian
     needs_activations = quantizer is not None and quantizer.needs_activations
     return LinearStats(
         input_absmax=AbsMaxObserver(),
-        hessian=HessianObserver(target.input_size) if needs_hessian else None,
+        hessian=HessianObserver(target.input_size, device=device) if needs_hessian else None,
         mean_abs=MeanAbsObserver(target.input_size) if needs_activations else None,
         token_sample=(TokenSampleObserver(target.input_size, max_tokens=_AWQ_MAX_TOKENS, num_calls=num_calls)
                       if needs_activations else None),

@@ -124,7 +124,8 @@ class WeightQuantizer:
             # Rows are solved independently given H, so a fused weight is solved in one call
             # unless its shards each need their own per-tensor scale.
             blocks = rows if w.strategy == "tensor" else [slice(0, weight.shape[0])]
-            solved = [gptq_quantize(weight[b], stats.hessian.hessian, num_bits=w.num_bits,
+            hessian = stats.hessian.hessian.cpu()  # the solve runs where the weight copy is: CPU
+            solved = [gptq_quantize(weight[b], hessian, num_bits=w.num_bits,
                                     group_size=w.group_size, symmetric=w.symmetric, actorder=w.actorder)
                       for b in blocks]
         except ValueError as exc:
@@ -165,8 +166,8 @@ class WeightQuantizer:
             if mapping.balance not in quantized or (mapping.rows is not None and mapping.smooth not in quantized):
                 continue  # nothing to protect, or the scales would land in a Linear kept dense
             balance_stats = stats[mapping.balance]
-            found = awq_search_scales(
-                layer.get_submodule(mapping.balance).weight, balance_stats.token_sample.rows,
+            found = awq_search_scales(  # on CPU, where the token sample is kept
+                layer.get_submodule(mapping.balance).weight.detach().float().cpu(), balance_stats.token_sample.rows,
                 num_bits=w.num_bits, group_size=w.group_size, symmetric=w.symmetric,
                 act_mean_abs=balance_stats.mean_abs.mean)
             searched.append((mapping, found.scales))
