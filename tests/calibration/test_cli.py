@@ -164,3 +164,22 @@ def test_kv_only_checkpoint_keeps_weights_dense(tmp_path, tiny_model_dir, calib_
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["config_groups"] == {} and config["format"] == "dense"
     assert config["kv_cache_scheme"]["strategy"] == "attn_head"
+
+
+@pytest.mark.parametrize(("scheme", "algo"), [
+    ("fp8-dynamic", "rtn"), ("w8a8-int8", "rtn"), ("w8a8-int8", "gptq"),
+    ("w8a16", "rtn"), ("w8a16", "gptq"), ("w8a16", "awq"), ("w4a16", "gptq"), ("w4a16", "awq"),
+])
+def test_every_scheme_and_algorithm_reloads(tmp_path, tiny_model_dir, calib_file, scheme, algo):
+    from engine.loader import load_model
+    from quant.checkpoint import read_quantization_config
+
+    out = tmp_path / f"{scheme}-{algo}"
+    assert _quantize(tiny_model_dir, calib_file, out, "--scheme", scheme, "--algo", algo) == 0
+    assert read_quantization_config(out).scheme_for("model.layers.1.mlp.up_proj") is not None
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["algorithm"] == algo
+    assert all(0 < layer["output_error"] < 1 for layer in report["layers"])
+    model, _ = load_model(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(model.compute_logits(model(torch.tensor([4, 8, 15]), torch.arange(3)))).all()
