@@ -12,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.layers.attention import KVCache
-from engine.loader import load_model
+from engine.loader import apply_kv_scales, load_model
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -94,10 +94,12 @@ class LLMEngine:
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
             return next(self.model.parameters()).dtype
-        if not getattr(self.model, "kv_scales_loaded", False):
-            raise ValueError(
-                f"kv_cache_dtype={self.config.kv_cache_dtype} needs calibrated k/v scales in the checkpoint; "
-                "make one with `quantize MODEL --calib data.jsonl --kv-cache fp8 ...`")
+        try:
+            apply_kv_scales(self.model)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} needs calibrated k/v scales in the "
+                             f"checkpoint ({e}); make one with `quantize MODEL --calib data.jsonl --kv-cache fp8 ...`"
+                             ) from e
         return torch.float8_e4m3fn
 
     def _num_blocks_for_memory(self, kv_dtype: torch.dtype) -> int:

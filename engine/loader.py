@@ -11,10 +11,10 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.llama import LlamaArgs, LlamaForCausalLM
+from quant.checkpoint import is_kv_cache_tensor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-_KV_SCALE_NAMES = {"k_scale": "k_scale", "v_scale": "v_scale"}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -96,7 +96,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    kv_scales: dict[str, torch.Tensor] = {}
+    kv_tensors: dict[str, torch.Tensor] = {}  # applied only if the engine stores KV in fp8
     for path in _weight_files(model_dir):
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -107,9 +107,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
             for name in f.keys():
                 if name.endswith(_SKIPPED_SUFFIXES):
                     continue
-                leaf = name.rsplit(".", 1)[-1]
-                if name.rsplit(".", 2)[-2:-1] == ["self_attn"] and leaf in _KV_SCALE_NAMES:
-                    kv_scales[name] = f.get_tensor(name)
+                if is_kv_cache_tensor(name):
+                    kv_tensors[name] = f.get_tensor(name)
                     continue
                 routed = _route(name, model.packed_modules)
                 if routed is not None and routed[0] in modules:
@@ -120,8 +119,6 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                     loaded.add(name)
                 elif name == "lm_head.weight" and args.tie_word_embeddings:
                     continue  # tied: the embedding serves as the output projection
-                elif name.endswith(("k_zero_point", "v_zero_point", "q_zero_point", "q_scale")):
-                    continue  # symmetric fp8 KV needs no zero points; q_scale is for FP8 attention only
                 else:
                     raise ValueError(f"{path.name}: tensor {name!r} does not belong to {args.architecture}")
             for (module_path, shard), tensors in shards.items():
@@ -141,8 +138,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     if missing:
         raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    _set_kv_scales(model, kv_scales)
-    model.kv_scales_loaded = bool(kv_scales)
+    model.kv_scale_tensors = kv_tensors
     model.eval()
     return model, config
 
@@ -153,12 +149,18 @@ def _copy_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     param.data.copy_(tensor)
 
 
-def _set_kv_scales(model: LlamaForCausalLM, kv_scales: dict[str, torch.Tensor]) -> None:
-    """Put checkpoint k/v scales on each layer's Attention (validated when fp8 KV is requested)."""
-    for name, value in kv_scales.items():
-        layer_idx = int(name.split(".")[2])
-        attn = model.model.layers[layer_idx].self_attn.attn
-        value = value.detach().float()
-        # per-tensor → scalar; per-head [KV, 1, 1] → [KV, 1], broadcasting over [T, KV, D]
-        value = value.reshape(()) if value.numel() == 1 else value.reshape(-1, 1)
-        setattr(attn, _KV_SCALE_NAMES[name.rsplit(".", 1)[-1]], value)
+def apply_kv_scales(model: LlamaForCausalLM) -> None:
+    """Validate the checkpoint's FP8 KV scales and put them on each layer's Attention.
+
+    A missing, zero, negative or non-finite scale is an error naming the tensor: a silent 1.0
+    would saturate or waste the fp8 range without anyone noticing.
+    """
+    from quant.checkpoint import load_kv_scales
+
+    args = model.args
+    if not model.kv_scale_tensors:
+        raise ValueError("the checkpoint has no k/v scales")
+    for layer, scales in zip(model.model.layers, load_kv_scales(model.kv_scale_tensors, args.num_layers,
+                                                                args.num_kv_heads), strict=True):
+        layer.self_attn.attn.k_scale = scales.k  # [num_kv_heads, 1]: broadcasts over [T, KV, D]
+        layer.self_attn.attn.v_scale = scales.v

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,18 @@ class Divergence:
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and per-step log-probs from transformers' own generate (EOS ignored)."""
+    """Greedy tokens and per-step log-probs from transformers' own generate.
+
+    EOS neither stops nor is masked (min_new_tokens would mask it to -inf, which our
+    ignore_eos does not do): generation runs exactly max_new_tokens on the raw distribution.
+    """
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = []  # None falls back to the model's EOS; an empty list disables stopping
+    config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+    config.max_new_tokens, config.pad_token_id = max_new_tokens, 0
+    config.output_scores, config.return_dict_in_generate = True, True
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, output_scores=True, return_dict_in_generate=True,
-                             pad_token_id=0)
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     return tokens, [s[0].float().log_softmax(-1) for s in out.scores]
 
