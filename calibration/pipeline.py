@@ -13,7 +13,7 @@ batched through the engine's multi-sequence attention path with a scratch KV cac
    served model will cache, and the held-out outputs give the layer's relative output error.
 
 Only one layer's activations (all samples) and statistics live at a time; the layer itself is
-moved to the compute device only while it is processed.
+upcast and moved to the compute device only while it is processed, then released.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class _Stream:
 def _embed(model: nn.Module, samples: list[torch.Tensor], device: torch.device) -> _Stream:
     embed = model.model.embed_tokens
     with torch.no_grad():
-        hidden = [embed(ids.to(embed.weight.device)).to(device) for ids in samples]
+        hidden = [embed(ids.to(embed.weight.device)).to(device=device, dtype=torch.float32) for ids in samples]
     return _Stream(hidden, [None] * len(samples))
 
 
@@ -204,9 +204,11 @@ def calibrate(
     max_batch_tokens: int = 2048,
     show_progress: bool = True,
 ) -> CalibrationResult:
-    """Run the sequential pipeline over every decoder layer of ``model`` (modified in place).
+    """Run the sequential pipeline over every decoder layer of ``model``, consuming it.
 
-    ``quantizer`` None quantizes no weight (KV-scales-only runs). ``samples`` and ``heldout``
+    Each layer is cast to fp32 on ``device`` while it is processed and released (moved to the
+    meta device) afterwards, so peak memory is the model at its stored precision plus one fp32
+    layer and the activations. ``quantizer`` None quantizes no weight (KV-scales-only runs). ``samples`` and ``heldout``
     are token-id tensors ``[num_tokens]``; up to ``max_batch_tokens`` of them run per call.
     """
     device = torch.device(device)
@@ -220,8 +222,7 @@ def calibrate(
     lengths = [int(s.numel()) for s in samples], [int(s.numel()) for s in heldout]
     attn = layers[0].self_attn
     num_slots = max([min(max_batch_tokens, sum(lengths[0]) + sum(lengths[1])), *lengths[0], *lengths[1]])
-    cache = KVCache(len(layers), num_slots, attn.num_kv_heads, attn.head_dim, model.model.embed_tokens.weight.dtype,
-                    device)
+    cache = KVCache(len(layers), num_slots, attn.num_kv_heads, attn.head_dim, torch.float32, device)
     calib_runner = _BatchedRunner(lengths[0], max_batch_tokens, cache, device)
     heldout_runner = _BatchedRunner(lengths[1], max_batch_tokens, cache, device)
     result = CalibrationResult(tensors={}, changed={}, kv_absmax=[], layers=[],
@@ -235,8 +236,7 @@ def calibrate(
         stats = {t.module_path: _new_stats(t, quantizer, num_calls=len(calib_runner.batches), device=device)
                  for t in layer_targets}
         kv = (AbsMaxObserver(channel_dim=1), AbsMaxObserver(channel_dim=1)) if observe_kv else None
-        source_device = next(layer.parameters()).device
-        layer.to(device)
+        layer.to(device=device, dtype=torch.float32)  # stored at checkpoint precision, calibrated in fp32
         with tqdm(total=num_passes, desc=f"layer {layer_idx + 1}/{len(layers)}", unit="sample",
                   disable=not show_progress, leave=False) as progress:
             if needs_statistics:
@@ -260,7 +260,7 @@ def calibrate(
                 heldout_out, output_error = heldout_ref, 0.0 if heldout else None
             if show_progress and output_error is not None:
                 progress.write(f"layer {layer_idx + 1}/{len(layers)}: held-out output error {output_error:.4f}")
-        layer.to(source_device)
+        layer.to("meta")  # done with it: its quantized tensors are in `result`, free the memory
         calib_stream, heldout_stream = calib_out, heldout_out
         if kv is not None:
             result.kv_absmax.append((kv[0].per_channel, kv[1].per_channel))

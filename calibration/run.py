@@ -26,6 +26,8 @@ from quant.config import QuantizationConfig
 from quant.fp8 import fp8_scale
 from quant.schemes import FP8_KV, QuantScheme, preset
 
+_STORED_DTYPES = ("float32", "bfloat16", "float16")
+
 
 class QuantizeError(Exception):
     """A problem with the user's inputs, reported as one line and exit code 2."""
@@ -129,7 +131,9 @@ def quantize(options: QuantizeOptions) -> Path:
         raise QuantizeError(str(exc)) from None
     print(f"calibrating on {len(calib.samples)} samples ({calib.num_tokens} tokens), "
           f"{len(calib.heldout)} held out")
-    model, _ = load_model(options.model_dir, dtype=torch.float32, device="cpu")
+    # Held at the checkpoint's own precision; the pipeline upcasts one layer at a time.
+    stored = config.get("torch_dtype") or config.get("dtype")
+    model, _ = load_model(options.model_dir, dtype=stored if stored in _STORED_DTYPES else "float32", device="cpu")
     scheme = _scheme(options, group_size)
     quantizer = WeightQuantizer(scheme, options.algorithm) if scheme is not None else None
     result = calibrate(model, calib.samples, calib.heldout, targets, quantizer,
