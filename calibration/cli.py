@@ -7,6 +7,7 @@ output) is one line on stderr and exit code 2; nothing is left behind in OUT_DIR
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from calibration.options import (
@@ -19,6 +20,7 @@ from calibration.options import (
 )
 
 EXIT_USAGE = 2
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(QuantizeOptions)}  # one source of defaults
 
 
 def _group_size(value: str) -> int | None:
@@ -37,21 +39,22 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, help="checkpoint folder to write")
     parser.add_argument("--scheme", required=True, choices=SCHEMES,
                         help="weight scheme; 'none' writes KV-cache scales only (needs --kv-cache)")
-    parser.add_argument("--algo", default="rtn", choices=ALGORITHMS, help="weight algorithm (default rtn)")
+    parser.add_argument("--algo", default=_DEFAULTS["algorithm"], choices=ALGORITHMS, help="weight algorithm")
     parser.add_argument("--group-size", type=_group_size, default=None, metavar="{auto," +
                         ",".join(map(str, GROUP_SIZES)) + "}",
                         help="INT4 group size; auto takes the largest that divides every input size")
     parser.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default=None, help="calibrate FP8 KV-cache scales")
-    parser.add_argument("--kv-scale-strategy", choices=KV_STRATEGIES, default="tensor",
+    parser.add_argument("--kv-scale-strategy", choices=KV_STRATEGIES, default=_DEFAULTS["kv_strategy"],
                         help="one KV scale per layer (default) or per KV head")
-    parser.add_argument("--num-samples", type=int, default=256)
-    parser.add_argument("--num-heldout", type=int, default=16,
+    parser.add_argument("--num-samples", type=int, default=_DEFAULTS["num_samples"])
+    parser.add_argument("--num-heldout", type=int, default=_DEFAULTS["num_heldout"],
                         help="extra samples, not calibrated on, for the per-layer error report")
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="truncate each sample to this many tokens")
-    parser.add_argument("--ignore", nargs="+", default=["lm_head"],
+    parser.add_argument("--max-seq-len", type=int, default=_DEFAULTS["max_seq_len"],
+                        help="truncate each sample to this many tokens")
+    parser.add_argument("--ignore", nargs="+", default=list(_DEFAULTS["ignore"]),
                         help="Linears left unquantized: checkpoint names or re:regex (must include lm_head)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the calibration-sample draw")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=_DEFAULTS["device"])
+    parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="seed of the calibration-sample draw")
     parser.add_argument("--allow-few", action="store_true",
                         help="warn instead of failing when the file has fewer samples than --num-samples")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")

@@ -11,6 +11,14 @@ from calibration.data import CalibrationSet
 from calibration.options import QuantizeOptions
 from calibration.pipeline import CalibrationResult
 
+_DEFINITIONS = {
+    "output_error": "‖y_q − y‖_F / ‖y‖_F of one decoder layer's output (hidden + residual) on the held-out "
+                    "samples, quantized vs unquantized layer given the same input (the quantized stream so far)",
+    "weight_errors": "‖Ŵ − W‖_F / ‖W‖_F per checkpoint Linear, W as handed to the quantizer "
+                     "(after AWQ smoothing for --algo awq), Ŵ as the served module dequantizes it",
+    "input_absmax": "max |x| over every observed token of the Linear's input",
+    "k_absmax": "max |K| after RoPE per KV head over the whole calibration set; k_scale = max / 448",
+}
 _TOOLS = ("driftgate", "torch", "transformers", "safetensors", "compressed-tensors")
 
 
@@ -39,6 +47,7 @@ def build_report(options: QuantizeOptions, calib: CalibrationSet, result: Calibr
     output_errors = [r.output_error for r in result.layers if r.output_error is not None]
     weight_errors = [e for r in result.layers for e in r.weight_errors.values()]
     return {
+        "definitions": _DEFINITIONS,
         "model_dir": str(options.model_dir.resolve()),
         "scheme": options.scheme,
         "algorithm": options.algorithm if options.scheme != "none" else None,
