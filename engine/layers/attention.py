@@ -76,7 +76,8 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: tor
 
 
 def _load(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    x = cache[slots]
+    # index_select on flat slots is ~2x faster than advanced indexing with a 2-D index on CPU
+    x = cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
     if cache.dtype == torch.float8_e4m3fn:
         return x.to(torch.float32).mul_(scale).to(dtype)
     return x
