@@ -116,7 +116,6 @@ class DriftgateLM(TemplateLM):
         # context) are adjacent and reach the engine together.
         order = sorted(range(len(sequences)), key=lambda i: sequences[i][0])
         results: list[tuple[float, bool] | None] = [None] * len(sequences)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
         bar = tqdm(total=len(sequences), desc=desc, disable=disable_tqdm)
         for start in range(0, len(order), self.chunk_size):
             chunk = order[start : start + self.chunk_size]
@@ -132,6 +131,9 @@ class DriftgateLM(TemplateLM):
             for wave in (leaders, followers):
                 if not wave:
                     continue
+                # Only the scored tail needs logprobs, so a cached context is reused, not recomputed.
+                params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1,
+                                         prompt_logprobs_start=len(sequences[i][0]) - sequences[i][1]) for i in wave]
                 outputs = self.llm.generate([sequences[i][0] for i in wave], params, use_tqdm=False)
                 for i, out in zip(wave, outputs, strict=True):
                     tokens, num_scored = sequences[i]
