@@ -5,6 +5,7 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= $(or $(DRIFTGATE_HOME),$(HOME)/.cache/driftgate)/models/smollm2-135m-instruct
 OUT     ?= out
+DATA    ?= $(or $(DRIFTGATE_DATA),$(abspath ../shared/data))
 
 .PHONY: setup model test test-fast demo bench lint clean
 
@@ -29,8 +30,7 @@ test-fast: setup
 	$(PYTHON) -m pytest -q -m "not real_model and not slow" tests
 
 demo: setup model
-	$(BIN)/driftgate generate $(MODEL) --chat --max-tokens 64 \
-		"What is the capital of France?" "Give me three tips for writing clear code."
+	scripts/demo.sh $(MODEL) $(OUT) $(DATA)
 
 bench: setup model
 	mkdir -p bench/results

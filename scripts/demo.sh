@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The main job on the default model: import → quantize → gate → serve what passed.
+# Usage: scripts/demo.sh MODEL_DIR OUT_DIR DATA_DIR   (make demo fills these in)
+set -uo pipefail
+model=$1 out=$2 data=$3
+bin=$(dirname "$0")/../.venv/bin
+calib=$data/calib/self_instruct_seed_tasks.jsonl
+mkdir -p "$out"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "quantize: fp8-dynamic (no calibration needed) and w4a16 RTN with a calibrated fp8 KV cache"
+"$bin/quantize" "$model" --calib "$calib" --scheme fp8-dynamic -o "$out/smollm2-fp8-dynamic" --overwrite --num-samples 32 || exit 2
+"$bin/quantize" "$model" --calib "$calib" --scheme w4a16 --algo rtn --kv-cache fp8 -o "$out/smollm2-w4a16-kvfp8" \
+    --overwrite --num-samples 64 --max-seq-len 512 || exit 2
+
+step "generate with each checkpoint"
+"$bin/driftgate" generate "$out/smollm2-fp8-dynamic" --chat --max-tokens 32 "What is the capital of France?" || exit 2
+"$bin/driftgate" generate "$out/smollm2-w4a16-kvfp8" --kv-cache-dtype fp8 --chat --max-tokens 32 \
+    "What is the capital of France?" || exit 2
+
+passed=""
+for cand in smollm2-fp8-dynamic:auto smollm2-w4a16-kvfp8:fp8; do
+    name=${cand%%:*} kv=${cand##*:}
+    step "gate $name against BF16 (quick policy; the baseline arm is cached after the first run)"
+    "$bin/driftgate" gate --baseline "$model" --candidate "$out/$name" --kv-cache-dtype "$kv" --policy quick \
+        --report-dir "$out/$name-gate" --data-dir "$data"
+    code=$?
+    echo "verdict for $name: exit $code (0 pass, 1 drift, 2 could not evaluate); report: $out/$name-gate/report.md"
+    if [ $code -eq 0 ] && [ -z "$passed" ]; then passed=$out/$name kvdtype=$kv; fi
+done
+
+if [ -z "$passed" ]; then
+    step "no candidate passed the gate: serving the BF16 model instead"
+    passed=$model kvdtype=auto gate_flag=""
+else
+    gate_flag="--require-gate"
+fi
+step "serving $passed on http://127.0.0.1:8000 (Ctrl-C to stop). Try:"
+echo "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+echo "       -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+exec "$bin/driftgate" serve "$passed" --served-model-name smollm2 --kv-cache-dtype "$kvdtype" $gate_flag
