@@ -1,0 +1,129 @@
+"""The router's view of one replica: an exact mirror of its prefix cache, plus its load.
+
+- The prefix mirror is fed by the replica's KV events (stored / removed / cleared, seq +1 each).
+  A gap in seq means an event was lost: the mirror is marked stale and reports no hits (rather
+  than wrong ones) until it is rebuilt from a snapshot of the replica's cached hashes.
+- Load has two halves. What the replica reports (free blocks, running, waiting) lags by one
+  report; what the router predicts itself at dispatch, first token and completion (Dynamo's
+  three moments) is immediate, so two requests routed between reports never see the same free
+  space twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.block_manager import KVEvent
+
+
+class PrefixIndex:
+    """Set of block hashes one replica holds in its prefix cache, kept exact by its KV events."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+        self.last_seq = 0
+        self.is_stale = False
+
+    def apply(self, events: Iterable[KVEvent]) -> bool:
+        """Apply events in order; returns False (and marks stale) on a gap in seq."""
+        for event in events:
+            if self.is_stale:
+                return False  # everything after a gap waits for the resync
+            if event.seq <= self.last_seq:
+                continue  # redelivered: already applied
+            if event.seq != self.last_seq + 1:
+                self.is_stale = True
+                return False
+            if event.kind == "stored":
+                self.hashes.update(event.block_hashes)
+            elif event.kind == "removed":
+                self.hashes.difference_update(event.block_hashes)
+            elif event.kind == "cleared":
+                self.hashes.clear()
+            else:
+                raise ValueError(f"unknown KV event kind {event.kind!r}")
+            self.last_seq = event.seq
+        return True
+
+    def resync(self, snapshot: set[bytes], seq: int) -> None:
+        """Replace the mirror with the replica's cached hashes as of event `seq`."""
+        self.hashes = set(snapshot)
+        self.last_seq = seq
+        self.is_stale = False
+
+    def num_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Longest run of cached blocks from the start (a hit past a miss is unusable)."""
+        if self.is_stale:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n
+
+
+@dataclass(slots=True)
+class InFlight:
+    """What the router predicted for one request it sent to a replica."""
+
+    num_blocks: int  # KV blocks it will hold at its longest (prompt + max_tokens − cached)
+    num_prefill_tokens: int  # tokens the replica must compute before the first token
+    has_first_token: bool = False
+
+
+class ReplicaState:
+    """One replica as the router sees it: prefix mirror, reported load, predicted load."""
+
+    def __init__(self, replica_id: int, num_total_blocks: int, max_num_seqs: int):
+        if num_total_blocks < 1 or max_num_seqs < 1:
+            raise ValueError("num_total_blocks and max_num_seqs must be positive")
+        self.replica_id = replica_id
+        self.num_total_blocks = num_total_blocks
+        self.max_num_seqs = max_num_seqs
+        self.prefix = PrefixIndex()
+        self.num_reported_free_blocks = num_total_blocks
+        self.num_reported_running = 0
+        self.num_reported_waiting = 0
+        self.in_flight: dict[str, InFlight] = {}
+
+    def report(self, num_free_blocks: int, num_running: int, num_waiting: int) -> None:
+        """The replica's own counts, as of its last step."""
+        self.num_reported_free_blocks = num_free_blocks
+        self.num_reported_running = num_running
+        self.num_reported_waiting = num_waiting
+
+    def on_dispatch(self, request_id: str, num_blocks: int, num_prefill_tokens: int) -> None:
+        self.in_flight[request_id] = InFlight(num_blocks, num_prefill_tokens)
+
+    def on_first_token(self, request_id: str) -> None:
+        """Prefill done: the request now costs decode work only."""
+        entry = self.in_flight.get(request_id)
+        if entry is not None:
+            entry.has_first_token = True
+
+    def release(self, request_id: str) -> InFlight | None:
+        """Completion or withdrawal: forget the request's predicted load."""
+        return self.in_flight.pop(request_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    @property
+    def num_predicted_blocks(self) -> int:
+        return sum(e.num_blocks for e in self.in_flight.values())
+
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        return sum(e.num_prefill_tokens for e in self.in_flight.values() if not e.has_first_token)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks by the more pessimistic of the report and the router's own prediction."""
+        return min(self.num_reported_free_blocks, self.num_total_blocks - self.num_predicted_blocks)
+
+    def unstarted_request_ids(self) -> list[str]:
+        """Requests with no first token yet, newest first (the cheapest to move)."""
+        return [rid for rid, e in reversed(self.in_flight.items()) if not e.has_first_token]

@@ -1,0 +1,198 @@
+"""Which replica serves a request, and when (pure policy: no Ray, no I/O, no clock).
+
+Three policies:
+- `round-robin` and `least-loaded` (fewest in-flight requests) dispatch at once, as an
+  independent load balancer in front of N engines would; each engine queues locally.
+- `coordinated` holds requests in one global FIFO and dispatches the head only to a replica that
+  can admit it whole (predicted KV for prompt + max_tokens fits, a sequence slot is free), so an
+  engine never admits work it would later preempt. Among those it picks the best weighted score,
+  llm-d's 3:2:2 over scores in [0, 1]:
+    prefix = cached blocks from the start / prompt blocks   (work the replica skips)
+    kv     = free blocks left after this request / total    (Dynamo's "decode blocks" load)
+    queue  = (max q − q) / (max q − min q) over candidates, q = blocks still to prefill there
+  An SGLang-style override picks the fewest in-flight requests instead when replicas are
+  imbalanced (max − min > balance_abs and max > balance_rel · min), so affinity cannot pile
+  everything onto one replica.
+
+Migration: when a replica's reported free KV falls below `migrate_below_free_fraction` while it
+still has waiting requests (its next admission or decode growth would preempt), the router asks
+it to withdraw the requests it has not started, and re-dispatches whatever came back elsewhere.
+Only the replica knows what it started, so withdrawal is two-phase and a request is always in
+exactly one place: in flight on a replica, or in the router's queue.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.block_manager import hash_token_blocks
+from engine.cluster.index import ReplicaState
+
+
+class Policy(enum.Enum):
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+    COORDINATED = "coordinated"
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    policy: Policy = Policy.COORDINATED
+    block_size: int = 16  # must equal the replicas' block size: hashes are per block
+    prefix_weight: float = 3.0
+    kv_weight: float = 2.0
+    queue_weight: float = 2.0
+    balance_abs: int = 64  # SGLang's defaults
+    balance_rel: float = 1.5
+    migrate_below_free_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, str):
+            try:
+                self.policy = Policy(self.policy)
+            except ValueError:
+                raise ValueError(f"unknown policy {self.policy!r}; "
+                                 f"choose from {', '.join(p.value for p in Policy)}") from None
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if min(self.prefix_weight, self.kv_weight, self.queue_weight) < 0:
+            raise ValueError("score weights must be non-negative")
+        if self.balance_abs < 0 or self.balance_rel < 1.0:
+            raise ValueError("balance_abs must be ≥ 0 and balance_rel ≥ 1")
+        if not 0.0 <= self.migrate_below_free_fraction < 1.0:
+            raise ValueError("migrate_below_free_fraction must be in [0, 1)")
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """A request as the router needs it: its tokens (for block hashes) and its output budget."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    max_tokens: int
+    block_hashes: list[bytes] = field(default_factory=list)
+    excluded: set[int] = field(default_factory=set)  # replicas it was withdrawn from
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Send `request_id` to replica `replica_id`."""
+
+    request_id: str
+    replica_id: int
+
+
+class Router:
+    """Routing policy over a fixed list of replicas; the caller executes the returned dispatches."""
+
+    def __init__(self, config: RouterConfig, replicas: list[ReplicaState]):
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        self.config = config
+        self.replicas = {r.replica_id: r for r in replicas}
+        self.queue: deque[RouteRequest] = deque()
+        self.num_migrated = 0
+        self._next_rr = 0
+
+    def submit(self, request: RouteRequest) -> list[Dispatch]:
+        """Accept a request; returns what can be dispatched now (possibly nothing)."""
+        bs = self.config.block_size
+        request.block_hashes = hash_token_blocks(request.token_ids, bs)
+        if self._num_blocks(request) > max(r.num_total_blocks for r in self.replicas.values()):
+            raise ValueError(f"request {request.request_id} needs more KV blocks than any replica has")
+        self.queue.append(request)
+        return self.dispatch_ready()
+
+    def dispatch_ready(self) -> list[Dispatch]:
+        """Dispatch queued requests in arrival order while the head can be placed."""
+        dispatches = []
+        while self.queue:
+            request = self.queue[0]
+            replica = self._choose(request)
+            if replica is None:
+                break  # strict FIFO: later requests do not overtake a waiting head
+            self.queue.popleft()
+            hit = replica.prefix.num_prefix_blocks(self._hashable_prefix(request))
+            replica.on_dispatch(request.request_id, self._num_blocks(request) - hit,
+                                len(request.token_ids) - hit * self.config.block_size)
+            dispatches.append(Dispatch(request.request_id, replica.replica_id))
+        return dispatches
+
+    def on_first_token(self, replica_id: int, request_id: str) -> None:
+        self.replicas[replica_id].on_first_token(request_id)
+
+    def on_complete(self, replica_id: int, request_id: str) -> list[Dispatch]:
+        """A request finished (or failed) on a replica: its capacity may admit queued ones."""
+        self.replicas[replica_id].release(request_id)
+        return self.dispatch_ready()
+
+    def migration_candidates(self, replica_id: int) -> list[str]:
+        """Not-yet-started requests to withdraw from a replica about to preempt (newest first)."""
+        replica = self.replicas[replica_id]
+        if self.config.policy is not Policy.COORDINATED or len(self.replicas) < 2:
+            return []
+        threshold = self.config.migrate_below_free_fraction * replica.num_total_blocks
+        if replica.num_reported_free_blocks >= threshold or replica.num_reported_waiting == 0:
+            return []
+        return replica.unstarted_request_ids()
+
+    def withdrawn(self, replica_id: int, requests: list[RouteRequest]) -> list[Dispatch]:
+        """The replica gave these back unstarted: queue them ahead of newer arrivals, elsewhere."""
+        replica = self.replicas[replica_id]
+        for request in reversed(requests):  # appendleft in reverse keeps their order
+            replica.release(request.request_id)
+            request.excluded.add(replica_id)
+            self.queue.appendleft(request)
+        self.num_migrated += len(requests)
+        return self.dispatch_ready()
+
+    def _num_blocks(self, request: RouteRequest) -> int:
+        return -(-(len(request.token_ids) + request.max_tokens) // self.config.block_size)
+
+    def _hashable_prefix(self, request: RouteRequest) -> list[bytes]:
+        # the engine recomputes the last prompt token, so a fully cached prompt gives back a block
+        return request.block_hashes[:(len(request.token_ids) - 1) // self.config.block_size]
+
+    def _choose(self, request: RouteRequest) -> ReplicaState | None:
+        replicas = list(self.replicas.values())
+        policy = self.config.policy
+        if policy is Policy.ROUND_ROBIN:
+            replica = replicas[self._next_rr % len(replicas)]
+            self._next_rr += 1
+            return replica
+        if policy is Policy.LEAST_LOADED:
+            return min(replicas, key=lambda r: (r.num_in_flight, r.replica_id))
+        return self._choose_coordinated(request, replicas)
+
+    def _choose_coordinated(self, request: RouteRequest, replicas: list[ReplicaState]) -> ReplicaState | None:
+        hashes = self._hashable_prefix(request)
+        num_blocks = self._num_blocks(request)
+        hits = {r.replica_id: r.prefix.num_prefix_blocks(hashes) for r in replicas}
+        candidates = [r for r in replicas if r.replica_id not in request.excluded
+                      and r.num_in_flight < r.max_num_seqs
+                      and r.num_free_blocks >= num_blocks - hits[r.replica_id]]
+        if not candidates and request.excluded:
+            # withdrawn from every fitting replica: its source may have room again by now
+            request.excluded.clear()
+            return self._choose_coordinated(request, replicas)
+        if not candidates:
+            return None
+        loads = [r.num_in_flight for r in replicas]
+        if max(loads) - min(loads) > self.config.balance_abs and max(loads) > self.config.balance_rel * min(loads):
+            return min(candidates, key=lambda r: (r.num_in_flight, r.replica_id))
+        bs = self.config.block_size
+        queued = {r.replica_id: -(-r.num_pending_prefill_tokens // bs) for r in candidates}
+        q_min, q_max = min(queued.values()), max(queued.values())
+        cfg = self.config
+
+        def score(r: ReplicaState) -> float:
+            prefix = hits[r.replica_id] / len(hashes) if hashes else 0.0
+            kv = (r.num_free_blocks - (num_blocks - hits[r.replica_id])) / r.num_total_blocks
+            queue = 1.0 if q_max == q_min else (q_max - queued[r.replica_id]) / (q_max - q_min)
+            return cfg.prefix_weight * prefix + cfg.kv_weight * kv + cfg.queue_weight * queue
+
+        # ties (e.g. an idle cluster) go to the fewest in-flight, then the lowest id
+        return max(candidates, key=lambda r: (score(r), -r.num_in_flight, -r.replica_id))

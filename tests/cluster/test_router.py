@@ -1,0 +1,174 @@
+"""Router policy and prefix index on fabricated replica states (no engine, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager, KVEvent, hash_token_blocks
+from engine.cluster.index import PrefixIndex, ReplicaState
+from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
+from tests.helpers import make_requests
+
+BS = 4
+
+
+def make_router(policy: str = "coordinated", num_replicas: int = 3, num_blocks: int = 100,
+                max_num_seqs: int = 8, **kwargs) -> Router:
+    replicas = [ReplicaState(i, num_blocks, max_num_seqs) for i in range(num_replicas)]
+    return Router(RouterConfig(policy=policy, block_size=BS, **kwargs), replicas)
+
+
+def cache_on(replica: ReplicaState, token_ids: list[int]) -> None:
+    """Feed the replica's mirror a `stored` event for every full block of `token_ids`."""
+    hashes = tuple(hash_token_blocks(token_ids, BS))
+    assert replica.prefix.apply([KVEvent(replica.prefix.last_seq + 1, "stored", hashes)])
+
+
+def req(rid: str, num_tokens: int = 16, max_tokens: int = 4, prefix: list[int] | None = None,
+        seed: int = 0) -> RouteRequest:
+    (r,) = make_requests(1, num_tokens, max_tokens=max_tokens, prefix=prefix, seed=seed, vocab=1000)
+    return RouteRequest(rid, r.prompt_token_ids, max_tokens)
+
+
+# --- prefix index -------------------------------------------------------------------------------
+
+def test_index_mirrors_block_manager_events_exactly():
+    bm = BlockManager(num_blocks=3, block_size=BS, record_events=True)
+    index = PrefixIndex()
+    a, b = make_requests(2, 12, seed=1, vocab=1000)
+    for r in (a, b):  # b's allocation evicts a's freed blocks: stored, then removed events
+        assert bm.allocate(r, r.num_tokens)
+        bm.free(r)
+        assert index.apply(bm.drain_events())
+        assert index.hashes == set(bm.cached)
+    assert index.num_prefix_blocks(b.block_hashes) == 3
+    assert index.num_prefix_blocks(a.block_hashes) == 0
+
+
+def test_longest_run_stops_at_first_miss():
+    index = PrefixIndex()
+    hashes = hash_token_blocks(list(range(16)), BS)
+    index.apply([KVEvent(1, "stored", (hashes[0], hashes[1], hashes[3]))])
+    assert index.num_prefix_blocks(hashes) == 2
+
+
+def test_event_gap_marks_stale_then_snapshot_resyncs():
+    index = PrefixIndex()
+    hashes = hash_token_blocks(list(range(16)), BS)
+    assert index.apply([KVEvent(1, "stored", tuple(hashes))])
+    assert index.apply([KVEvent(1, "stored", tuple(hashes))])  # redelivery is harmless
+    assert not index.apply([KVEvent(3, "removed", (hashes[3],))])  # seq 2 was lost
+    assert index.is_stale and index.num_prefix_blocks(hashes) == 0  # no hits rather than wrong ones
+    assert not index.apply([KVEvent(4, "cleared")])  # nothing applies until the resync
+    index.resync(set(hashes[:2]), seq=4)
+    assert not index.is_stale and index.num_prefix_blocks(hashes) == 2
+    assert index.apply([KVEvent(5, "cleared")]) and index.num_prefix_blocks(hashes) == 0
+
+
+# --- placement ----------------------------------------------------------------------------------
+
+def test_prefix_affinity_picks_the_replica_holding_the_prompt():
+    router = make_router()
+    system = list(range(100, 132))  # 8 shared blocks
+    cache_on(router.replicas[2], system)
+    (d,) = router.submit(req("a", 8, prefix=system))
+    assert d == Dispatch("a", 2)
+    # the router's prediction counts only the uncached part: 40 tokens + 4 out = 11 blocks − 8 hit
+    assert router.replicas[2].in_flight["a"].num_blocks == 3
+    assert router.replicas[2].in_flight["a"].num_prefill_tokens == 8
+
+
+def test_kv_aware_placement_avoids_the_replica_without_room():
+    router = make_router(num_replicas=2, num_blocks=40)
+    system = list(range(100, 132))
+    cache_on(router.replicas[0], system)
+    router.replicas[0].report(num_free_blocks=5, num_running=3, num_waiting=0)
+    # replica 0 has the prefix but not the 31 − 8 = 23 blocks the request still needs
+    (d,) = router.submit(req("a", 88, max_tokens=4, prefix=system))
+    assert d.replica_id == 1
+
+
+def test_kv_term_prefers_more_free_blocks_when_nothing_is_cached():
+    router = make_router(num_replicas=2)
+    router.replicas[0].report(num_free_blocks=30, num_running=2, num_waiting=0)
+    router.replicas[1].report(num_free_blocks=90, num_running=2, num_waiting=0)
+    assert router.submit(req("a"))[0].replica_id == 1
+
+
+def test_global_queue_holds_requests_until_a_replica_can_admit():
+    router = make_router(num_replicas=2, num_blocks=10)
+    first = router.submit(req("a", 28, max_tokens=8)) + router.submit(req("b", 28, max_tokens=8, seed=1))
+    assert sorted(d.replica_id for d in first) == [0, 1]  # 9 blocks each: one per replica
+    assert router.submit(req("c", 28, max_tokens=8, seed=2)) == []
+    assert [r.request_id for r in router.queue] == ["c"]
+    assert router.on_complete(1, "b") == [Dispatch("c", 1)]
+    assert not router.queue
+
+
+def test_baselines_dispatch_immediately():
+    rr = make_router("round-robin", num_blocks=10)
+    ll = make_router("least-loaded", num_blocks=10)
+    rr_ids = [rr.submit(req(f"r{i}", 28, max_tokens=8, seed=i))[0].replica_id for i in range(4)]
+    assert rr_ids == [0, 1, 2, 0]  # even past each replica's KV: the engine queues locally
+    ll.replicas[0].on_dispatch("x", 1, 1)
+    assert ll.submit(req("a"))[0].replica_id == 1
+
+
+def test_imbalance_override_beats_prefix_affinity():
+    router = make_router(num_replicas=2, max_num_seqs=64, balance_abs=4, balance_rel=1.5)
+    system = list(range(100, 132))
+    cache_on(router.replicas[0], system)
+    for i in range(6):
+        router.replicas[0].on_dispatch(f"busy{i}", 1, 0)
+    router.replicas[1].on_dispatch("one", 1, 0)
+    # 6 − 1 > 4 and 6 > 1.5·1: imbalanced, so the shorter replica wins despite the cache
+    assert router.submit(req("a", 8, prefix=system))[0].replica_id == 1
+    router.replicas[1].on_dispatch("two", 1, 0)  # 6 − 2 = 4: balanced again
+    assert router.submit(req("b", 8, prefix=system, seed=1))[0].replica_id == 0
+
+
+# --- migration ----------------------------------------------------------------------------------
+
+def test_migration_withdraws_only_unstarted_requests_and_loses_none():
+    router = make_router(num_replicas=2, num_blocks=20)
+    requests = {f"r{i}": req(f"r{i}", 12, max_tokens=4, seed=i) for i in range(4)}
+    for rid in requests:
+        router.replicas[0].on_dispatch(rid, 4, 12)  # fabricated: all four sit on replica 0
+    router.on_first_token(0, "r0")
+    router.on_first_token(0, "r2")
+    assert router.migration_candidates(0) == []  # plenty of free KV: no reason to move
+    router.replicas[0].report(num_free_blocks=0, num_running=2, num_waiting=2)
+    assert router.migration_candidates(0) == ["r3", "r1"]  # newest first, never r0 / r2
+
+    # the replica admitted r3 meanwhile, so only r1 comes back
+    dispatches = router.withdrawn(0, [requests["r1"]])
+    assert dispatches == [Dispatch("r1", 1)]
+    assert router.num_migrated == 1
+    placed = set(router.replicas[0].in_flight) | set(router.replicas[1].in_flight)
+    assert placed | {r.request_id for r in router.queue} == set(requests)
+
+
+def test_withdrawn_requests_queue_ahead_of_new_arrivals():
+    router = make_router(num_replicas=2, num_blocks=5)
+    router.replicas[1].report(num_free_blocks=0, num_running=1, num_waiting=0)
+    old = req("old", 12, seed=1)
+    router.replicas[0].on_dispatch("old", 4, 12)
+    router.replicas[0].on_dispatch("big", 5, 16)
+    assert router.submit(req("new", 12, seed=2)) == []  # no room anywhere
+    assert router.withdrawn(0, [old]) == []  # replica 1 is full and 0 still holds "big"
+    assert [r.request_id for r in router.queue] == ["old", "new"]
+
+
+def test_baselines_never_migrate():
+    router = make_router("least-loaded", num_replicas=2)
+    router.replicas[0].on_dispatch("a", 4, 12)
+    router.replicas[0].report(num_free_blocks=0, num_running=1, num_waiting=1)
+    assert router.migration_candidates(0) == []
+
+
+def test_config_validation():
+    assert RouterConfig(policy="least-loaded").policy is Policy.LEAST_LOADED
+    with pytest.raises(ValueError, match="unknown policy"):
+        RouterConfig(policy="random")
+    with pytest.raises(ValueError, match="more KV blocks"):
+        make_router(num_blocks=2).submit(req("a", 16))
