@@ -19,6 +19,7 @@ COMMANDS = {
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
     "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline` or `bench serve`"),
+    "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
 

@@ -1,0 +1,357 @@
+"""`driftgate cluster-sim`: compare routing policies on N simulated nodes, without N GPUs.
+
+Every node runs the real `BlockManager` and `Scheduler`; the router is the real `Router` fed by
+the nodes' real KV events. Only the model is replaced: sampled tokens are fabricated (random ids,
+each request runs to its max_tokens, like `ignore_eos`) and a step takes
+
+    step_s = a + b · num_batched_tokens + c · num_decode_seqs
+
+- a: fixed cost of a forward (weights read once per step, launch overhead);
+- b: marginal cost of one more token in the batch (prefill GEMM throughput);
+- c: marginal cost of one more decoding sequence (its KV read in attention).
+
+Default constants (`CostModel`) are first-principles estimates for Llama-3-8B BF16 on one
+H100-class GPU, NOT measured here: a = 6 ms (16 GB of weights at ~3 TB/s plus overhead),
+b = 0.04 ms/token (~25k prefill tok/s), c = 0.06 ms/seq (~1.5k tokens × 128 KiB KV per token).
+Calibrating them: run `driftgate bench offline MODEL` on the target GPU; its TTFT for a
+`--prompt-len` P prompt is one prefill step (a + b·P), its batch-1 ITL is one decode step
+(a + b + c), and its offline-throughput run at batch B gives a + B·(b + c) per decode step; solve
+for a, b, c (least squares over several P and B for a better fit) and pass them as
+`--step-a-ms/--step-b-ms/--step-c-ms`. Every result row records the constants it used.
+
+`load` is the offered Poisson rate as a fraction of the peak request rate of `least-loaded` on
+the same workload, measured here first by submitting every request at t = 0 (requests ÷
+makespan, so the peak includes the final drain and load 1.0 is slightly below saturation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.block_manager import BlockManager
+from engine.cluster.index import ReplicaState
+from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Request, RequestStatus
+
+WORKLOADS = ("published", "uniform", "shared-prefix")
+VOCAB = 32000
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Seconds per engine step from its shape (see the module docstring for the constants)."""
+
+    a_ms: float = 6.0
+    b_ms_per_token: float = 0.04
+    c_ms_per_decode_seq: float = 0.06
+
+    def step_s(self, num_batched_tokens: int, num_decode_seqs: int) -> float:
+        return (self.a_ms + self.b_ms_per_token * num_batched_tokens
+                + self.c_ms_per_decode_seq * num_decode_seqs) / 1000.0
+
+
+@dataclass(slots=True)
+class NodeConfig:
+    """One simulated replica: KV capacity and scheduler limits (engine defaults elsewhere)."""
+
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if min(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ValueError("node sizes must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    prompt_token_ids: list[int]
+    num_output_tokens: int
+
+
+def make_workload(name: str, num_requests: int, rng: random.Random) -> list[WorkItem]:
+    """published: inputs 512–2048, outputs 128–512 · uniform: 512/256 · shared-prefix: see below.
+
+    shared-prefix: 48 system prompts of 1536 tokens (about 56% of the default 4-node KV), each
+    request one of them picked uniformly plus its own 256-token question, outputs 64–128.
+    """
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    if name == "published":
+        return [WorkItem(tokens(rng.randint(512, 2048)), rng.randint(128, 512)) for _ in range(num_requests)]
+    if name == "uniform":
+        return [WorkItem(tokens(512), 256) for _ in range(num_requests)]
+    if name == "shared-prefix":
+        systems = [tokens(1536) for _ in range(48)]
+        return [WorkItem(rng.choice(systems) + tokens(256), rng.randint(64, 128)) for _ in range(num_requests)]
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+class SimNode:
+    """One replica: real block manager and scheduler, the model replaced by the cost model."""
+
+    def __init__(self, node_id: int, config: NodeConfig):
+        self.node_id = node_id
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, record_events=True)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   max_model_len=1 << 20), self.block_manager)
+        self.step: SchedulerOutput | None = None  # the step in progress, None when idle
+        self.last_event_seq = 0
+
+    def start_step(self, cost: CostModel) -> float | None:
+        """Schedule a step; returns its duration, or None when there is nothing to run."""
+        out = self.scheduler.schedule()
+        if out.is_empty and out.preempted:
+            out = self.scheduler.schedule()  # everything running was preempted: readmit now
+        if out.is_empty:
+            return None
+        self.step = out
+        num_decode = sum(1 for c in out.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        return cost.step_s(out.num_batched_tokens, num_decode)
+
+    def withdraw(self, request_ids: list[str]) -> list[Request]:
+        """Take back waiting requests this node has never admitted; started ones stay."""
+        wanted = set(request_ids)
+        taken = [r for r in self.scheduler.waiting if r.request_id in wanted
+                 and r.status is RequestStatus.WAITING and r.num_cached_tokens < 0]
+        for request in taken:
+            self.scheduler.waiting.remove(request)
+        return taken
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Raw per-run measurements; `summarize` turns them into a result row."""
+
+    ttft_s: list[float]
+    itl_s: list[float]
+    num_output_tokens: int
+    makespan_s: float
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+    num_prefix_query_tokens: int
+    num_migrated: int
+    num_resyncs: int
+
+
+def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num_nodes: int,
+             node_config: NodeConfig, cost: CostModel, seed: int = 0, drop_event_every: int = 0) -> RunResult:
+    """Run one workload through one policy until every request finishes.
+
+    `drop_event_every` > 0 loses every n-th KV event batch in transit, to exercise resync.
+    """
+    rng = random.Random(seed)
+    nodes = [SimNode(i, node_config) for i in range(num_nodes)]
+    router = Router(RouterConfig(policy=policy, block_size=node_config.block_size),
+                    [ReplicaState(i, node_config.num_blocks, node_config.max_num_seqs) for i in range(num_nodes)])
+    requests: dict[str, Request] = {}
+    route_requests: dict[str, RouteRequest] = {}
+    token_times: dict[str, list[float]] = {}
+    events: list[tuple[float, int, int]] = []  # (time, tiebreak, node id or −1 − arrival index)
+    counter = 0
+    num_batches = num_resyncs = 0
+
+    def push(t: float, what: int) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(events, (t, counter, what))
+
+    def start(node: SimNode, now: float) -> None:
+        if node.step is None:
+            duration = node.start_step(cost)
+            if duration is not None:
+                push(now + duration, node.node_id)
+
+    def apply(dispatches: list[Dispatch], now: float) -> None:
+        for d in dispatches:
+            nodes[d.replica_id].scheduler.add_request(requests[d.request_id])
+        for node_id in {d.replica_id for d in dispatches}:
+            start(nodes[node_id], now)
+
+    for i, t in enumerate(arrivals_s):
+        push(t, -1 - i)
+    while events:
+        now, _, what = heapq.heappop(events)
+        if what < 0:
+            item, rid = items[-1 - what], f"req-{-1 - what}"
+            requests[rid] = Request(rid, item.prompt_token_ids,
+                                    SamplingParams(temperature=0.0, max_tokens=item.num_output_tokens), now)
+            route_requests[rid] = RouteRequest(rid, item.prompt_token_ids, item.num_output_tokens)
+            token_times[rid] = []
+            apply(router.submit(route_requests[rid]), now)
+            continue
+        node = nodes[what]
+        out, node.step = node.step, None
+        sampled = {c.request.request_id: rng.randrange(VOCAB) for c in out.chunks if c.completes_sequence}
+        finished = node.scheduler.update_from_output(out, sampled)
+        replica = router.replicas[node.node_id]
+        kv_events = node.block_manager.drain_events()
+        if kv_events:
+            node.last_event_seq = kv_events[-1].seq
+            num_batches += 1
+            lost = drop_event_every > 0 and num_batches % drop_event_every == 0
+            if not lost and not replica.prefix.apply(kv_events):
+                replica.prefix.resync(set(node.block_manager.cached), node.last_event_seq)
+                num_resyncs += 1
+        sched = node.scheduler
+        replica.report(node.block_manager.num_free_blocks, len(sched.running), len(sched.waiting))
+        for rid in sampled:
+            token_times[rid].append(now)
+            if len(token_times[rid]) == 1:
+                router.on_first_token(node.node_id, rid)
+        dispatches = []
+        for request in finished:
+            dispatches += router.on_complete(node.node_id, request.request_id)
+        withdrawn = node.withdraw(router.migration_candidates(node.node_id))
+        if withdrawn:
+            dispatches += router.withdrawn(node.node_id, [route_requests[r.request_id] for r in withdrawn])
+        apply(dispatches, now)
+        start(node, now)
+
+    unfinished = [rid for rid, r in requests.items() if not r.status.is_finished]
+    if unfinished or router.queue:
+        raise RuntimeError(f"simulation ended with {len(unfinished)} unfinished requests")
+    ttft = [times[0] - requests[rid].arrival_time for rid, times in token_times.items()]
+    itl = [float(d) for times in token_times.values() for d in np.diff(times)]
+    end = max(times[-1] for times in token_times.values())
+    return RunResult(
+        ttft_s=ttft, itl_s=itl, num_output_tokens=sum(len(t) for t in token_times.values()),
+        makespan_s=end - min(arrivals_s), num_preemptions=sum(n.scheduler.num_preemptions for n in nodes),
+        num_prefix_hit_tokens=sum(n.scheduler.prefix_hits for n in nodes),
+        num_prefix_query_tokens=sum(n.scheduler.prefix_queries for n in nodes),
+        num_migrated=router.num_migrated, num_resyncs=num_resyncs,
+    )
+
+
+def poisson_arrivals(num_requests: int, rate_per_s: float, rng: random.Random) -> list[float]:
+    """Arrival times of a Poisson process; rate inf puts every request at t = 0."""
+    if math.isinf(rate_per_s):
+        return [0.0] * num_requests
+    return list(np.cumsum([rng.expovariate(rate_per_s) for _ in range(num_requests)]))
+
+
+def summarize(result: RunResult, num_nodes: int) -> dict:
+    def pct(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) * 1000.0 if values else 0.0
+
+    throughput = result.num_output_tokens / result.makespan_s
+    itl_p50, itl_p99 = pct(result.itl_s, 50), pct(result.itl_s, 99)
+    return {
+        "throughput_tok_s": throughput,  # output tokens / s, whole cluster
+        "throughput_per_node_tok_s": throughput / num_nodes,
+        "ttft_p50_ms": pct(result.ttft_s, 50), "ttft_p99_ms": pct(result.ttft_s, 99),
+        "itl_p50_ms": itl_p50, "itl_p99_ms": itl_p99,
+        "itl_p99_over_p50": itl_p99 / itl_p50 if itl_p50 else 0.0,
+        "preemptions": result.num_preemptions,
+        "prefix_hit_rate": (result.num_prefix_hit_tokens / result.num_prefix_query_tokens
+                            if result.num_prefix_query_tokens else 0.0),
+        "migrated": result.num_migrated,
+        "kv_resyncs": result.num_resyncs,
+    }
+
+
+def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[Policy], num_requests: int,
+              node_config: NodeConfig, cost: CostModel, seed: int = 0) -> list[dict]:
+    """Peak of every policy (all requests at t = 0), then each policy at each load level."""
+    items = make_workload(workload, num_requests, random.Random(seed))
+    burst = poisson_arrivals(num_requests, math.inf, random.Random(seed))
+    peaks = {p: simulate(items, burst, p, num_nodes, node_config, cost, seed) for p in set(policies) | {Policy.LEAST_LOADED}}
+    peak_rate = num_requests / peaks[Policy.LEAST_LOADED].makespan_s
+    rows = []
+    for load in loads:
+        arrivals = poisson_arrivals(num_requests, load * peak_rate, random.Random(seed + 1))
+        for policy in policies:
+            result = simulate(items, arrivals, policy, num_nodes, node_config, cost, seed)
+            rows.append({
+                "workload": workload, "nodes": num_nodes, "policy": policy.value, "load": load,
+                "offered_req_s": load * peak_rate, "num_requests": num_requests,
+                **summarize(result, num_nodes),
+                "peak_throughput_tok_s": peaks[policy].num_output_tokens / peaks[policy].makespan_s,
+                "node": asdict(node_config), "cost_model": asdict(cost),
+            })
+    return rows
+
+
+def plot_rows(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("throughput_tok_s", "output tok/s"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+              ("itl_p99_over_p50", "ITL p99 / p50"), ("prefix_hit_rate", "prefix hit rate")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            mine = [r for r in rows if r["policy"] == policy]
+            ax.plot([r["load"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
+        ax.set_xlabel("load (fraction of least-loaded peak)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"cluster-sim · {rows[0]['workload']} · {rows[0]['nodes']} nodes")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_sim_args(parser: argparse.ArgumentParser) -> None:
+    node, cost = NodeConfig(), CostModel()
+    parser.add_argument("--workload", choices=WORKLOADS, default="published")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--load", default="0.3,0.6,0.9", help="comma-separated fractions of least-loaded's peak")
+    parser.add_argument("--policies", default=",".join(p.value for p in Policy))
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 80 per node")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-blocks", type=int, default=node.num_blocks, help="KV blocks per node")
+    parser.add_argument("--block-size", type=int, default=node.block_size)
+    parser.add_argument("--max-num-seqs", type=int, default=node.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=node.max_num_batched_tokens)
+    parser.add_argument("--step-a-ms", type=float, default=cost.a_ms, help="fixed ms per step")
+    parser.add_argument("--step-b-ms", type=float, default=cost.b_ms_per_token, help="ms per batched token")
+    parser.add_argument("--step-c-ms", type=float, default=cost.c_ms_per_decode_seq, help="ms per decoding sequence")
+    parser.add_argument("--result-json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    try:
+        loads = [float(x) for x in args.load.split(",")]
+        policies = [Policy(p) for p in args.policies.split(",")]
+        node = NodeConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+        if args.nodes < 1 or any(x <= 0 for x in loads):
+            raise ValueError("--nodes and every --load must be positive")
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    cost = CostModel(args.step_a_ms, args.step_b_ms, args.step_c_ms)
+    rows = run_sweep(args.workload, args.nodes, loads, policies, args.num_requests or 80 * args.nodes,
+                     node, cost, args.seed)
+    print(f"{'policy':<14}{'load':>6}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
+          f"{'p99/p50':>8}{'preempt':>8}{'hit':>6}{'migr':>6}")
+    for r in rows:
+        print(f"{r['policy']:<14}{r['load']:>6.2f}{r['throughput_tok_s']:>10.0f}{r['ttft_p50_ms']:>10.0f}"
+              f"{r['ttft_p99_ms']:>9.0f}{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}{r['itl_p99_over_p50']:>8.2f}"
+              f"{r['preemptions']:>8}{r['prefix_hit_rate']:>6.2f}{r['migrated']:>6}")
+    for policy in policies:
+        peak = next(r["peak_throughput_tok_s"] for r in rows if r["policy"] == policy.value)
+        print(f"peak {policy.value}: {peak:.0f} tok/s")
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(rows, indent=2))
+    if args.plot:
+        plot_rows(rows, args.plot)
+    return 0
