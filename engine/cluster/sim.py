@@ -31,6 +31,7 @@ import heapq
 import json
 import math
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,6 +46,9 @@ from engine.sequence import Request, RequestStatus
 
 WORKLOADS = ("published", "uniform", "shared-prefix")
 VOCAB = 32000
+CALIBRATION = ("first-principles Llama-3-8B BF16 / H100-class estimates, not measured; calibrate from "
+               "`driftgate bench offline` on the target GPU: TTFT at prompt length P = a + b*P, batch-1 ITL = "
+               "a + b + c, offline-throughput decode step at batch B = a + B*(b + c); least squares over several P, B")
 
 
 @dataclass(slots=True)
@@ -279,7 +283,7 @@ def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[
                 "offered_req_s": load * peak_rate, "num_requests": num_requests,
                 **summarize(result, num_nodes),
                 "peak_throughput_tok_s": peaks[policy].num_output_tokens / peaks[policy].makespan_s,
-                "node": asdict(node_config), "cost_model": asdict(cost),
+                "node": asdict(node_config), "cost_model": {**asdict(cost), "calibration": CALIBRATION},
             })
     return rows
 
@@ -335,7 +339,7 @@ def run_sim(args: argparse.Namespace) -> int:
         if args.nodes < 1 or any(x <= 0 for x in loads):
             raise ValueError("--nodes and every --load must be positive")
     except ValueError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     cost = CostModel(args.step_a_ms, args.step_b_ms, args.step_c_ms)
     rows = run_sweep(args.workload, args.nodes, loads, policies, args.num_requests or 80 * args.nodes,

@@ -55,6 +55,14 @@ def test_coordinated_admits_only_what_fits_so_nothing_is_preempted():
     assert simulate(items, burst, Policy.COORDINATED, 2, TINY, CostModel()).num_preemptions == 0
 
 
+def test_migration_in_the_loop_loses_no_request():
+    items = shared_prefix_items(90, num_systems=12)
+    result = simulate(items, poisson_arrivals(90, math.inf, random.Random(0)), Policy.COORDINATED, 3, TINY,
+                      CostModel())
+    assert result.num_migrated > 0  # hit blocks evicted before admission made predictions short
+    assert result.num_output_tokens == 90 * 8
+
+
 def test_lost_kv_events_are_recovered_by_resync():
     items = shared_prefix_items(60)
     arrivals = poisson_arrivals(60, 100.0, random.Random(0))
@@ -87,4 +95,5 @@ def test_cli_writes_rows_with_the_required_fields(tmp_path):
     required = {"policy", "load", "throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                 "preemptions", "prefix_hit_rate", "cost_model"}
     assert all(required <= row.keys() and row["throughput_tok_s"] > 0 for row in rows)
+    assert "bench offline" in rows[0]["cost_model"]["calibration"]
     assert plot.stat().st_size > 0
