@@ -121,6 +121,14 @@ class Router:
             dispatches.append(Dispatch(request.request_id, replica.replica_id))
         return dispatches
 
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request still waiting in the global queue; False if it is not there."""
+        for request in self.queue:
+            if request.request_id == request_id:
+                self.queue.remove(request)
+                return True
+        return False
+
     def on_first_token(self, replica_id: int, request_id: str) -> None:
         self.replicas[replica_id].on_first_token(request_id)
 

@@ -105,6 +105,15 @@ def test_global_queue_holds_requests_until_a_replica_can_admit():
     assert not router.queue
 
 
+def test_cancel_drops_only_a_queued_request():
+    router = make_router(num_replicas=1, num_blocks=10)
+    router.submit(req("a", 28, max_tokens=8))
+    router.submit(req("b", 28, max_tokens=8, seed=1))
+    assert router.cancel("b") and not router.queue
+    assert not router.cancel("a")  # dispatched: ends through on_complete, not cancel
+    assert router.on_complete(0, "a") == []
+
+
 def test_baselines_dispatch_immediately():
     rr = make_router("round-robin", num_blocks=10)
     ll = make_router("least-loaded", num_blocks=10)
