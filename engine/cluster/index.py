@@ -26,14 +26,14 @@ class PrefixIndex:
         self.is_stale = False
 
     def apply(self, events: Iterable[KVEvent]) -> bool:
-        """Apply events in order; returns False (and marks stale) on a gap in seq."""
+        """Apply events in order; returns False (and marks stale) on a gap in seq, or if stale."""
+        if self.is_stale:
+            return False  # everything after a gap waits for the resync
         for event in events:
-            if self.is_stale:
-                return False  # everything after a gap waits for the resync
             if event.seq <= self.last_seq:
                 continue  # redelivered: already applied
             if event.seq != self.last_seq + 1:
-                self.is_stale = True
+                self.mark_stale()
                 return False
             if event.kind == "stored":
                 self.hashes.update(event.block_hashes)
@@ -45,6 +45,10 @@ class PrefixIndex:
                 raise ValueError(f"unknown KV event kind {event.kind!r}")
             self.last_seq = event.seq
         return True
+
+    def mark_stale(self) -> None:
+        """Stop trusting the mirror until `resync` (an event was lost, or we joined late)."""
+        self.is_stale = True
 
     def resync(self, snapshot: set[bytes], seq: int) -> None:
         """Replace the mirror with the replica's cached hashes as of event `seq`."""

@@ -60,6 +60,7 @@ def test_event_gap_marks_stale_then_snapshot_resyncs():
     assert not index.apply([KVEvent(3, "removed", (hashes[3],))])  # seq 2 was lost
     assert index.is_stale and index.num_prefix_blocks(hashes) == 0  # no hits rather than wrong ones
     assert not index.apply([KVEvent(4, "cleared")])  # nothing applies until the resync
+    assert not index.apply([])  # not even an empty report: a late joiner marks itself stale
     index.resync(set(hashes[:2]), seq=4)
     assert not index.is_stale and index.num_prefix_blocks(hashes) == 2
     assert index.apply([KVEvent(5, "cleared")]) and index.num_prefix_blocks(hashes) == 0

@@ -1,0 +1,84 @@
+"""One engine replica as a Ray actor: an `AsyncEngine` plus what the router reads from it.
+
+The actor streams each request's outputs as they are produced (a Ray streaming generator, so the
+API process never waits for a whole response), and hands the router its KV events and load
+counts on every `report()`. Launching places replicas with Ray's SPREAD strategy, so they land
+on different nodes when the cluster has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+
+from engine.async_engine import AsyncEngine
+from engine.block_manager import KVEvent
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """KV events since the last report, and load as of the engine's last step."""
+
+    events: list[KVEvent]
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaShape:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+
+
+class Replica:
+    """Actor body (wrapped by `ray.remote` in `launch_replicas`)."""
+
+    def __init__(self, config: EngineConfig):
+        self.engine = AsyncEngine(dataclasses.replace(config, record_kv_events=True))
+        self.engine.start()
+        self._block_manager = self.engine.engine.block_manager
+        self._last_reported_seq = 0
+
+    def shape(self) -> ReplicaShape:
+        return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
+                            self.engine.config.max_num_seqs)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(prompt_token_ids, params, request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def report(self) -> ReplicaReport:
+        events = self._block_manager.drain_events()  # a swap: safe against the engine thread
+        if events:
+            self._last_reported_seq = events[-1].seq
+        stats = self.engine.stats()
+        return ReplicaReport(events, stats.num_blocks_free, stats.num_running, stats.num_waiting)
+
+    def snapshot(self) -> tuple[set[bytes], int]:
+        """Cached hashes, labelled with the last seq already reported.
+
+        Events after that seq may already be reflected in the set; replaying them onto it is
+        harmless (each store/remove/clear is idempotent), so the router converges.
+        """
+        # set(dict) runs in C under the GIL: the engine thread cannot mutate mid-copy
+        return set(self._block_manager.cached), self._last_reported_seq
+
+
+def launch_replicas(config: EngineConfig, num_replicas: int, num_cpus: float = 1.0) -> list[ray.actor.ActorHandle]:
+    """Start `num_replicas` replica actors, spread across the Ray cluster's nodes."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+    actor = ray.remote(Replica).options(num_cpus=num_cpus, scheduling_strategy="SPREAD")
+    return [actor.remote(config) for _ in range(num_replicas)]
