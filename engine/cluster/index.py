@@ -91,6 +91,7 @@ class ReplicaState:
         self.num_reported_running = 0
         self.num_reported_waiting = 0
         self.in_flight: dict[str, InFlight] = {}
+        self.is_alive = True
 
     def report(self, num_free_blocks: int, num_running: int, num_waiting: int) -> None:
         """The replica's own counts, as of its last step."""

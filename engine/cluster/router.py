@@ -137,6 +137,18 @@ class Router:
         self.replicas[replica_id].release(request_id)
         return self.dispatch_ready()
 
+    def mark_dead(self, replica_id: int) -> None:
+        """Stop routing to a replica; its in-flight requests end (or retry) through their callers."""
+        replica = self.replicas[replica_id]
+        replica.is_alive = False
+        replica.in_flight.clear()
+        replica.prefix.mark_stale()  # a restarted replica starts a new cache and a new seq
+
+    def mark_alive(self, replica_id: int) -> list[Dispatch]:
+        """A (restarted) replica answers again: route to it, and dispatch what it can take."""
+        self.replicas[replica_id].is_alive = True
+        return self.dispatch_ready()
+
     def migration_candidates(self, replica_id: int) -> list[str]:
         """Not-yet-started requests to withdraw from a replica about to preempt (newest first)."""
         replica = self.replicas[replica_id]
@@ -165,7 +177,9 @@ class Router:
         return request.block_hashes[:(len(request.token_ids) - 1) // self.config.block_size]
 
     def _choose(self, request: RouteRequest) -> ReplicaState | None:
-        replicas = list(self.replicas.values())
+        replicas = [r for r in self.replicas.values() if r.is_alive]
+        if not replicas:
+            return None  # queue until one comes back
         policy = self.config.policy
         if policy is Policy.ROUND_ROBIN:
             replica = replicas[self._next_rr % len(replicas)]

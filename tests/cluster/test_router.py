@@ -176,6 +176,19 @@ def test_baselines_never_migrate():
     assert router.migration_candidates(0) == []
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "coordinated"])
+def test_dead_replicas_get_nothing_until_they_rejoin(policy):
+    router = make_router(policy, num_replicas=2)
+    cache_on(router.replicas[0], list(range(100, 132)))
+    router.replicas[0].on_dispatch("running", 4, 0)
+    router.mark_dead(0)
+    assert not router.replicas[0].in_flight and router.replicas[0].prefix.is_stale
+    assert [d.replica_id for d in router.submit(req("a")) + router.submit(req("b", seed=1))] == [1, 1]
+    router.mark_dead(1)
+    assert router.submit(req("c", seed=2)) == []  # nobody alive: it waits in the queue
+    assert router.mark_alive(0) == [Dispatch("c", 0)]
+
+
 def test_config_validation():
     assert RouterConfig(policy="least-loaded").policy is Policy.LEAST_LOADED
     with pytest.raises(ValueError, match="unknown policy"):
