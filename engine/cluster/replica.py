@@ -9,6 +9,7 @@ on different nodes when the cluster has them.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from engine.sampling_params import SamplingParams
 class ReplicaReport:
     """KV events since the last report, and load as of the engine's last step."""
 
+    incarnation: str  # new on every (re)start: a restarted replica's seq starts again at 1
     events: list[KVEvent]
     num_free_blocks: int
     num_running: int
@@ -46,6 +48,7 @@ class Replica:
         self.engine.start()
         self._block_manager = self.engine.engine.block_manager
         self._last_reported_seq = 0
+        self.incarnation = uuid.uuid4().hex
 
     def shape(self) -> ReplicaShape:
         return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
@@ -64,7 +67,7 @@ class Replica:
         if events:
             self._last_reported_seq = events[-1].seq
         stats = self.engine.stats()
-        return ReplicaReport(events, stats.num_blocks_free, stats.num_running, stats.num_waiting)
+        return ReplicaReport(self.incarnation, events, stats.num_blocks_free, stats.num_running, stats.num_waiting)
 
     def snapshot(self) -> tuple[set[bytes], int]:
         """Cached hashes, labelled with the last seq already reported.
@@ -77,8 +80,13 @@ class Replica:
 
 
 def launch_replicas(config: EngineConfig, num_replicas: int, num_cpus: float = 1.0) -> list[ray.actor.ActorHandle]:
-    """Start `num_replicas` replica actors, spread across the Ray cluster's nodes."""
+    """Start `num_replicas` replica actors, spread across the Ray cluster's nodes.
+
+    Ray restarts a replica that dies (forever); calls in flight fail rather than being retried,
+    because only the caller knows whether a stream already sent tokens.
+    """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
-    actor = ray.remote(Replica).options(num_cpus=num_cpus, scheduling_strategy="SPREAD")
+    actor = ray.remote(Replica).options(num_cpus=num_cpus, scheduling_strategy="SPREAD",
+                                        max_restarts=-1, max_task_retries=0)
     return [actor.remote(config) for _ in range(num_replicas)]

@@ -8,6 +8,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from engine.async_engine import EngineError  # noqa: E402
 from engine.cluster.cluster_engine import ClusterEngine  # noqa: E402
 from engine.cluster.replica import launch_replicas  # noqa: E402
 from engine.cluster.router import RouterConfig  # noqa: E402
@@ -87,3 +88,43 @@ def test_a_new_router_joining_mid_stream_resyncs_from_snapshots(cluster):
         hashes, _ = ray.get(actor.snapshot.remote())
         mirror = fresh.router.replicas[replica_id].prefix
         assert not mirror.is_stale and mirror.hashes == hashes and hashes
+
+
+def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster):
+    """Runs last: it kills replica 0 (Ray restarts it)."""
+    actors, tokenizer = cluster
+    engine = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.02)
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+
+    async def one(i: int) -> str:
+        try:
+            async for out in engine.generate([5 + i, 9, 11 + i], params, f"kill-{i}"):
+                if out.finished:
+                    return "completed"
+        except EngineError:
+            return "error"
+        return "ended without finishing"
+
+    async def scenario() -> tuple[list[str], int]:
+        await engine.start()
+        try:
+            tasks = [asyncio.create_task(one(i)) for i in range(6)]
+            while engine.router.replicas[0].num_in_flight == 0 or not any(
+                    e.has_first_token for e in engine.router.replicas[0].in_flight.values()):
+                await asyncio.sleep(0.01)
+            ray.kill(actors[0], no_restart=False)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            while not engine.router.replicas[0].is_alive:  # Ray restarts it; a report readmits it
+                await asyncio.sleep(0.1)
+            before = engine.num_dispatched[0]
+            again = [asyncio.create_task(one(10 + i)) for i in range(4)]
+            outcomes += await asyncio.wait_for(asyncio.gather(*again), 120)
+            return outcomes, engine.num_dispatched[0] - before
+        finally:
+            await engine.shutdown()
+
+    outcomes, num_after_rejoin = asyncio.run(asyncio.wait_for(scenario(), 240))
+    assert len(outcomes) == 10 and set(outcomes) <= {"completed", "error"}
+    assert "error" in outcomes[:6]  # replica 0 had streamed tokens when it died
+    assert outcomes[6:] == ["completed"] * 4
+    assert num_after_rejoin >= 1
