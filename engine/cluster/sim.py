@@ -318,7 +318,7 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--load", default="0.3,0.6,0.9", help="comma-separated fractions of least-loaded's peak")
     parser.add_argument("--policies", default=",".join(p.value for p in Policy))
-    parser.add_argument("--num-requests", type=int, default=None, help="default: 80 per node")
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 200 per node")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-blocks", type=int, default=node.num_blocks, help="KV blocks per node")
     parser.add_argument("--block-size", type=int, default=node.block_size)
@@ -342,7 +342,7 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cost = CostModel(args.step_a_ms, args.step_b_ms, args.step_c_ms)
-    rows = run_sweep(args.workload, args.nodes, loads, policies, args.num_requests or 80 * args.nodes,
+    rows = run_sweep(args.workload, args.nodes, loads, policies, args.num_requests or 200 * args.nodes,
                      node, cost, args.seed)
     print(f"{'policy':<14}{'load':>6}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
           f"{'p99/p50':>8}{'preempt':>8}{'hit':>6}{'migr':>6}")
