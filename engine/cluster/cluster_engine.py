@@ -54,7 +54,8 @@ class ClusterEngine:
         self.poll_timeout_s = poll_timeout_s
         self.num_dispatched = [0] * len(actors)
         self._incarnations: list[str | None] = [None] * len(actors)
-        self._placed: dict[str, asyncio.Future] = {}
+        self._placed: dict[str, asyncio.Future] = {}  # requests waiting in the router's queue
+        self._active: set[str] = set()  # every request between generate() and its end
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -118,10 +119,19 @@ class ClusterEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs from whichever replica the router picks."""
-        if request_id in self._placed:
+        if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request = RouteRequest(request_id, token_ids, params.max_tokens * params.n)
+        self._active.add(request_id)
+        try:
+            async for out in self._generate_with_retry(request, params):
+                yield out
+        finally:
+            self._active.discard(request_id)
+
+    async def _generate_with_retry(self, request: RouteRequest, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        request_id, token_ids = request.request_id, request.token_ids
         for _ in range(len(self.actors)):  # one retry per replica at most
             replica_id = await self._route(request)
             yielded = done = False

@@ -63,6 +63,25 @@ def test_requests_complete_with_every_policy(cluster, policy):
     assert not engine.router.queue and all(not r.in_flight for r in engine.router.replicas.values())
 
 
+def test_a_request_id_in_use_is_refused(cluster):
+    actors, tokenizer = cluster
+    engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def scenario():
+        await engine.start()
+        first = engine.generate([3, 4, 5], params, "same")
+        finished = (await anext(first)).finished
+        with pytest.raises(ValueError, match="already in use"):
+            await anext(engine.generate([6, 7], params, "same"))
+        async for out in first:
+            finished = out.finished
+        await engine.shutdown()
+        return finished
+
+    assert asyncio.run(scenario())
+
+
 def test_shared_prefix_lands_on_one_replica_under_coordinated(cluster):
     actors, tokenizer = cluster
     system = [(5 * j) % 300 + 3 for j in range(24)]  # 6 shared blocks
