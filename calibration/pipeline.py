@@ -141,7 +141,7 @@ class _BatchedRunner:
             positions.append(torch.arange(n, device=self.device))
             start += n
         metadata = AttentionMetadata(slot_mapping=torch.arange(start, device=self.device), num_decode_tokens=0,
-                                     decode_slots=None, decode_mask=None, prefills=spans)
+                                     decode_groups=[], prefills=spans)
         return ForwardContext(metadata=metadata, kv_cache=self.cache), torch.cat(positions)
 
     def run(self, layer: nn.Module, stream: _Stream, progress: tqdm) -> _Stream:

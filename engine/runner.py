@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.attention import AttentionMetadata, ForwardContext, KVCache, PrefillSpan
+from engine.layers.attention import AttentionMetadata, DecodeGroup, ForwardContext, KVCache, PrefillSpan
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import LogprobsDict
 from engine.sampler import SamplingRow, prompt_logprobs, sample
@@ -19,6 +19,16 @@ class StepResult:
     logprobs: dict[str, LogprobsDict]
     # request id → (index of the first prompt token covered, entries), for prompt_logprobs requests
     prompt_logprobs: dict[str, tuple[int, list[LogprobsDict]]]
+
+
+def _length_groups(lengths: list[int], max_ratio: float = 1.5) -> list[tuple[int, int]]:
+    """Split ascending `lengths` into runs whose longest is at most max_ratio × shortest (+16)."""
+    groups, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or lengths[i] > max_ratio * lengths[start] + 16:
+            groups.append((start, i))
+            start = i
+    return groups
 
 
 class ModelRunner:
@@ -47,19 +57,19 @@ class ModelRunner:
 
         decodes = [c for c in chunks if c.num_tokens == 1]
         nd = len(decodes)
-        decode_slots = decode_mask = None
-        slot_parts = []
-        if nd:
-            context_lens = torch.tensor([c.start + 1 for c in decodes])
-            max_blocks = max(len(c.request.block_ids) for c in decodes)
-            tables = torch.zeros(nd, max_blocks, dtype=torch.long)
-            for i, c in enumerate(decodes):
+        slot_parts, groups = [], []
+        for start, end in _length_groups([c.start + 1 for c in decodes]):
+            group = decodes[start:end]
+            context_lens = torch.tensor([c.start + 1 for c in group])
+            max_blocks = max(len(c.request.block_ids) for c in group)
+            tables = torch.zeros(len(group), max_blocks, dtype=torch.long)
+            for i, c in enumerate(group):
                 tables[i, :len(c.request.block_ids)] = torch.tensor(c.request.block_ids)
-            max_len = int(context_lens.max())
-            pos = torch.arange(max_len)
-            decode_slots = tables[:, pos // bs] * bs + pos % bs  # [nd, max_len]
-            decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
-            slot_parts.append(decode_slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
+            pos = torch.arange(int(context_lens.max()))
+            slots = tables[:, pos // bs] * bs + pos % bs  # [n, max_len]
+            mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+            groups.append(DecodeGroup(start, slots, mask))
+            slot_parts.append(slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
         prefills = []
         row = nd
         for c in chunks[nd:]:
@@ -72,7 +82,7 @@ class ModelRunner:
                 mask = torch.arange(end).unsqueeze(0) <= q_pos
             prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
             row += c.num_tokens
-        meta = AttentionMetadata(torch.cat(slot_parts), nd, decode_slots, decode_mask, prefills)
+        meta = AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills)
         return input_ids_t, positions_t, meta
 
     @torch.inference_mode()
@@ -83,7 +93,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
+        # decodes first, shortest context first, so similar lengths share a decode group
+        chunks = sorted(out.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
         hidden = self.forward(chunks)
 
         # Rows whose logits are needed: the last row of completing chunks, plus every prompt row

@@ -29,6 +29,19 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token queries of sequences with similar context lengths, attended in one batched call.
+
+    Grouping by length bounds the padding each gather reads (one 1000-token context would
+    otherwise make every short sequence in the batch gather 1000 slots).
+    """
+
+    row_start: int
+    slots: torch.Tensor  # [num_seqs, max_context] flat slot ids (padded with 0)
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_context] bool, True = attend
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step's flat token batch (shared by all layers).
 
@@ -37,8 +50,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decode_tokens: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] flat slot ids (padded with 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool, True = attend
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -120,16 +132,16 @@ class Attention(nn.Module):
         _store(k_cache, meta.slot_mapping, k, self.k_scale)
         _store(v_cache, meta.slot_mapping, v, self.v_scale)
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            keys = _load(k_cache, meta.decode_slots, self.k_scale, q.dtype)  # [nd, L, KV, D]
-            values = _load(v_cache, meta.decode_slots, self.v_scale, q.dtype)
+        for group in meta.decode_groups:
+            rows = slice(group.row_start, group.row_start + group.slots.shape[0])
+            keys = _load(k_cache, group.slots, self.k_scale, q.dtype)  # [n, L, KV, D]
+            values = _load(v_cache, group.slots, self.v_scale, q.dtype)
             o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),  # [nd, H, 1, D]
-                keys.transpose(1, 2), values.transpose(1, 2),  # [nd, KV, L, D]
-                attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True,
+                q[rows].unsqueeze(2),  # [n, H, 1, D]
+                keys.transpose(1, 2), values.transpose(1, 2),  # [n, KV, L, D]
+                attn_mask=group.mask, scale=self.scale, enable_gqa=True,
             )
-            out[:nd] = o.squeeze(2)
+            out[rows] = o.squeeze(2)
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_query_tokens)
             keys = _load(k_cache, span.context_slots, self.k_scale, q.dtype)  # [L, KV, D]
