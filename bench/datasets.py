@@ -9,11 +9,12 @@ output lengths come from a stated distribution instead of the reply: log-normal 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from evals.data import resolve_data_dir
 
 SHAREGPT_FILE = "sharegpt/ShareGPT_V3_filtered_1000.json"
 OUTPUT_LEN_SIGMA = 0.7
@@ -28,12 +29,8 @@ class Sample:
 
 
 def find_data_dir(data_dir: str | None) -> Path:
-    """--data-dir, then $DRIFTGATE_DATA, then ../shared/data next to the repository."""
-    candidates = [data_dir, os.environ.get("DRIFTGATE_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data"]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_dir():
-            return Path(candidate)
-    raise FileNotFoundError("no data folder: pass --data-dir or set DRIFTGATE_DATA (see ../shared/data/README.md)")
+    """--data-dir, then $DRIFTGATE_DATA, then ../shared/data next to the repository (one rule for all tools)."""
+    return resolve_data_dir(data_dir)
 
 
 def _output_lens(rng: np.random.Generator, median: int, count: int, fixed: bool) -> np.ndarray:
