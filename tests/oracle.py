@@ -61,3 +61,15 @@ def assert_matches_hf(ours: list[int], our_logprobs, theirs: list[int], their_lo
     assert div.is_near_tie, (f"{label}: diverged from HF at token {div.position}: ours {div.ours} vs HF {div.theirs} "
                              f"(logprob gap {div.gap_ours:.2e} ours, {div.gap_theirs:.2e} HF; not a near-tie)")
     return f"{label}: near-tie at token {div.position} (gaps {div.gap_ours:.1e} / {div.gap_theirs:.1e})"
+
+
+def assert_outputs_match_hf(outputs, reference, label: str) -> None:
+    """Every RequestOutput against its HF (tokens, logprobs) reference; prints accepted near-ties."""
+    ties = []
+    for i, out in enumerate(outputs):
+        theirs, their_lp = reference[i]
+        tie = assert_matches_hf(out.outputs[0].token_ids, out.outputs[0].logprobs, theirs, their_lp, f"{label}/{i}")
+        if tie:
+            ties.append(tie)
+    if ties:
+        print("near-ties (accepted, both runs within 1e-4):\n" + "\n".join(ties))

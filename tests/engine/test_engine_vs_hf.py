@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.oracle import assert_matches_hf, hf_greedy
+from tests.oracle import assert_matches_hf, assert_outputs_match_hf, hf_greedy
 
 MAX_NEW = 24
 SHARED = [5, 9, 17, 33, 65, 129, 200, 7] * 3  # 24 shared tokens: prefix-cache hits across prompts
@@ -40,14 +40,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_tokens_equal_hf(tiny_model_dir, hf_reference, name):
     llm = LLM(str(tiny_model_dir), dtype="float32", **CONFIGS[name])
-    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
-    ties = []
-    for i, out in enumerate(outs):
-        theirs, their_lp = hf_reference[i]
-        tie = assert_matches_hf(out.outputs[0].token_ids, out.outputs[0].logprobs, theirs, their_lp, f"{name}/{i}")
-        if tie:
-            ties.append(tie)
-    print("\n".join(ties))
+    assert_outputs_match_hf(llm.generate(_prompts(), GREEDY, use_tqdm=False), hf_reference, name)
     stats = llm.stats()
     assert stats.num_blocks_used == 0, "every block must be released once requests finish"
     if name == "preemption":

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.oracle import assert_matches_hf, hf_greedy
+from tests.oracle import assert_outputs_match_hf, hf_greedy
 
 pytestmark = pytest.mark.real_model
 MAX_NEW = 64
@@ -45,26 +45,15 @@ def hf_reference(real_model_dir, prompts):
     return [hf_greedy(model, p, MAX_NEW) for p in prompts]
 
 
-def _check(outs, hf_reference, label):
-    ties = []
-    for i, out in enumerate(outs):
-        theirs, their_lp = hf_reference[i]
-        tie = assert_matches_hf(out.outputs[0].token_ids, out.outputs[0].logprobs, theirs, their_lp, f"{label}/{i}")
-        if tie:
-            ties.append(tie)
-    if ties:
-        print("near-ties (accepted, both runs within 1e-4):\n" + "\n".join(ties))
-
-
 def test_one_at_a_time_equals_hf(real_model_dir, prompts, hf_reference):
     llm = LLM(str(real_model_dir), dtype="float32")
-    _check([llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts], hf_reference, "single")
+    assert_outputs_match_hf([llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts], hf_reference, "single")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_batched_equals_hf(real_model_dir, prompts, hf_reference, name):
     llm = LLM(str(real_model_dir), dtype="float32", **CONFIGS[name])
-    _check(llm.generate(prompts, GREEDY, use_tqdm=False), hf_reference, name)
+    assert_outputs_match_hf(llm.generate(prompts, GREEDY, use_tqdm=False), hf_reference, name)
     stats = llm.stats()
     assert stats.num_blocks_used == 0
     if name == "preemption":
