@@ -298,7 +298,17 @@ class Fp8Linear(QuantLinearBase):
 # ---------------------------------------------------------------- INT4 / INT8 weight-only
 
 
-class WeightOnlyIntLinear(QuantLinearBase):
+class _IntWeightLinear(QuantLinearBase):
+    """Shared loading for the schemes that store integer weights (weight-only and W8A8)."""
+
+    def expected_tensors(self) -> tuple[set[str], set[str]]:
+        return _int_weight_names(self.scheme)
+
+    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _read_int_weight(where, self.scheme, rows, self.input_size, tensors)
+
+
+class WeightOnlyIntLinear(_IntWeightLinear):
     """W4A16 / W8A16: int weights (tensor/channel/group, sym or asym, optional g_idx), float activations.
 
     Kernels, chosen at ``finalize`` by device and model dtype:
@@ -309,12 +319,6 @@ class WeightOnlyIntLinear(QuantLinearBase):
     - Otherwise (fp32 model, g_idx, odd groups): the weight is dequantized once to the model
       dtype, trading memory for exactness.
     """
-
-    def expected_tensors(self) -> tuple[set[str], set[str]]:
-        return _int_weight_names(self.scheme)
-
-    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _read_int_weight(where, self.scheme, rows, self.input_size, tensors)
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
         merged = _merge_int_shards(shards)
@@ -401,7 +405,7 @@ def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_prepack(qt, None)
 
 
-class Int8Linear(QuantLinearBase):
+class Int8Linear(_IntWeightLinear):
     """W8A8 INT8 (``int-quantized``): symmetric int8 weights per channel, dynamic per-token int8 inputs.
 
     The oracle quantizes each token with scale absmax/127 (vLLM's runtime kernel). CPU runs
@@ -412,12 +416,6 @@ class Int8Linear(QuantLinearBase):
     twice the per-token rounding error. CUDA uses per-token quantization and ``torch._int_mm``
     (in and out multiples of 8; other shapes run the oracle).
     """
-
-    def expected_tensors(self) -> tuple[set[str], set[str]]:
-        return _int_weight_names(self.scheme)
-
-    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _read_int_weight(where, self.scheme, rows, self.input_size, tensors)
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
         merged = _merge_int_shards(shards)
