@@ -14,6 +14,7 @@ covers every shard layout. The kernel is picked for the device the module sits o
 
 from __future__ import annotations
 
+import abc
 import warnings
 
 import torch
@@ -32,7 +33,7 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-class QuantLinearBase(nn.Module):
+class QuantLinearBase(nn.Module, abc.ABC):
     """Shared shard bookkeeping: tensor-name checks, bias rows, staging until ``finalize``."""
 
     def __init__(self, scheme: QuantScheme, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
@@ -49,17 +50,20 @@ class QuantLinearBase(nn.Module):
         self._bias_loaded: set[int] = set()
         self._finalized = False
 
+    @abc.abstractmethod
     def expected_tensors(self) -> tuple[set[str], set[str]]:
         """(required, optional) checkpoint suffixes of one shard, bias excluded."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate one shard's tensors and return them in canonical form for ``_build``."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
         """Merge canonical shard tensors into buffers and prepare the kernel."""
-        raise NotImplementedError
+        ...
 
     def load_shard(self, shard_id: int, tensors: dict[str, torch.Tensor]) -> None:
         if self._finalized:

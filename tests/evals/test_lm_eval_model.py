@@ -56,13 +56,16 @@ def test_loglikelihood_matches_transformers(lm, hf_model):
 
 
 def test_is_greedy_true_for_the_models_own_argmax(lm, hf_model):
-    context = "The quick brown"
-    ctx = lm.tok_encode(context)
-    ref = _hf_logprobs(hf_model, ctx)
-    best = int(ref[-1].argmax())
-    continuation = lm.tok_decode([best])
-    if lm.tok_encode(context + continuation)[len(ctx):] != [best]:
-        pytest.skip("argmax token does not round-trip through the tokenizer at this boundary")
+    # Use the first context whose argmax token re-encodes to itself after the context (BPE merges
+    # across the boundary can change it); the fixed tiny model has several such contexts.
+    for context in ("The quick brown", "Paged attention stores", "A scheduler admits", "What is the capital"):
+        ctx = lm.tok_encode(context)
+        best = int(_hf_logprobs(hf_model, ctx)[-1].argmax())
+        continuation = lm.tok_decode([best])
+        if lm.tok_encode(context + continuation)[len(ctx):] == [best]:
+            break
+    else:
+        raise AssertionError("no test context whose argmax token round-trips through the tokenizer")
     [(_, is_greedy)] = lm.loglikelihood([_instance("loglikelihood", (context, continuation))], disable_tqdm=True)
     assert is_greedy
 
