@@ -18,7 +18,7 @@ COMMANDS = {
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline` or `bench serve`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `bench serve` or `bench ppl`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -75,10 +75,12 @@ def run_generate(args: argparse.Namespace) -> int:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True)
     from bench.offline import add_offline_args
+    from bench.perplexity import add_ppl_args
     from bench.serve import add_bench_serve_args
 
     add_offline_args(sub.add_parser("offline", help="offline throughput and batch-1 decode vs HF"))
     add_bench_serve_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
+    add_ppl_args(sub.add_parser("ppl", help="WikiText-2 perplexity of checkpoints on a fixed token budget"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -86,6 +88,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench.offline import run_offline
 
         return run_offline(args)
+    if args.bench_command == "ppl":
+        from bench.perplexity import run_ppl
+
+        return run_ppl(args)
     from bench.serve import run_bench_serve
 
     return run_bench_serve(args)
