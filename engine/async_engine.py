@@ -8,6 +8,7 @@ commands applied between steps; outputs come back through `call_soon_threadsafe`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -24,6 +25,10 @@ log = logging.getLogger("driftgate.engine")
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (the request ends; the engine keeps going)."""
+
+
+class _Withdrawn:
+    """Stream marker: the request was withdrawn before it started; the stream ends with no output."""
 
 
 class AsyncEngine:
@@ -88,26 +93,43 @@ class AsyncEngine:
             self._streams[request_id] = (loop, stream)
         self._commands.put(("add", state))
         self._wake.set()
-        finished = False
+        ended = False  # finished or withdrawn: nothing left to abort
         try:
             while True:
                 item = await stream.get()
+                if isinstance(item, _Withdrawn):
+                    ended = True
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item.finished:
-                    finished = True
+                    ended = True
                     return
         finally:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
-            if not finished:
+            if not ended:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's KV blocks are freed before the next forward."""
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    async def withdraw(self, request_id: str) -> bool:
+        """Take back a request the engine has not started, so a router can send it elsewhere.
+
+        True only if it was still waiting since it arrived (nothing computed, nothing streamed);
+        its `generate` stream then ends without output. False, with nothing changed, once it
+        started, finished, or when the id is unknown. Frees nothing: it held nothing.
+        """
+        if not self.is_alive:
+            return False
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._commands.put(("withdraw", (request_id, done)))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
 
     # ---- the loop (engine thread) -----------------------------------------------------------
 
@@ -129,6 +151,12 @@ class AsyncEngine:
                     self.engine.submit(arg)
                 except ValueError as e:
                     self._deliver(arg.request_id, e)
+            elif kind == "withdraw":
+                request_id, done = arg
+                withdrawn = not self._stopping and self.engine.withdraw_request(request_id)
+                if withdrawn:
+                    self._deliver(request_id, _Withdrawn())
+                done.set_result(withdrawn)
             else:
                 self.engine.abort_request(arg)
 
@@ -150,6 +178,7 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             self._stats = self.engine.stats()
+        self._apply_commands()  # answer withdrawals still queued (no: shutting down)
         self._fail_all(EngineError("the engine is shutting down"))
 
     def _fail_all(self, error: EngineError) -> None:

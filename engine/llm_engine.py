@@ -190,6 +190,16 @@ class LLMEngine:
             self._release(seq.request.request_id)
         return True
 
+    def withdraw_request(self, request_id: str) -> bool:
+        """Forget a request the scheduler never admitted; False (and no change) once it started."""
+        state = self.requests.get(request_id)
+        if state is None or not self.scheduler.withdraw([s.request for s in state.sequences]):
+            return False
+        del self.requests[request_id]
+        for seq in state.sequences:
+            self._release(seq.request.request_id)
+        return True
+
     def _release(self, seq_id: str) -> None:
         self._seq_owner.pop(seq_id, None)
         self.runner.release(seq_id)

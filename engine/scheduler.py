@@ -115,6 +115,20 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def withdraw(self, requests: list[Request]) -> bool:
+        """Take back requests never admitted (all or none), so a router can place them elsewhere.
+
+        Only a request still waiting since it arrived qualifies: nothing computed, no blocks,
+        nothing streamed. A preempted one was admitted once (it may have streamed) and stays.
+        Frees nothing and leaves the requests WAITING, ready for another scheduler.
+        """
+        if not all(r.status is RequestStatus.WAITING and r.num_cached_tokens < 0 and r in self.waiting
+                   for r in requests):
+            return False
+        for request in requests:
+            self.waiting.remove(request)
+        return True
+
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0

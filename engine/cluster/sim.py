@@ -42,7 +42,7 @@ from engine.cluster.index import ReplicaState
 from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Request, RequestStatus
+from engine.sequence import Request
 
 WORKLOADS = ("published", "uniform", "shared-prefix")
 VOCAB = 32000
@@ -128,11 +128,8 @@ class SimNode:
     def withdraw(self, request_ids: list[str]) -> list[Request]:
         """Take back waiting requests this node has never admitted; started ones stay."""
         wanted = set(request_ids)
-        taken = [r for r in self.scheduler.waiting if r.request_id in wanted
-                 and r.status is RequestStatus.WAITING and r.num_cached_tokens < 0]
-        for request in taken:
-            self.scheduler.waiting.remove(request)
-        return taken
+        return [r for r in list(self.scheduler.waiting)
+                if r.request_id in wanted and self.scheduler.withdraw([r])]
 
 
 @dataclass(slots=True)

@@ -95,3 +95,30 @@ def test_prefix_hits_are_counted_once():
     chunk_b = next(c for c in out.chunks if c.request is b)
     assert chunk_b.start == 16 and b.num_cached_tokens == 16
     assert sched.prefix_hits == 16
+
+
+def test_withdraw_takes_back_only_requests_never_admitted():
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=1)
+    running, waiting = make_requests(2, 7, max_tokens=10)
+    sched.add_request(running)
+    sched.add_request(waiting)
+    _run_step(sched)
+    free = sched.block_manager.num_free_blocks
+    assert not sched.withdraw([running])  # admitted: it stays
+    assert not sched.withdraw([running, waiting])  # all or none
+    assert list(sched.waiting) == [waiting] and sched.running == [running]
+    assert sched.withdraw([waiting])
+    assert not sched.waiting and waiting.status is RequestStatus.WAITING  # ready for another scheduler
+    assert sched.block_manager.num_free_blocks == free  # it held nothing, frees nothing
+    assert not sched.withdraw([waiting])  # no longer here
+
+
+def test_a_preempted_request_is_not_withdrawn():
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    reqs = make_requests(2, 7, max_tokens=10)
+    for r in reqs:
+        sched.add_request(r)
+    while not any(r.status is RequestStatus.PREEMPTED for r in reqs):
+        _run_step(sched)
+    victim = next(r for r in reqs if r.status is RequestStatus.PREEMPTED)
+    assert victim in sched.waiting and not sched.withdraw([victim])

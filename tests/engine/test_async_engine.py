@@ -1,0 +1,48 @@
+"""AsyncEngine's withdraw on a tiny random model: only a request that never started comes back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def one_slot_engine(tiny_model_dir):
+    """One sequence at a time, so a second request waits while the first runs."""
+    engine = AsyncEngine(EngineConfig(str(tiny_model_dir), block_size=4, num_kv_blocks=64, max_num_seqs=1))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def test_withdraw_a_waiting_request_but_not_a_running_one(one_slot_engine):
+    engine = one_slot_engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def scenario():
+        running = engine.generate([5, 6, 7], params, "running")
+        first = await anext(running)  # it has a token: started
+        outputs = []
+
+        async def consume_waiting():
+            async for out in engine.generate([8, 9, 10], params, "waiting"):
+                outputs.append(out)
+            return "ended"
+
+        waiting = asyncio.create_task(consume_waiting())
+        while engine.stats().num_waiting == 0:
+            await asyncio.sleep(0.005)
+        assert not await engine.withdraw("running")
+        assert await engine.withdraw("waiting")
+        assert await asyncio.wait_for(waiting, 5) == "ended" and outputs == []  # nothing ever streamed
+        assert not await engine.withdraw("waiting")  # gone
+        assert not await engine.withdraw("never-submitted")
+        outs = [first] + [out async for out in running]  # the running one was not touched
+        return outs[-1]
+
+    last = asyncio.run(scenario())
+    assert last.finished and len(last.outputs[0].token_ids) == 40
+    assert "waiting" not in engine.engine.requests and not engine.engine.has_unfinished()
