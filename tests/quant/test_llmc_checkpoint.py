@@ -1,0 +1,171 @@
+"""A checkpoint laid out the way llm-compressor writes it loads in our engine and computes what it says.
+
+The checkpoints here are built in the test straight from the compressed-tensors spec
+(`shared/reference/quant-formats.md`, sections 1.3-1.5 and "Spec for our writer/loader"),
+without our writer or packing code, so a shared misreading of the spec cannot hide: the
+quantization config is the JSON llm-compressor emits (checked against compressed-tensors'
+own pydantic models), the tensors are bf16 scales, e4m3 weights or uint4b8 nibbles packed by
+hand, and the KV scales are 0-d with the zero points old llm-compressor releases still wrote.
+The oracle is HF transformers on the dequantized weights (dequantize, then dense), with
+FP8's dynamic per-token activation rounding applied as forward hooks for the W8A8 scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationConfig as CTQuantizationConfig
+from safetensors.torch import load_file, save_file
+
+from engine import LLM
+from tests.helpers import make_tiny_model_dir
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+NUM_LAYERS = 2
+GROUP = 128  # llm-compressor's W4A16 preset
+E4M3_MAX = 448.0
+K_SCALE, V_SCALE = 0.05, 0.03
+
+_COMMON_ARGS = {"block_structure": None, "actorder": None, "observer_kwargs": {}}
+FP8_DYNAMIC_GROUP = {  # llm-compressor FP8_DYNAMIC
+    "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+    "weights": {**_COMMON_ARGS, "num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                "strategy": "channel", "dynamic": False, "observer": "minmax"},
+    "input_activations": {**_COMMON_ARGS, "num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                          "strategy": "token", "dynamic": True, "observer": None},
+}
+W4A16_GROUP = {  # llm-compressor W4A16
+    "targets": ["Linear"], "format": "pack-quantized", "output_activations": None, "input_activations": None,
+    "weights": {**_COMMON_ARGS, "num_bits": 4, "type": "int", "symmetric": True, "group_size": GROUP,
+                "strategy": "group", "dynamic": False, "observer": "minmax"},
+}
+KV_SCHEME = {**_COMMON_ARGS, "num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+             "strategy": "tensor", "dynamic": False, "observer": "minmax"}
+
+
+def quantization_config(group: dict, kv: bool) -> dict:
+    return {"quant_method": "compressed-tensors", "version": "0.12.2", "format": group["format"],
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": KV_SCHEME if kv else None,
+            "quantization_status": "compressed", "global_compression_ratio": None, "sparsity_config": {},
+            "transform_config": {}}
+
+
+def fp8_channel(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """e4m3 weight + [out, 1] bf16 scale = row absmax / 448; no input_scale (dynamic)."""
+    scale = (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).to(torch.bfloat16)
+    q = (w / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
+
+
+def pack_uint4b8(q: torch.Tensor) -> torch.Tensor:
+    """int4 values (−8..7) → int32 [out, in/8]: value+8 as a nibble, column c at bits 4·(c % 8), LSB first."""
+    u = q.to(torch.int64) + 8
+    words = torch.zeros(q.shape[0], q.shape[1] // 8, dtype=torch.int64)
+    for j in range(8):
+        words |= u[:, j::8] << (4 * j)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # reinterpret as signed
+
+
+def int4_group(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Symmetric group-128 INT4 as compressed-tensors computes it: scale = group absmax / 7.5."""
+    out, cols = w.shape
+    groups = w.reshape(out, cols // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=2) / 7.5).to(torch.bfloat16)  # [out, in/128]
+    q = (groups / scale.float()[..., None]).round().clamp(-8, 7).reshape(out, cols)
+    dequantized = (q.reshape(out, cols // GROUP, GROUP) * scale.float()[..., None]).reshape(out, cols)
+    tensors = {"weight_packed": pack_uint4b8(q), "weight_scale": scale,
+               "weight_shape": torch.tensor([out, cols], dtype=torch.int64)}
+    return tensors, dequantized
+
+
+SCHEMES = {"fp8-dynamic": (FP8_DYNAMIC_GROUP, fp8_channel), "w4a16": (W4A16_GROUP, int4_group)}
+
+
+@pytest.fixture(scope="module")
+def source_dir(tmp_path_factory) -> Path:
+    """A tiny bf16 Llama whose input sizes (128, 256) are multiples of the group size 128."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("llmc-src") / "model", hidden_size=128, intermediate_size=256,
+                               num_layers=NUM_LAYERS, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
+
+
+def write_llmc_checkpoint(source: Path, dest: Path, scheme: str, kv: bool) -> dict[str, torch.Tensor]:
+    """Copy the folder, replace each layer Linear's weight by its quantized tensors; return the dequantized weights."""
+    group, quantize = SCHEMES[scheme]
+    shutil.copytree(source, dest)
+    tensors = load_file(str(source / "model.safetensors"))
+    dequantized = {}
+    for i in range(NUM_LAYERS):
+        for linear in LINEARS:
+            prefix = f"model.layers.{i}.{linear}"
+            quantized, dequantized[prefix] = quantize(tensors.pop(f"{prefix}.weight").float())
+            tensors.update({f"{prefix}.{name}": t for name, t in quantized.items()})
+        if kv:
+            for name, value in (("k", K_SCALE), ("v", V_SCALE)):
+                tensors[f"model.layers.{i}.self_attn.{name}_scale"] = torch.tensor(value, dtype=torch.bfloat16)
+                tensors[f"model.layers.{i}.self_attn.{name}_zero_point"] = torch.tensor(0, dtype=torch.int8)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config(group, kv)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dequantized
+
+
+def fake_quantize_tokens_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token FP8 activations: scale = token absmax / 448, round through e4m3."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).eps)
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str, tokens: list[int]) -> torch.Tensor:
+    """Log-probs [T, vocab] of HF transformers (fp32) with the dequantized weights swapped in."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    for prefix, weight in dequantized.items():
+        linear = model.get_submodule(prefix)
+        linear.weight.data.copy_(weight)
+        if scheme == "fp8-dynamic":
+            linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_fp8(args[0]),))
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+TOKENS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31, 8, 77, 150, 19, 240, 4, 60, 90]
+
+# Max |Δ log-prob| over 20 positions × vocab. Both sides compute the same dequantized fp32 model (0.0 measured
+# on this CPU); the bound leaves room for another summation order, and is far below the 0.6-1.3 that separates
+# the quantized models from the dense source.
+TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_dir, scheme):
+    ckpt = tmp_path / scheme
+    dequantized = write_llmc_checkpoint(source_dir, ckpt, scheme, kv=True)
+    config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    CTQuantizationConfig.model_validate(config)  # the config is one compressed-tensors itself accepts
+
+    ours = LLM(str(ckpt)).score_full_logprobs(TOKENS)
+    reference = hf_reference(source_dir, dequantized, scheme, TOKENS)
+    diff = (ours - reference).abs().max().item()
+    assert diff < TOLERANCE, f"{scheme}: max |Δ logprob| {diff:.2e}"
+    # the quantized weights did change the model: the comparison is not dense vs dense
+    plain = LLM(str(source_dir)).score_full_logprobs(TOKENS)
+    assert (plain - reference).abs().max().item() > 100 * TOLERANCE
+
+
+def test_llmcompressor_kv_scales_reach_the_fp8_cache(tmp_path, source_dir):
+    """0-d bf16 k/v scales with zero points: zero points dropped, scales on every layer's attention."""
+    ckpt = tmp_path / "w4a16-kv"
+    write_llmc_checkpoint(source_dir, ckpt, "w4a16", kv=True)
+    llm = LLM(str(ckpt), kv_cache_dtype="fp8")
+    for layer in llm.engine.model.model.layers:
+        attn = layer.self_attn.attn
+        assert attn.k_scale.flatten().tolist() == pytest.approx([K_SCALE] * 2, rel=4e-3)  # bf16 storage
+        assert attn.v_scale.flatten().tolist() == pytest.approx([V_SCALE] * 2, rel=4e-3)
+    assert llm.score_full_logprobs(TOKENS).isfinite().all()
