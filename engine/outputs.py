@@ -54,6 +54,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # tokens prefilled (computed, excluding cache hits)
     num_generation_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    cluster: ClusterStats | None = None  # set by a cluster: the counters above are its replicas' sums
 
     @property
     def kv_usage(self) -> float:
@@ -62,3 +63,22 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    """One replica of a cluster, as of its last report to the router."""
+
+    replica_id: int
+    is_alive: bool
+    num_dispatched: int  # requests the router sent it (a migrated request counts at each replica)
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class ClusterStats:
+    """What only a cluster has: per-replica stats and the router's own queue."""
+
+    replicas: list[ReplicaStats]
+    num_queued: int  # requests in the router's global queue, not on any replica yet
+    num_migrated: int  # requests withdrawn from one replica unstarted and routed again

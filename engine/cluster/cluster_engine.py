@@ -1,46 +1,92 @@
-"""The API process's side of a cluster: the router in front of replica actors, `generate()`-shaped.
+"""The API process's side of a cluster: the router in front of replica actors, as a `ServingEngine`.
 
-`generate` has AsyncEngine's signature, so a server can hold either. A request waits in the
-router's global queue until a replica is chosen, then streams from that replica's actor. A poll
-loop pulls every replica's KV events and load into the router (resyncing a mirror from the
-replica's snapshot after a gap, a restart, or when this router joins late) and dispatches
-whatever the new state admits.
+`ClusterEngine` has AsyncEngine's calls (sync `start`/`shutdown`/`abort`/`stats`, async
+`generate`), so a server holds either. The router, its poll loop and every request's routing run
+on one event loop of its own, on a thread (as AsyncEngine's step loop runs on a thread): the
+router needs no locks, and callers on any loop get outputs handed over thread-safely.
+
+A request waits in the router's global queue until a replica is chosen, then streams from that
+replica's actor. The poll loop pulls every replica's KV events and stats into the router
+(resyncing a mirror from the replica's snapshot after a gap, a restart, or when this router
+joins late) and dispatches whatever the new state admits.
+
+Migration: when the router names unstarted requests on a replica short of KV, the replica is
+asked to withdraw each. A withdrawn request's stream there ends without output and it goes back
+to the head of the router's queue, to be placed elsewhere; one the replica already started (the
+withdraw answers False) stays where it is and is never asked about again.
 
 Faults: a replica that stops answering is marked dead and gets no new requests. A request whose
 replica dies before any output reached the caller is retried from scratch elsewhere; one that
 already streamed output ends with an `EngineError`. Ray restarts the actor, and the first report
 it answers puts it back in rotation. Every accepted request ends with a completion or an error.
-
-Not here yet: withdrawing waiting requests from a replica (the engine has no withdraw call, so
-migration runs only in the simulator).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import dataclasses
+import enum
+import functools
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
 from engine.async_engine import EngineError
 from engine.cluster.index import ReplicaState
-from engine.cluster.replica import ReplicaReport, ReplicaShape
-from engine.cluster.router import Dispatch, Router, RouterConfig, RouteRequest
-from engine.outputs import RequestOutput
+from engine.cluster.replica import ReplicaReport, ReplicaShape, launch_replicas
+from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
+from engine.config import EngineConfig
+from engine.outputs import ClusterStats, EngineStats, ReplicaStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+
+_SUMMED = tuple(f.name for f in dataclasses.fields(EngineStats) if f.type == "int")
 
 
 async def _get(ref: ray.ObjectRef):
     return await ref
 
 
+class _End:
+    """Output-queue marker: the request is over and the cluster side has cleaned up after it."""
+
+
+class _Outcome(enum.Enum):
+    FINISHED = "finished"
+    WITHDRAWN = "withdrawn"  # back in the router's queue: wait for the next placement
+    RETRY = "retry"  # the replica died before any output: route again from scratch
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request on the router's loop, from `generate()` until its stream ends."""
+
+    request: RouteRequest
+    params: SamplingParams
+    deliver: Callable[[object], None]
+    placed: asyncio.Future[int] | None = None  # while it waits in the router's queue
+    replica_id: int | None = None  # where it was last dispatched
+    withdrawal: asyncio.Future[bool] | None = None  # a withdraw in flight, or its answer
+    started: bool = False  # a withdraw said it started: never ask again
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+def _sum_stats(reports: list[EngineStats]) -> EngineStats:
+    return EngineStats(**{name: sum(getattr(s, name) for s in reports) for name in _SUMMED})
+
+
 class ClusterEngine:
     """Routes requests over replica actors and keeps the router's view of them current."""
 
     def __init__(self, actors: list[ray.actor.ActorHandle], router_config: RouterConfig, tokenizer,
-                 poll_interval_s: float = 0.05, poll_timeout_s: float = 2.0):
+                 poll_interval_s: float = 0.05, poll_timeout_s: float = 2.0,
+                 on_shutdown: Callable[[], None] | None = None):
         shapes: list[ReplicaShape] = ray.get([a.shape.remote() for a in actors])
         if any(s.block_size != router_config.block_size for s in shapes):
             raise ValueError("the router's block_size must equal every replica's")
@@ -50,28 +96,189 @@ class ClusterEngine:
         for state in self.router.replicas.values():
             state.prefix.mark_stale()  # replicas may hold blocks cached before this router existed
         self.tokenizer = tokenizer
+        self.max_model_len = min(s.max_model_len for s in shapes)
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.num_dispatched = [0] * len(actors)
+        self._on_shutdown = on_shutdown
         self._incarnations: list[str | None] = [None] * len(actors)
-        self._placed: dict[str, asyncio.Future] = {}  # requests waiting in the router's queue
-        self._active: set[str] = set()  # every request between generate() and its end
+        self._reports = [EngineStats(num_blocks_total=s.num_blocks, num_blocks_free=s.num_blocks) for s in shapes]
+        self._stats = self._snapshot()
+        # touched from callers' threads
+        self._ids: set[str] = set()  # ids in use, from generate() until the router side is clean
+        self._ids_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        # touched on the router's loop only
+        self._flights: dict[str, _Flight] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
         self._poller: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        await self.refresh()
+    @classmethod
+    def launch(cls, config: EngineConfig, num_replicas: int, policy: Policy | str = Policy.COORDINATED,
+               ray_address: str | None = None, **kwargs: Any) -> ClusterEngine:
+        """Start a local Ray instance (or join `ray_address`), launch replicas, wait for them.
+
+        Returns an engine not started yet; its `shutdown` also kills the replicas, and stops
+        Ray when this call started it.
+        """
+        router_config = RouterConfig(policy=policy, block_size=config.block_size)  # fail before Ray starts
+        started_ray = not ray.is_initialized()
+        if started_ray and ray_address is None:
+            # logical CPUs: one per replica even on a smaller machine (they then share cores)
+            ray.init(num_cpus=max(os.cpu_count() or 1, num_replicas), include_dashboard=False)
+        elif started_ray:
+            ray.init(address=ray_address)
+        actors = launch_replicas(config, num_replicas)
+
+        def stop() -> None:
+            for actor in actors:
+                ray.kill(actor)
+            if started_ray:
+                ray.shutdown()
+
+        try:
+            return cls(actors, router_config, load_tokenizer(config.tokenizer or config.model),
+                       on_shutdown=stop, **kwargs)
+        except BaseException:
+            stop()
+            raise
+
+    # ---- lifecycle (any thread) ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the router's loop and take a first report from every replica."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="driftgate-router", daemon=True)
+        self._thread.start()
+        self._call(self._start())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """End every request (EngineError), stop the loop, then run `on_shutdown`."""
+        self._stopping = True
+        if self._thread is not None and self._loop is not None:
+            with contextlib.suppress(TimeoutError):
+                self._call(self._stop(), timeout)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None
+
+    @property
+    def is_alive(self) -> bool:
+        """The router's loop runs and at least one replica answers."""
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and any(r.is_alive for r in self.router.replicas.values()))
+
+    def stats(self) -> EngineStats:
+        """Replicas' stats summed (as of their last reports), the router's queue counted as waiting."""
+        return self._stats
+
+    def refresh(self, timeout: float | None = None) -> None:
+        """Poll every replica now (tests use it to see a finished request's blocks at once)."""
+        self._call(self._refresh(), timeout)
+
+    def _call(self, coro: Coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ---- requests (any thread, any loop) ------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs from whichever replica the router picks (and re-picks)."""
+        if not self.is_alive:
+            raise EngineError("the cluster engine is not running")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        with self._ids_lock:
+            if request_id in self._ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._ids.add(request_id)
+        caller = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+                caller.call_soon_threadsafe(outputs.put_nowait, item)
+
+        flight = _Flight(RouteRequest(request_id, token_ids, params.max_tokens * params.n), params, deliver)
+        self._loop.call_soon_threadsafe(self._begin, flight)
+        ended = False  # the router side is done (an error or _End): the id may already be reused
+        try:
+            while True:
+                item = await outputs.get()
+                ended = isinstance(item, (_End, BaseException))
+                if isinstance(item, _End):
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not ended:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is: the router's queue, a withdrawal, or a replica."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                self._loop.call_soon_threadsafe(self._cancel, request_id)
+
+    # ---- the router's loop --------------------------------------------------------------------
+
+    def _begin(self, flight: _Flight) -> None:
+        request_id = flight.request.request_id
+        task = asyncio.get_running_loop().create_task(self._serve(flight))
+        self._tasks[request_id] = task
+        task.add_done_callback(functools.partial(self._end, flight))
+
+    def _end(self, flight: _Flight, task: asyncio.Task) -> None:
+        """Runs even for a task cancelled before it started, so the id is always released."""
+        request_id = flight.request.request_id
+        self._tasks.pop(request_id, None)
+        with self._ids_lock:
+            self._ids.discard(request_id)
+        # the caller stops at an error as at _End: exactly one terminal item either way
+        if task.cancelled():
+            why = "the cluster engine is shutting down" if self._stopping else "the request was aborted"
+            flight.deliver(EngineError(why))
+        elif task.exception() is not None:
+            flight.deliver(task.exception())
+        else:
+            flight.deliver(_End())
+
+    def _cancel(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _start(self) -> None:
+        await self._refresh()
         self._poller = asyncio.create_task(self._poll_loop())
 
-    async def shutdown(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+    async def _stop(self) -> None:
+        tasks = [t for t in (self._poller, *self._tasks.values(),
+                             *(t for f in self._flights.values() for t in f.tasks)) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def refresh(self) -> None:
-        """Pull every replica's events and load into the router, then dispatch what now fits."""
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        """Pull every replica's events and stats into the router, dispatch what now fits, migrate."""
         await asyncio.gather(*(self._refresh_one(i) for i in range(len(self.actors))))
+        self._stats = self._snapshot()
         self._place(self.router.dispatch_ready())
+        for replica_id, state in self.router.replicas.items():
+            if state.is_alive:
+                for request_id in self.router.migration_candidates(replica_id):
+                    self._start_withdrawal(replica_id, request_id)
 
     async def _refresh_one(self, replica_id: int) -> None:
         state, actor = self.router.replicas[replica_id], self.actors[replica_id]
@@ -87,74 +294,121 @@ class ClusterEngine:
             if state.is_alive:
                 self.router.mark_dead(replica_id)
             return
-        state.report(report.num_free_blocks, report.num_running, report.num_waiting)
+        stats = report.stats
+        self._reports[replica_id] = stats
+        state.report(stats.num_blocks_free, stats.num_running, stats.num_waiting)
         if not state.is_alive:
             self._place(self.router.mark_alive(replica_id))
 
-    async def _poll_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            await self.refresh()
+    def _snapshot(self) -> EngineStats:
+        stats = _sum_stats(self._reports)
+        stats.num_waiting += len(self.router.queue)
+        stats.cluster = ClusterStats(
+            [ReplicaStats(i, self.router.replicas[i].is_alive, self.num_dispatched[i], s)
+             for i, s in enumerate(self._reports)],
+            len(self.router.queue), self.router.num_migrated)
+        return stats
 
     def _place(self, dispatches: list[Dispatch]) -> None:
         for d in dispatches:
             self.num_dispatched[d.replica_id] += 1
-            future = self._placed.get(d.request_id)
-            if future is not None and not future.done():
-                future.set_result(d.replica_id)
+            flight = self._flights.get(d.request_id)
+            if flight is None or flight.placed is None or flight.placed.done():
+                # nobody waits for it (the router only queues live requests, so this is a bug guard)
+                self._place(self.router.on_complete(d.replica_id, d.request_id))
+                continue
+            flight.replica_id = d.replica_id
+            flight.placed.set_result(d.replica_id)
 
-    async def _route(self, request: RouteRequest) -> int:
-        """Submit to the router and wait for a replica (cancelling leaves the queue clean)."""
-        placed = asyncio.get_running_loop().create_future()
-        self._placed[request.request_id] = placed
+    def _enqueue(self, flight: _Flight, dispatches: Callable[[], list[Dispatch]]) -> asyncio.Future[int]:
+        """Make `flight` wait for a placement, then let the router (re)queue it."""
+        flight.placed = asyncio.get_running_loop().create_future()
+        placed = flight.placed
+        self._place(dispatches())
+        return placed
+
+    async def _serve(self, flight: _Flight) -> None:
+        request = flight.request
+        request_id = request.request_id
+        self._flights[request_id] = flight
         try:
-            self._place(self.router.submit(request))
-            return await placed
-        except BaseException:
-            self.router.cancel(request.request_id)
-            raise
+            placed = self._enqueue(flight, lambda: self.router.submit(request))
+            num_failed = 0
+            while True:
+                replica_id = await placed
+                outcome = await self._stream(flight, replica_id)
+                if outcome is _Outcome.FINISHED:
+                    return
+                if outcome is _Outcome.WITHDRAWN:
+                    placed = flight.placed  # the withdrawal queued it again
+                    continue
+                num_failed += 1
+                if num_failed >= len(self.actors):  # one try per replica at most
+                    raise EngineError(f"request {request_id!r} failed on {num_failed} replicas before any output")
+                placed = self._enqueue(flight, lambda: self.router.submit(request))
         finally:
-            del self._placed[request.request_id]
+            del self._flights[request_id]
+            self.router.cancel(request_id)  # if it was still queued
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs from whichever replica the router picks."""
-        if request_id in self._active:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        request = RouteRequest(request_id, token_ids, params.max_tokens * params.n)
-        self._active.add(request_id)
+    async def _stream(self, flight: _Flight, replica_id: int) -> _Outcome:
+        """Relay one replica's stream for `flight`; how it ended decides what happens next."""
+        request_id = flight.request.request_id
+        flight.withdrawal = None
+        yielded = over = withdrawn = False
         try:
-            async for out in self._generate_with_retry(request, params):
-                yield out
+            stream = self.actors[replica_id].generate.options(num_returns="streaming").remote(
+                flight.request.token_ids, flight.params, request_id)
+            async for ref in stream:
+                out: RequestOutput = await ref
+                if any(c.token_ids for c in out.outputs):
+                    self.router.on_first_token(replica_id, request_id)
+                over = out.finished
+                yielded = True
+                flight.deliver(out)
+            if over:
+                return _Outcome.FINISHED
+            # ended without output: the only cause is a withdrawal (whose answer may still be on its way)
+            over = withdrawn = flight.withdrawal is not None and await flight.withdrawal
+            if withdrawn:
+                return _Outcome.WITHDRAWN
+            raise EngineError(f"replica {replica_id} ended request {request_id!r} before it finished")
+        except RayActorError as e:
+            over = True  # nothing left to abort on a dead replica
+            if self.router.replicas[replica_id].is_alive:
+                self.router.mark_dead(replica_id)
+            if yielded:
+                raise EngineError(f"replica {replica_id} died while streaming request {request_id!r}; "
+                                  "the output so far is incomplete") from e
+            return _Outcome.RETRY
         finally:
-            self._active.discard(request_id)
-
-    async def _generate_with_retry(self, request: RouteRequest, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        request_id, token_ids = request.request_id, request.token_ids
-        for _ in range(len(self.actors)):  # one retry per replica at most
-            replica_id = await self._route(request)
-            yielded = done = False
-            try:
-                stream = self.actors[replica_id].generate.options(num_returns="streaming").remote(
-                    token_ids, params, request_id)
-                async for ref in stream:
-                    out: RequestOutput = await ref
-                    if any(c.token_ids for c in out.outputs):
-                        self.router.on_first_token(replica_id, request_id)
-                    done = out.finished
-                    yielded = True
-                    yield out
-                return
-            except RayActorError as e:
-                done = True  # nothing left to abort on a dead replica
-                if self.router.replicas[replica_id].is_alive:
-                    self.router.mark_dead(replica_id)
-                if yielded:
-                    raise EngineError(f"replica {replica_id} died while streaming request {request_id!r}; "
-                                      "the output so far is incomplete") from e
-            finally:
-                if not done:  # the caller stopped listening
-                    self.actors[replica_id].abort.remote(request_id)
+            if not over:  # the caller stopped listening, or it failed
+                self.actors[replica_id].abort.remote(request_id)
+            if not withdrawn:  # a withdrawal already released it (and it may be placed again)
                 self._place(self.router.on_complete(replica_id, request_id))
-        raise EngineError(f"request {request_id!r} failed on {len(self.actors)} replicas before any output")
+
+    def _start_withdrawal(self, replica_id: int, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        queued = flight is not None and flight.placed is not None and not flight.placed.done()
+        if (flight is None or queued or flight.started or flight.replica_id != replica_id
+                or flight.withdrawal is not None):
+            return  # gone, still queued, known started, elsewhere, or already asked
+        flight.withdrawal = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._withdraw(flight, replica_id))
+        flight.tasks.add(task)
+        task.add_done_callback(flight.tasks.discard)
+
+    async def _withdraw(self, flight: _Flight, replica_id: int) -> None:
+        """Ask the replica to give `flight` back; requeue it if it did, pin it if it had started."""
+        request_id = flight.request.request_id
+        withdrawal = flight.withdrawal
+        try:
+            withdrawn = await asyncio.wait_for(_get(self.actors[replica_id].withdraw.remote(request_id)),
+                                               self.poll_timeout_s)
+        except (RayActorError, TimeoutError):
+            withdrawn = False  # a dead replica's requests retry through their streams
+        if withdrawn and self._flights.get(request_id) is flight:
+            self._enqueue(flight, lambda: self.router.withdrawn(replica_id, [flight.request]))
+        elif not withdrawn:
+            flight.started = True
+            flight.withdrawal = None
+        withdrawal.set_result(withdrawn)

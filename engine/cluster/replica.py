@@ -1,8 +1,8 @@
 """One engine replica as a Ray actor: an `AsyncEngine` plus what the router reads from it.
 
 The actor streams each request's outputs as they are produced (a Ray streaming generator, so the
-API process never waits for a whole response), and hands the router its KV events and load
-counts on every `report()`. Launching places replicas with Ray's SPREAD strategy, so they land
+API process never waits for a whole response), hands the router its KV events and engine stats
+on every `report()`, and gives back requests it has not started when the router migrates them. Launching places replicas with Ray's SPREAD strategy, so they land
 on different nodes when the cluster has them.
 """
 
@@ -18,7 +18,7 @@ import ray
 from engine.async_engine import AsyncEngine
 from engine.block_manager import KVEvent
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
+from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -28,9 +28,7 @@ class ReplicaReport:
 
     incarnation: str  # new on every (re)start: a restarted replica's seq starts again at 1
     events: list[KVEvent]
-    num_free_blocks: int
-    num_running: int
-    num_waiting: int
+    stats: EngineStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +36,7 @@ class ReplicaShape:
     num_blocks: int
     block_size: int
     max_num_seqs: int
+    max_model_len: int
 
 
 class Replica:
@@ -52,7 +51,7 @@ class Replica:
 
     def shape(self) -> ReplicaShape:
         return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
-                            self.engine.config.max_num_seqs)
+                            self.engine.config.max_num_seqs, self.engine.max_model_len)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -62,12 +61,15 @@ class Replica:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    async def withdraw(self, request_id: str) -> bool:
+        """Give back a request not started yet (its `generate` stream then ends without output)."""
+        return await self.engine.withdraw(request_id)
+
     def report(self) -> ReplicaReport:
         events = self._block_manager.drain_events()  # a swap: safe against the engine thread
         if events:
             self._last_reported_seq = events[-1].seq
-        stats = self.engine.stats()
-        return ReplicaReport(self.incarnation, events, stats.num_blocks_free, stats.num_running, stats.num_waiting)
+        return ReplicaReport(self.incarnation, events, self.engine.stats())
 
     def snapshot(self) -> tuple[set[bytes], int]:
         """Cached hashes, labelled with the last seq already reported.

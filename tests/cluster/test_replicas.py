@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -29,7 +30,7 @@ def cluster(tiny_model_dir):
     ray.shutdown()
 
 
-async def run(engine: ClusterEngine, prompts: list[list[int]], max_tokens: int = 4, sequential: bool = False):
+def run(engine: ClusterEngine, prompts: list[list[int]], max_tokens: int = 4, sequential: bool = False):
     """Generate for every prompt (concurrently, or one after another with a refresh between)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -39,17 +40,20 @@ async def run(engine: ClusterEngine, prompts: list[list[int]], max_tokens: int =
             last = out
         return last
 
-    await engine.start()
-    try:
+    async def each() -> list:
         if sequential:
             outs = []
             for i in range(len(prompts)):
                 outs.append(await one(i))
-                await engine.refresh()  # the finished request's stored blocks reach the router
+                engine.refresh()  # the finished request's stored blocks reach the router
             return outs
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    engine.start()
+    try:
+        return asyncio.run(each())
     finally:
-        await engine.shutdown()
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "coordinated"])
@@ -57,7 +61,7 @@ def test_requests_complete_with_every_policy(cluster, policy):
     actors, tokenizer = cluster
     engine = ClusterEngine(actors, RouterConfig(policy=policy, block_size=BLOCK_SIZE), tokenizer, 0.01)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(10 + i)] for i in range(6)]
-    outs = asyncio.run(run(engine, prompts))
+    outs = run(engine, prompts)
     assert all(o.finished and len(o.outputs[0].token_ids) == 4 for o in outs)
     assert sum(engine.num_dispatched) == 6
     assert not engine.router.queue and all(not r.in_flight for r in engine.router.replicas.values())
@@ -69,17 +73,20 @@ def test_a_request_id_in_use_is_refused(cluster):
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
     async def scenario():
-        await engine.start()
         first = engine.generate([3, 4, 5], params, "same")
         finished = (await anext(first)).finished
         with pytest.raises(ValueError, match="already in use"):
             await anext(engine.generate([6, 7], params, "same"))
         async for out in first:
             finished = out.finished
-        await engine.shutdown()
-        return finished
+        again = [out async for out in engine.generate([6, 7], params, "same")]  # free again once it ended
+        return finished and again[-1].finished
 
-    assert asyncio.run(scenario())
+    engine.start()
+    try:
+        assert asyncio.run(scenario())
+    finally:
+        engine.shutdown()
 
 
 def test_shared_prefix_lands_on_one_replica_under_coordinated(cluster):
@@ -87,26 +94,60 @@ def test_shared_prefix_lands_on_one_replica_under_coordinated(cluster):
     system = [(5 * j) % 300 + 3 for j in range(24)]  # 6 shared blocks
     prompts = [system + [100 + i, 200 + i, 50 + i] for i in range(4)]
     coordinated = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
-    outs = asyncio.run(run(coordinated, prompts, sequential=True))
+    outs = run(coordinated, prompts, sequential=True)
     assert sorted(coordinated.num_dispatched) == [0, 4]
     assert all(o.num_cached_tokens >= len(system) for o in outs[1:])
 
     round_robin = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.01)
-    asyncio.run(run(round_robin, [system + [90 + i] for i in range(4)], sequential=True))
+    run(round_robin, [system + [90 + i] for i in range(4)], sequential=True)
     assert round_robin.num_dispatched == [2, 2]
 
 
 def test_a_new_router_joining_mid_stream_resyncs_from_snapshots(cluster):
     actors, tokenizer = cluster
     warm = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.01)
-    asyncio.run(run(warm, [[3 + j for j in range(12)], [40 + j for j in range(12)]]))
+    run(warm, [[3 + j for j in range(12)], [40 + j for j in range(12)]])
     # `warm` drained the events so far: a fresh router sees a seq gap and must use snapshots
-    fresh = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
-    asyncio.run(fresh.refresh())
+    fresh = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 60)
+    fresh.start()  # its first refresh finds every mirror stale
+    fresh.shutdown()
     for replica_id, actor in enumerate(actors):
         hashes, _ = ray.get(actor.snapshot.remote())
         mirror = fresh.router.replicas[replica_id].prefix
         assert not mirror.is_stale and mirror.hashes == hashes and hashes
+
+
+def test_a_request_waiting_on_a_busy_replica_migrates_and_completes(cluster, tiny_model_dir):
+    """Replica 0 runs one sequence at a time and is busy with a request the router never saw, so
+    the request that prefix affinity sends there waits; the router withdraws it unstarted and
+    replica 1 serves it."""
+    _, tokenizer = cluster
+    one_slot = EngineConfig(str(tiny_model_dir), block_size=BLOCK_SIZE, num_kv_blocks=128, max_num_seqs=1)
+    actors = launch_replicas(one_slot, 2, num_cpus=0.5)
+    config = RouterConfig(policy="coordinated", block_size=BLOCK_SIZE, migrate_below_free_fraction=0.99)
+    engine = ClusterEngine(actors, config, tokenizer, 0.01)
+    system = [(3 * j) % 300 + 3 for j in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def complete(prompt: list[int], request_id: str):
+        return [out async for out in engine.generate(prompt, params, request_id)][-1]
+
+    engine.start()
+    try:
+        asyncio.run(complete(system + [7], "warm"))  # replica 0 (idle tie) now caches `system`
+        busy = actors[0].generate.options(num_returns="streaming").remote(
+            [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), "outside")
+        while engine.stats().cluster.replicas[0].stats.num_running == 0:
+            time.sleep(0.005)
+        moved = asyncio.run(complete(system + [9], "moved"))
+        actors[0].abort.remote("outside")
+        del busy
+    finally:
+        engine.shutdown()
+        for actor in actors:
+            ray.kill(actor)
+    assert moved.finished and len(moved.outputs[0].token_ids) == 6
+    assert engine.router.num_migrated == 1 and engine.num_dispatched == [2, 1]
 
 
 def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster):
@@ -125,11 +166,11 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster):
         return "ended without finishing"
 
     async def scenario() -> tuple[list[str], int]:
-        await engine.start()
+        engine.start()
         try:
             tasks = [asyncio.create_task(one(i)) for i in range(6)]
-            while engine.router.replicas[0].num_in_flight == 0 or not any(
-                    e.has_first_token for e in engine.router.replicas[0].in_flight.values()):
+            # list() copies atomically: the router's thread keeps changing the dict
+            while not any(e.has_first_token for e in list(engine.router.replicas[0].in_flight.values())):
                 await asyncio.sleep(0.01)
             ray.kill(actors[0], no_restart=False)
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 120)
@@ -140,7 +181,7 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster):
             outcomes += await asyncio.wait_for(asyncio.gather(*again), 120)
             return outcomes, engine.num_dispatched[0] - before
         finally:
-            await engine.shutdown()
+            engine.shutdown()
 
     outcomes, num_after_rejoin = asyncio.run(asyncio.wait_for(scenario(), 240))
     assert len(outcomes) == 10 and set(outcomes) <= {"completed", "error"}
