@@ -103,10 +103,13 @@ class ModelRunner:
         offset = 0
         for c in chunks:
             request = c.request
-            if request.params.prompt_logprobs is not None and c.start < request.num_prompt_tokens - 1:
-                # logits at position p score prompt token p + 1
+            if request.params.prompt_logprobs is not None:
+                # logits at position p score prompt token p + 1; rows before prompt_logprobs_start − 1
+                # score tokens nobody asked for, and the vocab-wide logits are a large share of a step
+                first = max(c.start, request.params.prompt_logprobs_start - 1)
                 last = min(c.start + c.num_tokens, request.num_prompt_tokens - 1)
-                prompt_spans.append((c, offset, last - c.start))
+                if first < last:
+                    prompt_spans.append((c, offset + first - c.start, first, last - first))
             if c.completes_sequence:
                 sample_rows.append(offset + c.num_tokens - 1)
                 rows.append(self._sampling_row(request))
@@ -121,11 +124,11 @@ class ModelRunner:
                 result.sampled[c.request.request_id] = tok
                 if lp is not None:
                     result.logprobs[c.request.request_id] = lp
-        for c, row_start, count in prompt_spans:
+        for c, row_start, first, count in prompt_spans:
             logits = self.model.compute_logits(hidden[row_start:row_start + count])
-            targets = c.request.all_token_ids[c.start + 1:c.start + 1 + count]
+            targets = c.request.all_token_ids[first + 1:first + 1 + count]
             entries = prompt_logprobs(logits, targets, c.request.params.prompt_logprobs)
-            result.prompt_logprobs[c.request.request_id] = (c.start + 1, entries)
+            result.prompt_logprobs[c.request.request_id] = (first + 1, entries)
         return result
 
     def _sampling_row(self, request) -> SamplingRow:

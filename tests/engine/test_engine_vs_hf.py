@@ -98,3 +98,18 @@ def test_prompt_logprobs_start_reuses_prefix_cache(tiny_model_dir):
     assert llm.stats().prefix_cache_hits - hits_before == 16
     for t in (len(context), len(context) + 1):
         assert again.prompt_logprobs[t] == pytest.approx(base.prompt_logprobs[t], abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [2048, 5])
+def test_prompt_logprobs_start_computes_only_the_asked_tail(tiny_model_dir, chunk):
+    """Positions before prompt_logprobs_start are left out (no vocab-wide logits spent on them); the rest are exact."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    prompt = _prompts()[3]
+    start = 29
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    tail = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0,
+                                                 prompt_logprobs_start=start), use_tqdm=False)[0]
+    assert tail.prompt_logprobs[:start] == [None] * start
+    assert len(tail.prompt_logprobs) == len(prompt)
+    for t in range(start, len(prompt)):
+        assert tail.prompt_logprobs[t] == pytest.approx(full.prompt_logprobs[t], abs=1e-5)
