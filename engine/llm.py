@@ -71,5 +71,28 @@ class LLM:
         """log p(· | tokens[:t+1]) over the whole vocabulary for every t: [T, vocab] fp32."""
         return self.engine.score(token_ids)
 
+    def score_with_layer_states(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`score_full_logprobs` plus the residual stream after every decoder layer, [layers, T, hidden] fp32.
+
+        For drift diagnosis: two checkpoints compared layer by layer show where their hidden
+        states part (a damaged layer, or the layer a quantization scheme hurts most).
+        """
+        layers = self.engine.model.model.layers
+        captured: list[list[torch.Tensor]] = [[] for _ in layers]
+
+        def capture(index: int):
+            def hook(_module, _args, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+                hidden, residual = output  # a decoder layer's output is their sum (the norms fuse the add)
+                captured[index].append((hidden + residual).float())
+            return hook
+
+        handles = [layer.register_forward_hook(capture(i)) for i, layer in enumerate(layers)]
+        try:
+            logprobs = self.engine.score(token_ids)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return logprobs, torch.stack([torch.cat(parts) for parts in captured])
+
     def stats(self) -> EngineStats:
         return self.engine.stats()

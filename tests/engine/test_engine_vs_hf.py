@@ -113,3 +113,19 @@ def test_prompt_logprobs_start_computes_only_the_asked_tail(tiny_model_dir, chun
     assert len(tail.prompt_logprobs) == len(prompt)
     for t in range(start, len(prompt)):
         assert tail.prompt_logprobs[t] == pytest.approx(full.prompt_logprobs[t], abs=1e-5)
+
+
+def test_layer_states_equal_hf_hidden_states(tiny_model_dir):
+    """score_with_layer_states: row i is decoder layer i's output, as HF's hidden_states[i + 1], across chunks."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=8, block_size=4)
+    prompt = _prompts()[3]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt]), output_hidden_states=True)
+    logprobs, states = llm.score_with_layer_states(prompt)
+    num_layers = model.config.num_hidden_layers
+    assert states.shape == (num_layers, len(prompt), model.config.hidden_size)
+    torch.testing.assert_close(logprobs, ref.logits[0].log_softmax(-1), atol=1e-4, rtol=0)
+    for i in range(num_layers - 1):  # HF's last entry has the final norm applied
+        torch.testing.assert_close(states[i], ref.hidden_states[i + 1][0], atol=1e-4, rtol=1e-4)
+    assert not llm.engine.model.model.layers[0]._forward_hooks, "capture hooks must be removed"
