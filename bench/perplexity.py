@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM
+from engine.config import KV_SCALES
 
 WIKITEXT_FILE = "wikitext/wiki.test.raw"
 
@@ -45,6 +46,7 @@ class PerplexityResult:
     label: str
     model: str
     kv_cache_dtype: str
+    kv_scales: str | None  # fp8 KV only: "checkpoint" (calibrated) or "dynamic"
     ppl: float
     mean_nll: float
     scored_tokens: int
@@ -114,9 +116,11 @@ def quantization_summary(model_dir: Path) -> dict | None:
 
 
 def measure(model_dir: Path, data_path: Path, *, max_tokens: int, context: int, stride: int,
-            dtype: str = "auto", kv_cache_dtype: str = "auto", label: str | None = None) -> PerplexityResult:
+            dtype: str = "auto", kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
+            label: str | None = None) -> PerplexityResult:
     """Load one checkpoint, score the planned windows, return its perplexity and provenance."""
-    llm = LLM(str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=context + 1)
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
+              max_model_len=context + 1)
     token_ids = load_tokens(llm.tokenizer, data_path, max_tokens)
     windows = plan_windows(len(token_ids), context, stride)
     start = time.perf_counter()
@@ -125,6 +129,7 @@ def measure(model_dir: Path, data_path: Path, *, max_tokens: int, context: int, 
     mean_nll = -total_logprob / scored
     return PerplexityResult(
         label=label or Path(model_dir).name, model=str(model_dir), kv_cache_dtype=kv_cache_dtype,
+        kv_scales=kv_scales if kv_cache_dtype != "auto" else None,
         ppl=math.exp(mean_nll), mean_nll=mean_nll, scored_tokens=scored, windows=len(windows),
         tokens_sha256=hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(), seconds=seconds,
         size_bytes=checkpoint_bytes(model_dir), quantization=quantization_summary(model_dir))
@@ -140,6 +145,8 @@ def add_ppl_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: --context)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", help="applies to every model of this run")
+    parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
+                        help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--labels", nargs="+", default=None, help="one name per model (default: folder names)")
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--append", action="store_true",
@@ -175,6 +182,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         for i, model in enumerate(args.models):
             result = measure(model, data_path, max_tokens=args.max_tokens, context=args.context,
                              stride=settings["stride"], dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                             kv_scales=args.kv_scales,
                              label=args.labels[i] if args.labels else None)
             print(f"{result.label}: ppl {result.ppl:.4f} over {result.scored_tokens} tokens "
                   f"({result.windows} windows, {result.seconds:.0f} s, {result.size_bytes / 2**20:.1f} MiB)", flush=True)

@@ -11,6 +11,8 @@ import importlib
 import sys
 from pathlib import Path
 
+from engine.config import KV_SCALES
+
 # name → (module, function adding its arguments, function running it, one-line help)
 COMMANDS = {
     "import-model": ("engine.cli", "add_import_args", "run_import", "import a GGUF (default: SmolLM2-135M) as an HF folder"),
@@ -52,13 +54,17 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
+                        help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
+        if args.kv_scales == "dynamic":
+            print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)

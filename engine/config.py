@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
@@ -16,6 +17,9 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # fp8 KV scales: calibrated ones from the checkpoint, or "dynamic" (set from the first batch's
+    # K/V at run time: an explicit choice, since uncalibrated scales can saturate later tokens)
+    kv_scales: str = "checkpoint"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -30,6 +34,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_scales not in KV_SCALES:
+            raise ValueError(f"kv_scales must be one of {', '.join(KV_SCALES)}, got {self.kv_scales!r}")
+        if self.kv_scales == "dynamic" and self.kv_cache_dtype == "auto":
+            raise ValueError("kv_scales='dynamic' only applies to an fp8 KV cache (kv_cache_dtype='fp8')")
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -12,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.layers.attention import KVCache
-from engine.loader import apply_kv_scales, load_model
+from engine.loader import apply_kv_scales, defer_kv_scales, load_model
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -94,11 +94,15 @@ class LLMEngine:
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
             return next(self.model.parameters()).dtype
+        if self.config.kv_scales == "dynamic":
+            defer_kv_scales(self.model)
+            return torch.float8_e4m3fn
         try:
             apply_kv_scales(self.model)
         except ValueError as e:
             raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} needs calibrated k/v scales in the "
-                             f"checkpoint ({e}); make one with `quantize MODEL --calib data.jsonl --kv-cache fp8 ...`"
+                             f"checkpoint ({e}); make one with `quantize MODEL --calib data.jsonl --kv-cache fp8 ...`, "
+                             "or choose uncalibrated scales explicitly with kv_scales='dynamic' (--kv-scales dynamic)"
                              ) from e
         return torch.float8_e4m3fn
 

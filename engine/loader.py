@@ -164,3 +164,9 @@ def apply_kv_scales(model: LlamaForCausalLM) -> None:
                                                                 args.num_kv_heads), strict=True):
         layer.self_attn.attn.k_scale = scales.k  # [num_kv_heads, 1]: broadcasts over [T, KV, D]
         layer.self_attn.attn.v_scale = scales.v
+
+
+def defer_kv_scales(model: LlamaForCausalLM) -> None:
+    """Dynamic FP8 KV scales: each layer takes its scales from the first K/V it stores (checkpoint scales unused)."""
+    for layer in model.model.layers:
+        layer.self_attn.attn.scales_pending = True

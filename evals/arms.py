@@ -63,11 +63,12 @@ class ArmResults:
                    prefix_cache_hits=raw["prefix_cache_hits"])
 
 
-def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "auto",
+def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
                  max_num_batched_tokens: int | None = None) -> LLM:
     return LLM(
         str(model_dir),
         kv_cache_dtype=kv_cache_dtype,
+        kv_scales=kv_scales,
         max_model_len=policy.engine.max_model_len,
         max_num_seqs=policy.engine.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or policy.engine.max_num_batched_tokens,
@@ -157,11 +158,12 @@ def tier0_sequences(llm: LLM, data_dir: Path, policy: GatePolicy, generations: l
 
 
 def run_arm(model_dir: Path, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]], *,
-            label: str, kv_cache_dtype: str = "auto", max_num_batched_tokens: int | None = None,
+            label: str, kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
+            max_num_batched_tokens: int | None = None,
             tier2_prompt_ids: list[list[int]] | None = None) -> tuple[ArmResults, LLM]:
     """Build the engine for one arm, run tasks and Tier 2 generations, and return both."""
     start = time.perf_counter()
-    llm = build_engine(model_dir, policy, kv_cache_dtype=kv_cache_dtype,
+    llm = build_engine(model_dir, policy, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
                        max_num_batched_tokens=max_num_batched_tokens)
     items, scores = run_tasks(llm, policy, data_dir, ids, label)
     generations: list[list[int]] = []

@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.config import KV_SCALES
+
 EXIT_PASS, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 
 
@@ -29,6 +31,8 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-dir", default=None, help="where reports go (default: CANDIDATE/gate-report)")
     parser.add_argument("--data-dir", default=None, help="evaluation data (default: $DRIFTGATE_DATA, ../shared/data)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="candidate's KV-cache dtype (auto, fp8)")
+    parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
+                        help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
     parser.add_argument("--cache-dir", default=None, help="baseline result cache (default ~/.cache/driftgate)")
     parser.add_argument("--no-cache", action="store_true", help="always re-run the baseline arm")
 
@@ -95,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
     cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
 
     candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
-                                       kv_cache_dtype=args.kv_cache_dtype)
+                                       kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
     prompts = arms.tier2_prompts(cand_llm, data_dir, policy.tier2.num_prompts) if policy.tier2.enabled else []
     if prompts:
         print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
@@ -172,6 +176,7 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "candidate_weights_sha256": candidate_hashes,
         "candidate_config": json.loads((Path(args.candidate) / "config.json").read_text()).get("quantization_config"),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_scales": args.kv_scales if args.kv_cache_dtype != "auto" else None,
         "data_sha256": data_hashes,
         "policy": asdict(policy),
         "seed": policy.seed,

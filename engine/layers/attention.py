@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 FP8_MAX = 448.0
+# Dynamic KV scales map the first batch's absmax to half the fp8 range: later tokens up to twice
+# as large still fit, and e4m3 keeps the same relative precision across its normal range, so the
+# headroom only pushes the very smallest values into subnormals.
+DYNAMIC_KV_HEADROOM = 2.0
 
 
 @dataclass(slots=True)
@@ -87,6 +91,12 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: tor
     cache[slots] = x.to(cache.dtype)
 
 
+def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-layer scale from the values at hand, never zero (an all-zero first batch must not divide by 0)."""
+    amax = x.detach().abs().amax().float()
+    return (amax * DYNAMIC_KV_HEADROOM / FP8_MAX).clamp(min=torch.finfo(torch.float32).eps)
+
+
 def _load(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     # index_select on flat slots is ~2x faster than advanced indexing with a 2-D index on CPU
     x = cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
@@ -105,9 +115,11 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        # Multiply-to-dequantize FP8 KV scales; set by the loader from the checkpoint.
+        # Multiply-to-dequantize FP8 KV scales; set by the loader from the checkpoint (or, with
+        # dynamic scales, from the first K/V this layer stores).
         self.register_buffer("k_scale", torch.ones(()), persistent=False)
         self.register_buffer("v_scale", torch.ones(()), persistent=False)
+        self.scales_pending = False  # True: take k/v scales from the first K/V written (dynamic scales)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -129,6 +141,9 @@ class Attention(nn.Module):
             return out.reshape(num_tokens, -1)
         meta, cache = ctx.metadata, ctx.kv_cache
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        if self.scales_pending and cache.is_fp8:
+            self.k_scale, self.v_scale = _dynamic_scale(k), _dynamic_scale(v)
+            self.scales_pending = False
         _store(k_cache, meta.slot_mapping, k, self.k_scale)
         _store(v_cache, meta.slot_mapping, v, self.v_scale)
         out = torch.empty_like(q)
