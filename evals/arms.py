@@ -18,7 +18,7 @@ import lm_eval
 
 from engine import LLM, SamplingParams
 from evals import data
-from evals.drift import FullLogprobsFn, ItemResult, items_from_samples
+from evals.drift import FullLogprobsFn, ItemResult, LayerStatesFn, items_from_samples
 from evals.lm_eval_model import DriftgateLM
 from evals.policy import GatePolicy
 
@@ -141,9 +141,9 @@ def greedy_generations(llm: LLM, prompts: list[list[int]], max_new_tokens: int) 
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def full_logprobs_fn(llm: LLM) -> FullLogprobsFn | None:
-    """The engine's full-vocabulary scorer for Tier 0, or None while the engine lacks one."""
-    return getattr(llm, "score_full_logprobs", None)
+def tier0_scorer(llm: LLM) -> FullLogprobsFn | LayerStatesFn | None:
+    """The engine's full-vocabulary scorer for Tier 0 (with layer states when it has them), or None."""
+    return getattr(llm, "score_with_layer_states", None) or getattr(llm, "score_full_logprobs", None)
 
 
 def tier0_sequences(llm: LLM, data_dir: Path, policy: GatePolicy, generations: list[list[int]],

@@ -119,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     if policy.tier0.enabled:
         if base_llm is None:
             base_llm = arms.build_engine(baseline_dir, policy)
-        base_fn, cand_fn = arms.full_logprobs_fn(base_llm), arms.full_logprobs_fn(cand_llm)
+        base_fn, cand_fn = arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm)
         if base_fn is None or cand_fn is None:
             skip_reason = "engine has no LLM.score_full_logprobs(token_ids) yet; Tier 0 not run"
         else:

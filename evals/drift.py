@@ -22,6 +22,8 @@ POSITION_BUCKETS: tuple[tuple[int, int | None], ...] = ((0, 256), (256, 1024), (
 
 # token ids [T] -> next-token log-probabilities [T, vocab]; row t is the distribution after tokens[: t + 1].
 FullLogprobsFn = Callable[[Sequence[int]], torch.Tensor]
+# The same, plus the residual stream after every decoder layer [layers, T, hidden] (locates drift).
+LayerStatesFn = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 def bucket_name(bucket: tuple[int, int | None]) -> str:
@@ -45,9 +47,36 @@ class ParityStats:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerDrift:
+    """Where inside the network the candidate's hidden states part from the baseline's.
+
+    Logit KL says that an output drifted; this says which layer put the drift there: a
+    damaged or badly quantized layer shows as one large step, where its inputs still agree.
+    """
+
+    relative_drift: tuple[float, ...]  # per decoder layer: mean over tokens of |h_c - h_b| / |h_b|
+    largest_step_layer: int  # the layer that adds the most drift to what it received
+
+    @property
+    def steps(self) -> tuple[float, ...]:
+        return _drift_steps(self.relative_drift)
+
+    @classmethod
+    def from_drift(cls, relative_drift: Sequence[float]) -> LayerDrift:
+        drift = tuple(float(d) for d in relative_drift)
+        return cls(relative_drift=drift, largest_step_layer=int(np.argmax(_drift_steps(drift))))
+
+
+def _drift_steps(drift: tuple[float, ...]) -> tuple[float, ...]:
+    """Drift each layer adds: its drift minus the previous layer's (the first counts from 0)."""
+    return tuple(b - a for a, b in zip((0.0, *drift[:-1]), drift, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
 class LogitParity:
     overall: ParityStats
     by_position: dict[str, ParityStats]  # bucket name -> stats; empty buckets left out
+    by_layer: LayerDrift | None = None  # when both arms report their layer states
 
 
 @dataclass(slots=True)
@@ -86,14 +115,40 @@ def token_parity(
     return kl.numpy(), top1_equal.numpy(), nll_delta.numpy()
 
 
+def layer_drift_sums(base_states: torch.Tensor, cand_states: torch.Tensor) -> np.ndarray:
+    """Per layer, the sum over tokens of |h_c - h_b| / |h_b| (states [layers, T, hidden])."""
+    base, cand = base_states.double(), cand_states.double()
+    ratio = (cand - base).norm(dim=-1) / base.norm(dim=-1).clamp_min(1e-12)  # [layers, T]
+    return ratio.sum(dim=-1).numpy()
+
+
+def _scored(result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return result if isinstance(result, tuple) else (result, None)
+
+
 def logit_parity(
-    sequences: Iterable[Sequence[int]], baseline: FullLogprobsFn, candidate: FullLogprobsFn
+    sequences: Iterable[Sequence[int]],
+    baseline: FullLogprobsFn | LayerStatesFn,
+    candidate: FullLogprobsFn | LayerStatesFn,
 ) -> LogitParity:
-    """Score each sequence with both arms and summarize, overall and by position bucket."""
+    """Score each sequence with both arms and summarize, overall and by position bucket.
+
+    When both arms also return layer states (a `LayerStatesFn`) the result says, per layer,
+    how far the hidden states drifted, and which layer added the most.
+    """
     overall = _TokenArrays()
     buckets = {bucket: _TokenArrays() for bucket in POSITION_BUCKETS}
+    layer_sums: np.ndarray | None = None
+    layer_tokens = 0
+    layers_comparable = True
     for tokens in sequences:
-        base, cand = baseline(tokens), candidate(tokens)
+        (base, base_states), (cand, cand_states) = _scored(baseline(tokens)), _scored(candidate(tokens))
+        if base_states is None or cand_states is None or base_states.shape != cand_states.shape:
+            layers_comparable = False
+        elif layers_comparable:
+            sums = layer_drift_sums(base_states, cand_states)
+            layer_sums = sums if layer_sums is None else layer_sums + sums
+            layer_tokens += base_states.shape[1]
         if base.shape != cand.shape or base.shape[0] != len(tokens):
             raise ValueError(f"arms returned shapes {tuple(base.shape)} and {tuple(cand.shape)} for {len(tokens)} tokens")
         if not (torch.isfinite(base).any(-1).all() and torch.isfinite(cand).any(-1).all()):
@@ -115,6 +170,8 @@ def logit_parity(
     return LogitParity(
         overall=overall.summarize(),
         by_position={bucket_name(b): a.summarize() for b, a in buckets.items() if a.kl},
+        by_layer=LayerDrift.from_drift(layer_sums / layer_tokens)
+        if layers_comparable and layer_sums is not None else None,
     )
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from evals.drift import TaskComparison
+from evals.drift import LayerDrift, TaskComparison
 from evals.gate import GateOutcome
 
 # Published SmolLM2-135M (base) figures, normalized accuracy, shown beside ours for orientation only.
@@ -66,6 +66,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     failed = [c for c in report["checks"] if c["status"] in ("fail", "inconclusive")]
     verdict = report["verdict"].upper()
     reason = "; ".join(f"{c['name']}: {c['detail']}" for c in failed[:3])
+    if failed and (layers := _layer_drift(report)) is not None:
+        reason += (f"; hidden-state drift enters mostly at decoder layer {layers.largest_step_layer} "
+                   f"(model.layers.{layers.largest_step_layer})")
     out = [f"# Gate verdict: **{verdict}**" + (f" — {reason}" if reason else ""), ""]
     out += ["## Checks", _table(["check", "status", "value", "threshold", "rule"], [
         [c["name"], c["status"].upper(), "" if c["value"] is None else f"{c['value']:.4g}",
@@ -94,6 +97,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                     [name, str(s["num_tokens"]), f"{s['kl_mean']:.5f}", f"{s['kl_p99']:.5f}",
                      f"{s['top1_agreement']:.4f}", f"{s['nll_delta_mean']:+.5f}"]
                     for name, s in [("all", report["tier0"]["overall"]), *report["tier0"]["by_position"].items()]]), ""]
+        out += _layer_block(report)
     if report["tier2"]:
         a = report["tier2"]
         out += ["## Tier 2: greedy long generations",
@@ -110,6 +114,26 @@ def render_markdown(report: dict[str, Any]) -> str:
     m = report["manifest"]
     out += ["", "## Manifest", "```json", json.dumps(m, indent=2, sort_keys=True, default=str), "```", ""]
     return "\n".join(out)
+
+
+def _layer_drift(report: dict[str, Any]) -> LayerDrift | None:
+    raw = (report.get("tier0") or {}).get("by_layer")
+    return LayerDrift(relative_drift=tuple(raw["relative_drift"]), largest_step_layer=raw["largest_step_layer"]) \
+        if raw else None
+
+
+def _layer_block(report: dict[str, Any]) -> list[str]:
+    """Per-layer hidden-state drift: the layer that adds the most is where to look first."""
+    layers = _layer_drift(report)
+    if layers is None:
+        return []
+    top = sorted(range(len(layers.steps)), key=lambda i: -layers.steps[i])[:3]
+    return [f"Hidden-state drift by decoder layer (mean |h_candidate - h_baseline| / |h_baseline| after the layer). "
+            f"Largest step at layer {layers.largest_step_layer}; top steps: "
+            + ", ".join(f"layer {i} {layers.steps[i]:+.4f}" for i in top) + ".",
+            _table(["layer", "drift", "step"], [[str(i), f"{d:.5f}", f"{st:+.5f}"] for i, (d, st) in
+                                                enumerate(zip(layers.relative_drift, layers.steps, strict=True))]),
+            ""]
 
 
 def _published_block(report: dict[str, Any]) -> list[str]:
@@ -161,6 +185,16 @@ def render_html(report: dict[str, Any], markdown: str) -> str:
         ax.set_ylabel("KL(baseline || candidate), nats")
         ax.legend()
         images.append(("KL by position", _png(fig)))
+        plt.close(fig)
+    if (layers := _layer_drift(report)) is not None:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        index = list(range(len(layers.relative_drift)))
+        ax.bar(index, layers.steps, color="tab:red", alpha=0.6, label="drift added by the layer")
+        ax.plot(index, layers.relative_drift, "o-", label="drift after the layer")
+        ax.set_xlabel("decoder layer")
+        ax.set_ylabel("|h_cand - h_base| / |h_base|")
+        ax.legend()
+        images.append(("Hidden-state drift by layer", _png(fig)))
         plt.close(fig)
     if report["tier2"]:
         fig, ax = plt.subplots(figsize=(7, 3))

@@ -150,3 +150,28 @@ def test_first_divergence_and_agreement_summary():
     summary = drift.generation_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
     assert summary.num_identical == 1 and summary.divergence_positions == (1,)
     assert summary.mean_agreed_prefix == pytest.approx(2.0) and summary.min_agreed_prefix == 1
+
+
+def test_logit_parity_names_the_layer_that_adds_the_drift():
+    """Layer states that agree until layer 2 and part there: layer 2 is named, drift per layer is exact."""
+    torch.manual_seed(0)
+    layers, length, hidden, vocab = 5, 7, 4, 6
+    tokens = [i % vocab for i in range(length)]
+    logits = torch.randn(length, vocab)
+    states = torch.randn(layers, length, hidden)
+    damaged = states.clone()
+    damaged[2:] += 0.5 * states[2:]  # layer 2 and everything after it: |dh| / |h| = 0.5
+
+    def baseline(ids):
+        return logits, states
+
+    def candidate(ids):
+        return logits + 0.1, damaged
+
+    parity = drift.logit_parity([tokens, tokens], baseline, candidate)
+    assert parity.by_layer.relative_drift == pytest.approx((0.0, 0.0, 0.5, 0.5, 0.5), abs=1e-6)
+    assert parity.by_layer.steps == pytest.approx((0.0, 0.0, 0.5, 0.0, 0.0), abs=1e-6)
+    assert parity.by_layer.largest_step_layer == 2
+    assert parity.overall.kl_mean == pytest.approx(0.0, abs=1e-12)  # a constant shift keeps the distribution
+    logits_only = drift.logit_parity([tokens], lambda ids: logits, candidate)
+    assert logits_only.by_layer is None  # one arm without layer states: nothing to compare per layer

@@ -143,3 +143,22 @@ def test_verdict_notices_added_weight_files(tmp_path):
         verdict.check_verdict(tmp_path)
     body = json.loads((tmp_path / "verdict.json").read_text())
     assert set(body) >= {"verdict", "weights_sha256", "policy", "metrics", "baseline_weights_sha256"}
+
+
+def test_failed_report_names_the_layer_where_drift_enters(tmp_path):
+    """A Tier 0 failure with layer states: the verdict line and the Tier 0 section point at the layer."""
+    from evals import report
+
+    policy = policy_from_dict({**BASE_POLICY, "tier0": {"max_kl_mean": 0.01}, "tier2": {"enabled": False}})
+    stats = drift.ParityStats(num_tokens=10, kl_mean=0.5, kl_p99=2.0, top1_agreement=0.5, nll_delta_mean=0.3)
+    layers = drift.LayerDrift.from_drift([0.0, 0.0, 0.0, 0.4, 0.45])
+    parity = drift.LogitParity(overall=stats, by_position={"0-256": stats}, by_layer=layers)
+    per_task, pooled = gate.compare_arms(policy, {"t": _arm([1, 0])}, {"t": _arm([1, 0])})
+    checks = gate.decide(policy, per_task, pooled, parity=parity)
+    result = gate.outcome(checks, comparisons=per_task, pooled=pooled, parity=parity)
+    full = report.build_report(result, {"baseline_scores": {}}, {})
+    paths = report.write_reports(full, tmp_path)
+    verdict_line = paths["md"].read_text().splitlines()[0]
+    assert "FAIL" in verdict_line and "decoder layer 3 (model.layers.3)" in verdict_line
+    assert json.loads(paths["json"].read_text())["tier0"]["by_layer"]["largest_step_layer"] == 3
+    assert "Hidden-state drift by layer" in paths["html"].read_text()
