@@ -18,13 +18,14 @@ from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import APIError, error_response, install_error_handlers
+from server.metrics import cluster_health
 from server.middleware import AccessLogMiddleware, AuthMiddleware
 from server.params import check_model_name
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from server.state import Phase, ServerState
 
 if TYPE_CHECKING:
-    from engine import AsyncEngine
+    from engine.serving import ServingEngine
 
 
 def _package_version() -> str:
@@ -34,7 +35,7 @@ def _package_version() -> str:
         return "unknown"
 
 
-def build_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
+def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app serving `engine` under `config.served_model_name`."""
     app = FastAPI(title="driftgate", version=_package_version(), docs_url=None, redoc_url=None)
     state = ServerState(engine, config)
@@ -52,7 +53,7 @@ def build_app(engine: AsyncEngine | None, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if state.phase is Phase.READY and state.engine is not None and state.engine.is_alive:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", **cluster_health(state.engine.stats())})
         reason = "engine loop is not running" if state.phase is Phase.READY else f"server is {state.phase.value}"
         return error_response(503, reason)
 

@@ -1,5 +1,8 @@
 """`driftgate serve`: load the engine, serve it over HTTP, drain on SIGTERM.
 
+With `--replicas N` (N > 1) or `--ray-address`, the engine is a `ClusterEngine`: N replicas on
+Ray actors behind the router, which runs in this process; the routes are the same.
+
 The port is bound before the model loads, so health checks see 503 ("loading") instead of a
 refused connection. On SIGTERM (or Ctrl-C) new requests get 503 while running ones finish;
 whatever is still running after `--drain-timeout` seconds is aborted, then the process exits 0.
@@ -8,6 +11,7 @@ whatever is still running after `--drain-timeout` seconds is aborted, then the p
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -15,12 +19,16 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from server.app import build_app
 from server.config import ServerConfig
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    from engine.serving import ServingEngine
 
 logger = logging.getLogger("driftgate.server")
 
@@ -49,6 +57,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--require-gate", action="store_true",
                         help="refuse to serve unless the checkpoint's verdict.json passes and matches its weights")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    cluster = parser.add_argument_group("cluster (needs `pip install driftgate[cluster]`)")
+    cluster.add_argument("--replicas", type=int, default=1,
+                         help="engine replicas, each a Ray actor; above 1 the router runs in this process")
+    cluster.add_argument("--ray-address", default=None,
+                         help="join this Ray cluster (`auto`: the one on this machine); default: start a local one")
+    cluster.add_argument("--router-policy", default="coordinated",
+                         choices=["round-robin", "least-loaded", "coordinated"])
 
 
 def _check_gate(model_dir: str) -> str | None:
@@ -81,18 +96,32 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def _is_cluster(args: argparse.Namespace) -> bool:
+    return args.replicas > 1 or args.ray_address is not None
+
+
+def _build_engine(args: argparse.Namespace) -> ServingEngine:
+    """One AsyncEngine in this process, or a ClusterEngine over `--replicas` Ray actors."""
+    from engine import AsyncEngine, EngineConfig
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+    )
+    if not _is_cluster(args):
+        return AsyncEngine(config)
+    from engine.cluster.cluster_engine import ClusterEngine
+
+    return ClusterEngine.launch(config, args.replicas, args.router_policy, args.ray_address)
+
+
 def _load_engine(args: argparse.Namespace, state: ServerState, server: _DrainingServer, failed: list[str]) -> None:
     """Runs in a thread while uvicorn already answers 503; attaches the engine when ready."""
     try:
-        from engine import AsyncEngine, EngineConfig
-
-        engine = AsyncEngine(EngineConfig(
-            model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-        ))
+        engine = _build_engine(args)
         engine.start()
     except Exception as exc:
         logger.exception("could not load %s", args.model)
@@ -100,7 +129,8 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
         server.should_exit = True
         return
     state.attach(engine)
-    logger.info("serving %s as %r on http://%s:%d", args.model, state.config.served_model_name,
+    where = f" on {args.replicas} replicas ({args.router_policy} routing)" if _is_cluster(args) else ""
+    logger.info("serving %s as %r%s on http://%s:%d", args.model, state.config.served_model_name, where,
                 args.host, args.port)
 
 
@@ -113,6 +143,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.require_gate and (reason := _check_gate(args.model)) is not None:
         print(f"error: {reason}", file=sys.stderr)
         return 2
+    if args.replicas < 1:
+        print(f"error: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    if _is_cluster(args) and importlib.util.find_spec("ray") is None:
+        print("error: --replicas above 1 and --ray-address need Ray, which is not installed; "
+              "install it with `pip install driftgate[cluster]`", file=sys.stderr)
+        return 2
     try:
         config = ServerConfig(
             served_model_name=args.served_model_name or Path(args.model).resolve().name,
@@ -123,6 +160,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if _is_cluster(args):
+        from engine.cluster.cluster_engine import init_ray
+
+        try:
+            init_ray(args.ray_address, args.replicas)  # here, on the main thread (see init_ray)
+        except Exception as exc:  # Ray's own errors (address unreachable, version mismatch) vary
+            print(f"error: could not start or join Ray: {exc}", file=sys.stderr)
+            return 1
     app = build_app(None, config)
     state: ServerState = app.state.driftgate
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -137,6 +182,10 @@ def run_serve(args: argparse.Namespace) -> int:
         loader.join()
         if state.engine is not None:
             state.engine.shutdown()
+        if _is_cluster(args):
+            import ray
+
+            ray.shutdown()
     if failed:
         return 1
     return 0

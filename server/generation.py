@@ -22,7 +22,7 @@ from server.errors import APIError
 from server.state import RequestRecord, ServerState
 
 if TYPE_CHECKING:
-    from engine import AsyncEngine
+    from engine.serving import ServingEngine
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ class _Done:
 class Generation:
     """Async iterator of `(prompt_index, RequestOutput)` over all of one API request's prompts."""
 
-    def __init__(self, state: ServerState, engine: AsyncEngine, requests: list[EngineRequest],
+    def __init__(self, state: ServerState, engine: ServingEngine, requests: list[EngineRequest],
                  record: RequestRecord) -> None:
         state.admit(engine)  # 429 before anything is allocated; `aclose` gives the slot back
         self._engine = engine

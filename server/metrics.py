@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.outputs import EngineStats
+from engine.outputs import ClusterStats, EngineStats
 
 PREFIX = "driftgate:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -49,6 +49,49 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if stats.cluster is not None:
+            yield from _cluster_metrics(stats.cluster)
+
+
+def _cluster_metrics(cluster: ClusterStats) -> Iterator[Metric]:
+    """Per-replica families (label `replica`) and the router's own counts; totals are above."""
+    families = [
+        (GaugeMetricFamily, "replica_up", "1 while the replica answers the router, 0 while it is down.",
+         lambda r: float(r.is_alive)),
+        (CounterMetricFamily, "replica_requests_dispatched", "Requests the router sent to the replica.",
+         lambda r: r.num_dispatched),
+        (GaugeMetricFamily, "replica_num_requests_running", "Requests in the replica's running batch.",
+         lambda r: r.stats.num_running),
+        (GaugeMetricFamily, "replica_num_requests_waiting", "Requests waiting in the replica's own queue.",
+         lambda r: r.stats.num_waiting),
+        (GaugeMetricFamily, "replica_kv_cache_usage_perc", "Fraction of the replica's KV blocks in use (0-1).",
+         lambda r: r.stats.kv_usage),
+        (GaugeMetricFamily, "replica_prefix_cache_hit_rate", "The replica's prompt tokens served from its cache.",
+         lambda r: r.stats.prefix_cache_hit_rate),
+        (CounterMetricFamily, "replica_prefix_cache_hits", "Prompt tokens found in the replica's prefix cache.",
+         lambda r: r.stats.prefix_cache_hits),
+    ]
+    for family_type, name, doc, read in families:
+        family = family_type(PREFIX + name, doc, labels=["replica"])
+        for replica in cluster.replicas:
+            family.add_metric([str(replica.replica_id)], read(replica))
+        yield family
+    yield GaugeMetricFamily(PREFIX + "router_num_requests_queued",
+                            "Requests in the router's global queue (also counted in num_requests_waiting).",
+                            value=cluster.num_queued)
+    yield CounterMetricFamily(PREFIX + "router_requests_migrated",
+                              "Requests withdrawn unstarted from one replica and routed again.",
+                              value=cluster.num_migrated)
+
+
+def cluster_health(stats: EngineStats) -> dict:
+    """What /health adds for a cluster (nothing for one engine): each replica's state, the queue."""
+    if stats.cluster is None:
+        return {}
+    return {"replicas": [{"replica": r.replica_id, "alive": r.is_alive, "dispatched": r.num_dispatched,
+                          "running": r.stats.num_running, "waiting": r.stats.num_waiting}
+                         for r in stats.cluster.replicas],
+            "router_queued": stats.cluster.num_queued, "migrated": stats.cluster.num_migrated}
 
 
 class ServerMetrics:

@@ -13,7 +13,7 @@ from server.logprobs import TokenText
 from server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from engine import AsyncEngine
+    from engine.serving import ServingEngine
 
 
 class Phase(enum.Enum):
@@ -36,9 +36,9 @@ class RequestRecord:
 class ServerState:
     """Shared by every route of one app; touched only from the event loop (no locks needed)."""
 
-    def __init__(self, engine: AsyncEngine | None, config: ServerConfig) -> None:
+    def __init__(self, engine: ServingEngine | None, config: ServerConfig) -> None:
         self.config = config
-        self.engine: AsyncEngine | None = None
+        self.engine: ServingEngine | None = None
         self.token_text: TokenText | None = None
         self.phase = Phase.LOADING
         self.num_unstarted = 0  # admitted requests that have not produced a first token yet
@@ -46,7 +46,7 @@ class ServerState:
         if engine is not None:
             self.attach(engine)
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: ServingEngine) -> None:
         """Start serving on a loaded engine (the app answers 503 until then)."""
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
@@ -60,7 +60,7 @@ class ServerState:
     def engine_stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
 
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> ServingEngine:
         """The engine, or a 503 when it is not accepting work."""
         if self.phase is not Phase.READY or self.engine is None:
             raise APIError(503, f"server is {self.phase.value}; retry later",
@@ -69,7 +69,7 @@ class ServerState:
             raise APIError(503, "engine loop is not running")
         return self.engine
 
-    def admit(self, engine: AsyncEngine) -> None:
+    def admit(self, engine: ServingEngine) -> None:
         """Take a queue slot or fail with 429.
 
         The queue depth is the larger of our own count of admitted-but-unstarted requests

@@ -81,6 +81,21 @@ def _sum_stats(reports: list[EngineStats]) -> EngineStats:
     return EngineStats(**{name: sum(getattr(s, name) for s in reports) for name in _SUMMED})
 
 
+def init_ray(address: str | None = None, num_replicas: int = 1) -> None:
+    """Join the Ray cluster at `address` (`auto`: this machine's), or start a local instance.
+
+    Call it from the main thread: a local Ray started from another thread leaves its agent
+    processes running after `ray.shutdown()`.
+    """
+    if ray.is_initialized():
+        return
+    if address is None:
+        # logical CPUs: one per replica even on a smaller machine (they then share cores)
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_replicas), include_dashboard=False)
+    else:
+        ray.init(address=address)
+
+
 class ClusterEngine:
     """Routes requests over replica actors and keeps the router's view of them current."""
 
@@ -125,11 +140,7 @@ class ClusterEngine:
         """
         router_config = RouterConfig(policy=policy, block_size=config.block_size)  # fail before Ray starts
         started_ray = not ray.is_initialized()
-        if started_ray and ray_address is None:
-            # logical CPUs: one per replica even on a smaller machine (they then share cores)
-            ray.init(num_cpus=max(os.cpu_count() or 1, num_replicas), include_dashboard=False)
-        elif started_ray:
-            ray.init(address=ray_address)
+        init_ray(ray_address, num_replicas)
         actors = launch_replicas(config, num_replicas)
 
         def stop() -> None:

@@ -63,3 +63,12 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(tiny_model_dir: Path):
     assert completions and completions[0]["status"] == 200 and completions[0]["output_tokens"] == 64
     assert completions[0]["ttft_s"] is not None
     assert SECRET_PROMPT not in stderr
+
+
+def test_replicas_without_ray_exit_2_saying_what_to_install(tiny_model_dir: Path, monkeypatch, capsys):
+    from server.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the cluster extra were not installed
+    assert main([str(tiny_model_dir), "--replicas", "2"]) == 2
+    assert "pip install driftgate[cluster]" in capsys.readouterr().err
+    assert main([str(tiny_model_dir), "--replicas", "0"]) == 2

@@ -1,0 +1,140 @@
+"""The OpenAI-compatible server in front of a 2-replica cluster on a local Ray instance (CPU, tiny model).
+
+One test runs `driftgate serve --replicas 2` as a real process (flags, Ray started and stopped by
+the server, SIGTERM); the others serve the same routes in-process over one shared pair of
+replica actors, one router per policy, so each policy costs no extra Ray start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from engine.cluster.cluster_engine import ClusterEngine  # noqa: E402
+from engine.cluster.replica import launch_replicas  # noqa: E402
+from engine.cluster.router import RouterConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.tokenizer import load_tokenizer  # noqa: E402
+from server.app import build_app  # noqa: E402
+from server.config import ServerConfig  # noqa: E402
+from tests.server.live import serve_in_thread  # noqa: E402
+from tests.server.test_serve_cli import _free_port  # noqa: E402
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def metric(text: str, name: str, replica: int | None = None) -> float:
+    """One sample from a Prometheus exposition (`driftgate:NAME`, optionally {replica="N"})."""
+    labels = "" if replica is None else re.escape(f'{{replica="{replica}"}}')
+    match = re.search(rf"^driftgate:{name}{labels} (\S+)$", text, re.MULTILINE)
+    assert match, f"no driftgate:{name} {labels} in /metrics"
+    return float(match.group(1))
+
+
+def test_driftgate_serve_replicas_2_routes_a_shared_prefix_to_one_replica(tiny_model_dir):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", str(tiny_model_dir), "--port", str(port), "--served-model-name", MODEL,
+         "--replicas", "2", "--router-policy", "coordinated", "--kv-cache-memory-bytes", "4000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "cluster server did not become healthy"
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+                if health.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        assert [r["alive"] for r in health.json()["replicas"]] == [True, True]
+        system = [(7 * j) % 300 + 3 for j in range(40)]  # two full 16-token blocks shared
+        for i in range(6):
+            body = {"model": MODEL, "prompt": system + [100 + i, 200 + i], "max_tokens": 2, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            time.sleep(0.2)  # the replica's KV events reach the router between requests
+        text = httpx.get(url + "/metrics", timeout=5).text
+        dispatched = [metric(text, "replica_requests_dispatched_total", i) for i in (0, 1)]
+        assert sorted(dispatched) == [0, 6]
+        served = dispatched.index(6)
+        assert metric(text, "replica_prefix_cache_hits_total", served) >= 5 * 32  # every later prompt hit
+        assert metric(text, "prefix_cache_hits_total") == metric(text, "replica_prefix_cache_hits_total", served)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    config = EngineConfig(str(tiny_model_dir), block_size=8, num_kv_blocks=128, max_num_seqs=4)
+    yield launch_replicas(config, 2, num_cpus=0.5), load_tokenizer(tiny_model_dir)
+    ray.shutdown()
+
+
+@contextmanager
+def cluster_server(replicas, policy: str) -> Iterator[tuple[str, ClusterEngine]]:
+    actors, tokenizer = replicas
+    engine = ClusterEngine(actors, RouterConfig(policy=policy, block_size=8), tokenizer, 0.01)
+    engine.start()
+    try:
+        with serve_in_thread(build_app(engine, ServerConfig(served_model_name=MODEL, request_timeout_s=60))) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "coordinated"])
+def test_completions_and_chat_stream_or_not_under_every_policy(replicas, policy):
+    import openai
+
+    with cluster_server(replicas, policy) as (url, engine), \
+            openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        full = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 8
+        chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
+        chat_chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6,
+                                                          temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) \
+            == chat.choices[0].message.content
+
+        several = client.completions.create(model=MODEL, prompt=["one", "two", "three", "four"], max_tokens=3,
+                                            temperature=0)  # four engine requests at once
+        assert len(several.choices) == 4 and all(c.finish_reason for c in several.choices)
+
+        assert sum(engine.num_dispatched) == 8
+        if policy == "round-robin":
+            assert engine.num_dispatched == [4, 4]
+        engine.refresh()  # /metrics shows stats as of the router's last poll
+        health = httpx.get(url + "/health", timeout=5).json()
+        assert health["status"] == "ok" and [r["alive"] for r in health["replicas"]] == [True, True]
+        text = httpx.get(url + "/metrics", timeout=5).text
+        assert metric(text, "router_num_requests_queued") == 0
+        assert [metric(text, "replica_requests_dispatched_total", i) for i in (0, 1)] == engine.num_dispatched
