@@ -4,7 +4,9 @@ Metrics are measured at the client from streamed responses, with vLLM's definiti
 TTFT (send → first streamed text), ITL (gaps between consecutive text chunks, pooled over
 requests), TPOT ((E2E − TTFT) / (output tokens − 1), per request), E2E latency; request and
 token throughput; goodput = requests per second meeting *every* `--slo`. Output tokens are
-counted with the model's tokenizer, so two servers are measured with the same ruler.
+counted with the model's tokenizer, so two servers are measured with the same ruler. What only
+the server knows (prefix-cache hit rate; requests per replica on a cluster) comes from its
+/metrics counters before and after each run.
 Requests go only to `--base-url`; every loop is bounded by count and by `--max-duration`.
 """
 
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -198,6 +201,7 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
     deadline = time.perf_counter() + args.max_duration
     async with httpx.AsyncClient(timeout=timeout, headers=headers,
                                  limits=httpx.Limits(max_connections=None)) as client:
+        counters_before = await scrape_counters(client, args.base_url)
         start = time.perf_counter()
         tasks = []
         for sample, result, gap in zip(samples, results, gaps, strict=True):
@@ -213,6 +217,7 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
+        counters_after = await scrape_counters(client, args.base_url)
     if progress is not None:
         progress.close()
     for result in results:
@@ -220,8 +225,43 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
             result.error = "cancelled: --max-duration reached"
     metrics = compute_metrics(results, duration, parse_slo(args.slo))
     metrics["request_rate"] = rate
+    metrics["server"] = server_side(counters_before, counters_after)
     metrics["requests"] = [asdict(r) for r in results]
     return metrics
+
+
+# `vendor:name_total{labels} value`: driftgate's and vLLM's counters share names after the prefix
+_COUNTER = re.compile(r"^[A-Za-z_]\w*:(\w+_total)(\{[^}]*\})? (\S+)$", re.MULTILINE)
+_REPLICA_DISPATCHED = re.compile(r'replica_requests_dispatched_total\{replica="(\d+)"\}')
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The counters of a Prometheus exposition, keyed `name_total{labels}` without the vendor prefix."""
+    return {name + (labels or ""): float(value) for name, labels, value in _COUNTER.findall(text)}
+
+
+async def scrape_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """The server's /metrics counters, or {} when it has none (or none we may read)."""
+    try:
+        response = await client.get(base_url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    return parse_counters(response.text) if response.status_code == 200 else {}
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the server counted during one run: prefix-cache hit rate, and requests per replica.
+
+    Measured as the change in its counters, so earlier traffic does not count; the hit rate is
+    None when the server exports no prefix-cache counters.
+    """
+    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    hits, queries = delta.get("prefix_cache_hits_total"), delta.get("prefix_cache_queries_total")
+    result: dict = {"prefix_cache_hit_rate": hits / queries if hits is not None and queries else None}
+    dispatched = {int(m.group(1)): int(v) for key, v in delta.items() if (m := _REPLICA_DISPATCHED.fullmatch(key))}
+    if dispatched:
+        result["replica_requests_dispatched"] = [dispatched[i] for i in sorted(dispatched)]
+    return result
 
 
 def load_samples(args: argparse.Namespace, tokenizer) -> list[Sample]:
@@ -293,6 +333,11 @@ def print_summary(metrics: dict) -> None:
         stats = metrics[f"{name}_ms"]
         print(f"{name.upper() + ' ms':<10} mean {stats['mean']:9.1f}  p50 {stats['median']:9.1f}  "
               f"p90 {stats['p90']:9.1f}  p99 {stats['p99']:9.1f}")
+    server = metrics.get("server", {})
+    if server.get("prefix_cache_hit_rate") is not None:
+        print(f"{'server prefix hit rate':<26}{server['prefix_cache_hit_rate']:>12.3f}")
+    if "replica_requests_dispatched" in server:
+        print(f"{'requests per replica':<26}{str(server['replica_requests_dispatched']):>12}")
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:

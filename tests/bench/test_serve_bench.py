@@ -16,8 +16,10 @@ from bench.serve import (
     add_bench_serve_args,
     arrival_gaps,
     compute_metrics,
+    parse_counters,
     parse_slo,
     run_bench_serve,
+    server_side,
 )
 
 
@@ -92,6 +94,25 @@ def test_sharegpt_samples_are_pruned_and_reproducible(tokenizer):
     assert len({s.output_len for s in draw[0]}) > 5  # drawn, not fixed
 
 
+def test_server_side_counts_only_the_run_from_metrics_counters():
+    exposition = """# HELP driftgate:prefix_cache_hits Prompt tokens found in the prefix cache.
+# TYPE driftgate:prefix_cache_hits counter
+driftgate:prefix_cache_hits_total 300.0
+driftgate:prefix_cache_queries_total 1000.0
+driftgate:num_requests_running 2.0
+driftgate:replica_requests_dispatched_total{replica="1"} 7.0
+driftgate:replica_requests_dispatched_total{replica="0"} 3.0
+"""
+    after = parse_counters(exposition)
+    assert after["prefix_cache_hits_total"] == 300 and "num_requests_running" not in after
+    before = {"prefix_cache_hits_total": 100.0, "prefix_cache_queries_total": 600.0,
+              'replica_requests_dispatched_total{replica="0"}': 3.0}
+    assert server_side(before, after) == {"prefix_cache_hit_rate": 0.5, "replica_requests_dispatched": [0, 7]}
+    vllm = parse_counters("vllm:prefix_cache_hits_total 5.0\nvllm:prefix_cache_queries_total 10.0\n")
+    assert server_side({}, vllm) == {"prefix_cache_hit_rate": 0.5}
+    assert server_side({}, {}) == {"prefix_cache_hit_rate": None}
+
+
 def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: Path):
     from tests.server.conftest import MODEL_NAME, serve
 
@@ -116,4 +137,6 @@ def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: 
         assert run["total_output_tokens"] > 0
         assert run["goodput"] == pytest.approx(run["request_throughput"])
         assert 0 < run["ttft_ms"]["median"] <= run["e2el_ms"]["median"]
+        assert 0.0 <= run["server"]["prefix_cache_hit_rate"] <= 1.0  # read from /metrics
+    assert result["runs"][1]["server"]["prefix_cache_hit_rate"] > 0  # the same prompts again
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p_sweep.png").stat().st_size > 0
