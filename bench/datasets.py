@@ -79,14 +79,19 @@ def random_prompts(tokenizer, num_prompts: int, input_len: int, output_len: int,
 
 
 def prefix_shared(tokenizer, num_prompts: int, prefix_len: int, input_len: int, output_len: int,
-                  rng: np.random.Generator) -> list[Sample]:
-    """One long common system prompt, then a distinct `input_len`-token question per request.
+                  rng: np.random.Generator, num_prefixes: int = 1) -> list[Sample]:
+    """A long common system prompt, then a distinct `input_len`-token question per request.
 
     Measures what a prefix cache saves: every request after the first can reuse the prefix.
+    With `num_prefixes` > 1 each request draws one of several system prompts at random, as
+    several tenants or agents would: it shows whether a router keeps each on one replica.
     """
-    prefix = _random_text(tokenizer, rng, prefix_len)
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be at least 1, got {num_prefixes}")
+    prefixes = [_random_text(tokenizer, rng, prefix_len) for _ in range(num_prefixes)]
     samples = []
     for _ in range(num_prompts):
+        prefix = prefixes[int(rng.integers(num_prefixes))] if num_prefixes > 1 else prefixes[0]
         prompt = prefix + "\n" + _random_text(tokenizer, rng, input_len)
         samples.append(Sample(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
     return samples

@@ -272,7 +272,7 @@ def load_samples(args: argparse.Namespace, tokenizer) -> list[Sample]:
     if args.dataset == "random":
         return datasets.random_prompts(tokenizer, args.num_prompts, args.input_len, args.output_len, rng)
     return datasets.prefix_shared(tokenizer, args.num_prompts, args.prefix_len, args.input_len,
-                                  args.output_len, rng)
+                                  args.output_len, rng, args.num_prefixes)
 
 
 def plot(runs: list[dict], path: Path) -> list[Path]:
@@ -358,6 +358,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="tokens asked per request (ShareGPT: median)")
     parser.add_argument("--fixed-output-len", action="store_true", help="ShareGPT: every request asks --output-len")
     parser.add_argument("--prefix-len", type=int, default=1024, help="prefix-shared: common prefix tokens")
+    parser.add_argument("--num-prefixes", type=int, default=1,
+                        help="prefix-shared: distinct common prefixes, one drawn at random per request")
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
@@ -396,6 +398,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "base_url": args.base_url, "endpoint": args.endpoint, "model": args.model, "dataset": args.dataset,
         "num_prompts": args.num_prompts, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "output_len": args.output_len,
+        **({"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes, "input_len": args.input_len}
+           if args.dataset == "prefix-shared" else {}),
         "output_len_distribution": "fixed" if args.dataset != "sharegpt" or args.fixed_output_len
         else f"lognormal(median={args.output_len}, sigma={datasets.OUTPUT_LEN_SIGMA}), clipped to [4, 1024]",
         "ignore_eos": args.ignore_eos, "slo": args.slo, "seed": args.seed, "runs": runs,

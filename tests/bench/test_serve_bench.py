@@ -81,6 +81,9 @@ def test_prefix_shared_prompts_share_the_prefix(tokenizer):
     prefix = samples[0].prompt.split("\n")[0]
     assert len({s.prompt for s in samples}) == 4
     assert all(s.prompt.startswith(prefix) and s.output_len == 5 and s.prompt_len > 64 for s in samples)
+    several = datasets.prefix_shared(tokenizer, 40, prefix_len=64, input_len=8, output_len=5,
+                                     rng=np.random.default_rng(0), num_prefixes=3)
+    assert len({s.prompt.split("\n")[0] for s in several}) == 3
 
 
 def test_sharegpt_samples_are_pruned_and_reproducible(tokenizer):
