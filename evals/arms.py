@@ -19,12 +19,12 @@ import lm_eval
 from engine import LLM, SamplingParams
 from evals import data
 from evals.drift import FullLogprobsFn, ItemResult, LayerStatesFn, items_from_samples
-from evals.lm_eval_model import DriftgateLM
+from evals.lm_eval_model import DriftgateLM, prefill_first
 from evals.policy import GatePolicy
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "driftgate" / "gate-baselines"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: task prompt/prefill-saved counts replace whole-engine prefix-cache counters
 
 
 @dataclass(slots=True)
@@ -35,8 +35,8 @@ class ArmResults:
     scores: dict[str, dict[str, float]]  # task -> lm-eval aggregate metrics
     generations: list[list[int]] = field(default_factory=list)  # Tier 2, one per prompt
     wall_seconds: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    task_prompt_tokens: int = 0  # prompt tokens the lm-eval tasks sent to the engine
+    task_cached_tokens: int = 0  # of those, served by the prefix cache: prefill saved (MC choices share a context)
 
     def to_json(self) -> dict:
         return {
@@ -44,8 +44,8 @@ class ArmResults:
             "scores": self.scores,
             "generations": self.generations,
             "wall_seconds": self.wall_seconds,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
+            "task_prompt_tokens": self.task_prompt_tokens,
+            "task_cached_tokens": self.task_cached_tokens,
         }
 
     @classmethod
@@ -59,8 +59,8 @@ class ArmResults:
                         row[key] = tuple(row[key])
                 items[task][int(row["doc_id"])] = ItemResult(**row)
         return cls(items=items, scores=raw["scores"], generations=raw["generations"],
-                   wall_seconds=raw["wall_seconds"], prefix_cache_queries=raw["prefix_cache_queries"],
-                   prefix_cache_hits=raw["prefix_cache_hits"])
+                   wall_seconds=raw["wall_seconds"], task_prompt_tokens=raw["task_prompt_tokens"],
+                   task_cached_tokens=raw["task_cached_tokens"])
 
 
 def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
@@ -137,7 +137,9 @@ def greedy_generations(llm: LLM, prompts: list[list[int]], max_new_tokens: int) 
     if room < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in max_model_len")
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    outputs = llm.generate([p[-room:] for p in prompts], params, use_tqdm=True)
+    prompts = [p[-room:] for p in prompts]
+    prefill_first(llm, prompts)  # the 8-shot exemplars are shared: compute them once
+    outputs = llm.generate(prompts, params, use_tqdm=True)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -165,16 +167,17 @@ def run_arm(model_dir: Path, policy: GatePolicy, data_dir: Path, ids: dict[str, 
     start = time.perf_counter()
     llm = build_engine(model_dir, policy, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
                        max_num_batched_tokens=max_num_batched_tokens)
+    before = llm.stats()
     items, scores = run_tasks(llm, policy, data_dir, ids, label)
+    after = llm.stats()
     generations: list[list[int]] = []
     if tier2_prompt_ids:
         print(f"[gate] {label}: {len(tier2_prompt_ids)} greedy generations", flush=True)
         generations = greedy_generations(llm, tier2_prompt_ids, policy.tier2.max_new_tokens)
-    engine_stats = llm.stats()
     arm = ArmResults(items=items, scores=scores, generations=generations,
                      wall_seconds=time.perf_counter() - start,
-                     prefix_cache_queries=engine_stats.prefix_cache_queries,
-                     prefix_cache_hits=engine_stats.prefix_cache_hits)
+                     task_prompt_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
+                     task_cached_tokens=after.prefix_cache_hits - before.prefix_cache_hits)
     return arm, llm
 
 

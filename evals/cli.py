@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
                           noise_pooled=noise_pooled, parity=parity, agreement=agreement)
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
-                         cached, time.perf_counter() - started)
+                         cached, time.perf_counter() - started, noise)
     items = {arm_name: arm.to_json()["items"] for arm_name, arm in (("baseline", baseline), ("candidate", candidate))}
     full = report.build_report(result, manifest, items)
     report_dir = Path(args.report_dir) if args.report_dir else candidate_dir / "gate-report"
@@ -165,7 +165,7 @@ def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_di
 
 
 def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate, cached,
-              seconds) -> dict:
+              seconds, noise=None) -> dict:
     import lm_eval
     import torch
 
@@ -187,7 +187,10 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "baseline_scores": baseline.scores,
         "candidate_scores": candidate.scores,
         "wall_seconds": {"total": seconds, "baseline": baseline.wall_seconds, "candidate": candidate.wall_seconds},
-        "prefix_cache": {"candidate_queries": candidate.prefix_cache_queries,
-                         "candidate_hits": candidate.prefix_cache_hits},
+        # Prefill the prefix cache saved while scoring tasks (an MC item's choices share its context).
+        "prefix_cache": {name: {"task_prompt_tokens": arm.task_prompt_tokens,
+                                "prefill_tokens_saved": arm.task_cached_tokens}
+                         for name, arm in (("baseline", baseline), ("noise_floor", noise), ("candidate", candidate))
+                         if arm is not None},
         "all_prompt_hashes_matched": True,  # compare_items raises PromptMismatchError otherwise
     }

@@ -42,6 +42,16 @@ def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
     return text[:cut]
 
 
+def prefill_first(llm: LLM, prompts: Sequence[list[int]]) -> None:
+    """Prefill the first prompt alone, so prompts sharing its prefix (few-shot exemplars) hit the cache.
+
+    Prompts admitted in one step all compute their shared prefix; once one of them is
+    cached, the rest reuse it. Costs one extra sampled token when nothing is shared.
+    """
+    if len(prompts) > 1:
+        llm.generate(list(prompts[:1]), SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+
+
 @register_model("driftgate")
 class DriftgateLM(TemplateLM):
     """TemplateLM whose three request types map onto `LLM.generate`.
@@ -206,8 +216,7 @@ class DriftgateLM(TemplateLM):
                     _truncate_left(self.tok_encode(requests[i].args[0]), self.max_length - params.max_tokens)
                     for i in chunk
                 ]
-                if len(prompts) > 1:  # prefill one prompt first so the shared few-shot prefix is cached
-                    self.llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+                prefill_first(self.llm, prompts)
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
                 for i, out in zip(chunk, outputs, strict=True):
                     completion = out.outputs[0]

@@ -90,6 +90,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         p = t1["pooled"]
         out += [f"Power: this run resolves a pooled drop of {100 * p['min_detectable_drop']:.2f} pts "
                 f"(80% power, one-sided 5%) at the observed flip rate {100 * p['flip_rate']:.2f}%.", ""]
+    out += _prefix_cache_block(report)
     out += _published_block(report)
     if report["tier0"]:
         out += ["## Tier 0: logit parity by token position",
@@ -134,6 +135,15 @@ def _layer_block(report: dict[str, Any]) -> list[str]:
             _table(["layer", "drift", "step"], [[str(i), f"{d:.5f}", f"{st:+.5f}"] for i, (d, st) in
                                                 enumerate(zip(layers.relative_drift, layers.steps, strict=True))]),
             ""]
+
+
+def _prefix_cache_block(report: dict[str, Any]) -> list[str]:
+    arms = report["manifest"].get("prefix_cache") or {}
+    parts = [f"{name} {a['prefill_tokens_saved']} of {a['task_prompt_tokens']} "
+             f"({100 * a['prefill_tokens_saved'] / a['task_prompt_tokens']:.0f}%)"
+             for name, a in arms.items() if a["task_prompt_tokens"]]
+    return [f"Prefill tokens saved by the prefix cache while scoring tasks (choices share their item's context): "
+            f"{'; '.join(parts)}.", ""] if parts else []
 
 
 def _published_block(report: dict[str, Any]) -> list[str]:

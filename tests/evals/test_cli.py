@@ -105,6 +105,11 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     assert (root / "report" / "report.md").read_text().startswith("# Gate verdict: **PASS**")
     assert "data:image/png;base64" in (root / "report" / "report.html").read_text()
     assert not report["manifest"]["baseline_cached"]
+    prefix = report["manifest"]["prefix_cache"]
+    assert set(prefix) == {"baseline", "noise_floor", "candidate"}
+    for arm in prefix.values():  # each ARC item's four choices share its context: the cache serves part of it
+        assert 0 < arm["prefill_tokens_saved"] < arm["task_prompt_tokens"]
+    assert "Prefill tokens saved by the prefix cache" in (root / "report" / "report.md").read_text()
     capsys.readouterr()
     assert _gate(baseline, candidate, policy, root) == EXIT_PASS
     assert "baseline: cached" in capsys.readouterr().out
