@@ -72,6 +72,7 @@ def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "
         max_model_len=policy.engine.max_model_len,
         max_num_seqs=policy.engine.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or policy.engine.max_num_batched_tokens,
+        block_size=policy.engine.block_size,
         seed=policy.seed,
     )
 

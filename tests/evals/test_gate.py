@@ -28,6 +28,8 @@ def test_unknown_keys_are_named(raw, named):
 
 
 def test_invalid_values_are_rejected():
+    with pytest.raises(PolicyError, match="block_size"):
+        policy_from_dict({**BASE_POLICY, "engine": {"block_size": 12}})
     with pytest.raises(PolicyError, match="inconclusive"):
         policy_from_dict({**BASE_POLICY, "inconclusive": "maybe"})
     with pytest.raises(PolicyError, match="max_drop"):
