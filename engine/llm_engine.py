@@ -63,6 +63,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model, self.hf_config = load_model(config.model, config.dtype, config.device)
+        self.model.prepack_for_cpu()
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings,

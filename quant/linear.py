@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import dense_matmul, prepack_cpu_weight
 from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale
 from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
 from quant.schemes import QuantScheme
@@ -106,6 +107,12 @@ class QuantLinearBase(nn.Module, abc.ABC):
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def prepack(self) -> None:
+        """Lay a dequantized fallback weight out for CPU GEMMs, as the engine does for dense layers."""
+        dense = getattr(self, "weight_dense", None)
+        if dense is not None and (packed := prepack_cpu_weight(dense)) is not None:
+            self.weight_dense = packed
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, kernel={getattr(self, 'kernel', None)}"
@@ -295,7 +302,7 @@ class Fp8Linear(QuantLinearBase):
             y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(),
                                  out_dtype=torch.bfloat16)
         else:
-            y = F.linear(self._quantize_input(x2d).to(self.weight_dense.dtype), self.weight_dense)
+            y = dense_matmul(self._quantize_input(x2d).to(self.dtype), self.weight_dense)
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
 
@@ -382,7 +389,7 @@ class WeightOnlyIntLinear(_IntWeightLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "dense":
-            return self._add_bias(F.linear(x.to(self.weight_dense.dtype), self.weight_dense)).to(x.dtype)
+            return self._add_bias(dense_matmul(x.to(self.dtype), self.weight_dense)).to(x.dtype)
         x2d = x.reshape(-1, self.input_size).to(torch.bfloat16)
         if self.kernel == "int8pack":
             y = torch._weight_int8pack_mm(x2d, self.qweight, self.kernel_scales)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import Attention, ForwardContext
-from engine.layers.linear import make_linear
+from engine.layers.linear import dense_matmul, make_linear, prepack_cpu_weight
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -167,6 +167,15 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = make_linear(args.hidden_size, [args.vocab_size], bias=False, prefixes=["lm_head"],
                                        quant_config=quant_config, dtype=dtype)
+        self.packed_embedding: torch.Tensor | None = None  # the tied lm_head, CPU-packed
+
+    def prepack_for_cpu(self) -> None:
+        """Serving-time weight layout for CPU matmuls; the embedding keeps its dense copy for lookups."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "prepack"):
+                module.prepack()
+        if self.lm_head is None:
+            self.packed_embedding = prepack_cpu_weight(self.model.embed_tokens.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
@@ -175,5 +184,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → fp32 logits [N, vocab]."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
+            weight = self.model.embed_tokens.weight if self.packed_embedding is None else self.packed_embedding
+            return dense_matmul(hidden, weight).float()
         return self.lm_head(hidden).float()

@@ -58,6 +58,8 @@ def test_fast_forward_matches_reference(shape, dtype, name, seed):
     y = module(x)
     assert y.dtype == dtype and y.shape == (m, sum(sizes))
     assert rel_err(y, module.reference_forward(x)) < FAST_TOL[dtype]
+    module.prepack()  # the serving engine's CPU weight layout must not change the result
+    assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[dtype]
 
 
 @quick
