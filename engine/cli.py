@@ -20,7 +20,7 @@ COMMANDS = {
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `bench serve` or `bench ppl`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl` or `schemes`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -82,11 +82,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True)
     from bench.offline import add_offline_args
     from bench.perplexity import add_ppl_args
+    from bench.schemes import add_schemes_args
     from bench.serve import add_bench_serve_args
 
     add_offline_args(sub.add_parser("offline", help="offline throughput and batch-1 decode vs HF"))
     add_bench_serve_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
     add_ppl_args(sub.add_parser("ppl", help="WikiText-2 perplexity of checkpoints on a fixed token budget"))
+    add_schemes_args(sub.add_parser("schemes", help="decode and concurrent throughput per quantization scheme, "
+                                                    "llama.cpp side by side"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -98,6 +101,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench.perplexity import run_ppl
 
         return run_ppl(args)
+    if args.bench_command == "schemes":
+        from bench.schemes import run_schemes
+
+        return run_schemes(args)
     from bench.serve import run_bench_serve
 
     return run_bench_serve(args)
