@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from bench.datasets import find_data_dir, sharegpt
+from bench.output import save_result
 from engine import LLM, SamplingParams
 
 
@@ -146,11 +147,7 @@ def run_offline(args: argparse.Namespace) -> int:
             "throughput_output_vs_hf_batch1": tput["output_tok_s"] / hf["decode_tok_s"],
         }
     _print(result)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps(result, indent=2))
-    if args.plot:
-        _plot(result, args.plot)
+    save_result(result, args.result_json, args.plot, _plot)
     return 0
 
 
@@ -190,5 +187,4 @@ def _plot(result: dict, path: Path) -> None:
                  f"{result['throughput']['ours']['output_tok_s']:.0f} out tok/s "
                  f"({result['throughput']['num_requests']} requests)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -12,7 +12,6 @@ activations on CPU (`w4a16=ckpt@bfloat16`); other schemes run fp32 activations h
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -23,6 +22,7 @@ import torch
 
 from bench.datasets import find_data_dir
 from bench.offline import fixed_length_prompt, ours_batch1, ours_throughput
+from bench.output import save_result
 from engine import LLM
 
 
@@ -120,11 +120,7 @@ def run_schemes(args: argparse.Namespace) -> int:
               "prompt_len": args.prompt_len, "output_len": args.output_len, "concurrency": args.concurrency,
               "rows": rows}
     _print(result)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps(result, indent=2))
-    if args.plot:
-        _plot(result, args.plot)
+    save_result(result, args.result_json, args.plot, _plot)
     return 0
 
 
@@ -158,5 +154,4 @@ def _plot(result: dict, path: Path) -> None:
     axes[1].set_title(f"output tok/s, {result['concurrency']} concurrent")
     fig.suptitle(f"quantization schemes on CPU, {result['threads']} threads, {result['date']}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
