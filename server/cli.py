@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from engine.config import KV_SCALES
 from server.app import build_app
 from server.config import ServerConfig
 from server.state import ServerState
@@ -43,6 +44,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
+                        help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -105,7 +108,7 @@ def _build_engine(args: argparse.Namespace) -> ServingEngine:
     from engine import AsyncEngine, EngineConfig
 
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -132,6 +135,8 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
     where = f" on {args.replicas} replicas ({args.router_policy} routing)" if _is_cluster(args) else ""
     logger.info("serving %s as %r%s on http://%s:%d", args.model, state.config.served_model_name, where,
                 args.host, args.port)
+    if args.kv_scales == "dynamic":
+        logger.warning("fp8 KV cache with dynamic scales (uncalibrated, from the first batch)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
