@@ -37,13 +37,13 @@ BENCH_JSON = """[
     "gpu_info": "",
     "backends": "CPU",
     "model_filename": "/cache/gguf/smollm2-135m-instruct.Q8_0.gguf",
-    "model_type": "llama ?B Q8_0",
+    "model_type": "llama 256M Q8_0",
     "model_size": 144806400,
     "model_n_params": 134515008,
     "n_batch": 2048,
     "n_ubatch": 512,
     "n_threads": 2,
-    "flash_attn": false,
+    "flash_attn": -1,
     "n_prompt": 32,
     "n_gen": 0,
     "n_depth": 0,
@@ -62,13 +62,13 @@ BENCH_JSON = """[
     "gpu_info": "",
     "backends": "CPU",
     "model_filename": "/cache/gguf/smollm2-135m-instruct.Q8_0.gguf",
-    "model_type": "llama ?B Q8_0",
+    "model_type": "llama 256M Q8_0",
     "model_size": 144806400,
     "model_n_params": 134515008,
     "n_batch": 2048,
     "n_ubatch": 512,
     "n_threads": 2,
-    "flash_attn": false,
+    "flash_attn": -1,
     "n_prompt": 0,
     "n_gen": 16,
     "n_depth": 0,
@@ -143,7 +143,7 @@ def test_parse_llama_bench_json_splits_prompt_and_decode_tests():
     assert r["gen"]["n_gen"] == 16 and r["gen"]["avg_ms"] == pytest.approx(250.0)
     assert r["gen"]["stddev_tok_s"] == pytest.approx(1.5)
     assert r["prompt_gen"] is None
-    assert r["model_type"] == "llama ?B Q8_0" and r["n_threads"] == 2 and r["build_commit"] == "0c1e570"
+    assert r["model_type"] == "llama 256M Q8_0" and r["n_threads"] == 2 and r["build_commit"] == "0c1e570"
     assert len(r["tests"]) == 2
 
 
