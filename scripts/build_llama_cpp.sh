@@ -20,6 +20,9 @@
 #   LLAMA_CPP_SRC              where the sdist is downloaded/unpacked (default $DRIFTGATE_HOME/llama.cpp/src)
 #   LLAMA_CPP_TARGETS          cmake targets (default: server, bench, quantize, cli, batched-bench)
 #   LLAMA_CPP_NATIVE           ON (default: -march=native, i.e. AVX-512 where the CPU has it) or OFF
+#                              (OFF = ggml's portable AVX2+FMA+F16C build without AVX-512, like the
+#                              AVX2-only machine peers.md was measured on; use another LLAMA_CPP_SRC build dir
+#                              or FORCE=1, since an existing build dir keeps its cmake cache)
 #   LLAMA_CPP_JOBS             parallel compile jobs (default: number of CPUs)
 #   LLAMA_CPP_NICE             niceness of compile/convert steps (default 19: the cores are shared)
 #   DRIFTGATE_MODEL_DIR        imported HF folder (default $DRIFTGATE_HOME/models/smollm2-135m-instruct)
