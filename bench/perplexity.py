@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from bench.output import save_result
+from bench.schemes import size_on_disk
 from engine import LLM
 from engine.config import KV_SCALES
 
@@ -104,11 +106,6 @@ def score_windows(llm: LLM, token_ids: list[int], windows: list[Window]) -> tupl
     return sum(logprob for logprob, _ in scores), sum(w.num_scored for w in windows)
 
 
-def checkpoint_bytes(model_dir: Path) -> int:
-    """Bytes of the weight files, the part quantization shrinks."""
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
-
-
 def quantization_summary(model_dir: Path) -> dict | None:
     """The checkpoint's `quantization_config` (None for an unquantized folder), recorded with the result."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -132,7 +129,7 @@ def measure(model_dir: Path, data_path: Path, *, max_tokens: int, context: int, 
         kv_scales=kv_scales if kv_cache_dtype != "auto" else None,
         ppl=math.exp(mean_nll), mean_nll=mean_nll, scored_tokens=scored, windows=len(windows),
         tokens_sha256=hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(), seconds=seconds,
-        size_bytes=checkpoint_bytes(model_dir), quantization=quantization_summary(model_dir))
+        size_bytes=size_on_disk(Path(model_dir)), quantization=quantization_summary(model_dir))
 
 
 def add_ppl_args(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +146,7 @@ def add_ppl_args(parser: argparse.ArgumentParser) -> None:
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--labels", nargs="+", default=None, help="one name per model (default: folder names)")
     parser.add_argument("--result-json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="PNG: perplexity and size per model")
     parser.add_argument("--append", action="store_true",
                         help="add to an existing --result-json made with the same data, budget and windows")
 
@@ -195,11 +193,33 @@ def run_ppl(args: argparse.Namespace) -> int:
     if len({r["tokens_sha256"] for r in results}) > 1:
         print("warning: the models tokenize the text differently; their perplexities are not comparable",
               file=sys.stderr)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        report = {"settings": settings, "date": time.strftime("%Y-%m-%d"),
-                  "machine": {"cpu": platform.processor() or platform.machine(),
-                              "threads": torch.get_num_threads(), "torch": torch.__version__},
-                  "results": results}
-        args.result_json.write_text(json.dumps(report, indent=2) + "\n")
+    report = {"settings": settings, "date": time.strftime("%Y-%m-%d"),
+              "machine": {"cpu": platform.processor() or platform.machine(),
+                          "threads": torch.get_num_threads(), "torch": torch.__version__},
+              "results": results}
+    save_result(report, args.result_json, args.plot, _plot)
     return 0
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    labels = [r["label"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.4 * len(rows) + 1.5))
+    axes[0].barh(labels, [r["ppl"] for r in rows], color="tab:blue")
+    axes[0].axvline(rows[0]["ppl"], color="black", linestyle="--", linewidth=1, label=f"{labels[0]} (first row)")
+    axes[0].set_xlim(min(r["ppl"] for r in rows) * 0.95, max(r["ppl"] for r in rows) * 1.02)
+    axes[0].legend(loc="lower right")
+    axes[0].set_title("perplexity (lower is better)")
+    axes[1].barh(labels, [r["size_bytes"] / 2**20 for r in rows], color="tab:gray")
+    axes[1].set_title("weights on disk (MiB)")
+    for ax in axes:
+        ax.invert_yaxis()
+    s = report["settings"]
+    fig.suptitle(f"{Path(s['data']).name}: {s['max_tokens']} tokens, context {s['context']}, stride {s['stride']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -78,7 +78,9 @@ def test_cli_writes_json_and_appends_compatible_runs(tiny_model_dir, text_file, 
     common = ["bench", "ppl", "--data", str(text_file), "--max-tokens", "200", "--context", "64",
               "--result-json", str(out)]
     assert driftgate_main([*common, str(tiny_model_dir), "--labels", "fp32"]) == 0
-    assert driftgate_main([*common, str(tiny_model_dir), "--labels", "again", "--append"]) == 0
+    assert driftgate_main([*common, str(tiny_model_dir), "--labels", "again", "--append",
+                           "--plot", str(tmp_path / "ppl.png")]) == 0
+    assert (tmp_path / "ppl.png").stat().st_size > 0
     report = json.loads(out.read_text())
     assert report["settings"]["max_tokens"] == 200 and report["settings"]["stride"] == 64
     rows = {r["label"]: r for r in report["results"]}
