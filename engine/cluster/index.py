@@ -7,12 +7,17 @@
   report; what the router predicts itself at dispatch, first token and completion (Dynamo's
   three moments) is immediate, so two requests routed between reports never see the same free
   space twice.
+- Pending prefix blocks: a request's prompt blocks the replica lacked when the request was sent
+  there. The replica will compute (and cache) them soon, but the mirror learns that only from
+  the events after its prefill, so without this a burst sharing a new prefix would scatter.
+  A pending hash lasts until an event (or a resync) confirms it, or its request leaves the
+  replica (completion, failure, withdrawal, replica death): it never outlives its request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import KVEvent
 
@@ -56,6 +61,9 @@ class PrefixIndex:
         self.last_seq = seq
         self.is_stale = False
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        return not self.is_stale and block_hash in self.hashes
+
     def num_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """Longest run of cached blocks from the start (a hit past a miss is unusable)."""
         if self.is_stale:
@@ -75,6 +83,7 @@ class InFlight:
     num_blocks: int  # KV blocks it will hold at its longest (prompt + max_tokens − cached)
     num_prefill_tokens: int  # tokens the replica must compute before the first token
     has_first_token: bool = False
+    pending: set[bytes] = field(default_factory=set)  # its prompt blocks not confirmed cached yet
 
 
 class ReplicaState:
@@ -91,7 +100,41 @@ class ReplicaState:
         self.num_reported_running = 0
         self.num_reported_waiting = 0
         self.in_flight: dict[str, InFlight] = {}
+        self.pending: dict[bytes, set[str]] = {}  # pending block hash → in-flight requests computing it
         self.is_alive = True
+
+    def apply_events(self, events: Sequence[KVEvent]) -> bool:
+        """Feed the mirror (see `PrefixIndex.apply`); stored blocks are no longer pending."""
+        seq = self.prefix.last_seq
+        applied = self.prefix.apply(events)
+        if applied:  # a redelivered event may describe a block evicted since: only new ones confirm
+            self._confirm(h for e in events if e.kind == "stored" and e.seq > seq for h in e.block_hashes)
+        return applied
+
+    def resync(self, snapshot: set[bytes], seq: int) -> None:
+        """Rebuild the mirror from a snapshot; whatever it holds is no longer pending."""
+        self.prefix.resync(snapshot, seq)
+        self._confirm([h for h in self.pending if h in snapshot])
+
+    def _confirm(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            for request_id in self.pending.pop(h, ()):
+                self.in_flight[request_id].pending.discard(h)
+
+    def prefix_hits(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """(cached, cached or pending): longest runs from the start of `block_hashes`."""
+        cached = self.prefix.num_prefix_blocks(block_hashes)
+        n = cached
+        for h in block_hashes[cached:]:
+            if h not in self.pending and h not in self.prefix:  # cached past a gap counts again
+                break
+            n += 1
+        return cached, n
+
+    def clear(self) -> None:
+        """Forget every in-flight request and pending block (the replica died)."""
+        self.in_flight.clear()
+        self.pending.clear()
 
     def report(self, num_free_blocks: int, num_running: int, num_waiting: int) -> None:
         """The replica's own counts, as of its last step."""
@@ -99,8 +142,14 @@ class ReplicaState:
         self.num_reported_running = num_running
         self.num_reported_waiting = num_waiting
 
-    def on_dispatch(self, request_id: str, num_blocks: int, num_prefill_tokens: int) -> None:
-        self.in_flight[request_id] = InFlight(num_blocks, num_prefill_tokens)
+    def on_dispatch(self, request_id: str, num_blocks: int, num_prefill_tokens: int,
+                    pending: Iterable[bytes] = ()) -> None:
+        """Record a request sent here; `pending` are its prompt blocks this replica will compute."""
+        self.release(request_id)  # a re-dispatch replaces the old entry, pending blocks included
+        entry = InFlight(num_blocks, num_prefill_tokens, pending=set(pending))
+        self.in_flight[request_id] = entry
+        for h in entry.pending:
+            self.pending.setdefault(h, set()).add(request_id)
 
     def on_first_token(self, request_id: str) -> None:
         """Prefill done: the request now costs decode work only."""
@@ -109,8 +158,15 @@ class ReplicaState:
             entry.has_first_token = True
 
     def release(self, request_id: str) -> InFlight | None:
-        """Completion or withdrawal: forget the request's predicted load."""
-        return self.in_flight.pop(request_id, None)
+        """Completion, failure or withdrawal: forget the request's predicted load and pending blocks."""
+        entry = self.in_flight.pop(request_id, None)
+        if entry is not None:
+            for h in entry.pending:
+                holders = self.pending[h]
+                holders.discard(request_id)
+                if not holders:
+                    del self.pending[h]
+        return entry
 
     @property
     def num_in_flight(self) -> int:

@@ -7,7 +7,8 @@ Three policies:
   can admit it whole (predicted KV for prompt + max_tokens fits, a sequence slot is free), so an
   engine never admits work it would later preempt. Among those it picks the best weighted score,
   llm-d's 3:2:2 over scores in [0, 1]:
-    prefix = cached blocks from the start / prompt blocks   (work the replica skips)
+    prefix = cached blocks from the start / prompt blocks   (work the replica skips; blocks that
+             requests already sent there will compute count too, × pending_prefix_weight)
     kv     = free blocks left after this request / total    (Dynamo's "decode blocks" load)
     queue  = (max q − q) / (max q − min q) over candidates, q = blocks still to prefill there
   An SGLang-style override picks the fewest in-flight requests instead when replicas are
@@ -48,6 +49,9 @@ class RouterConfig:
     balance_abs: int = 64  # SGLang's defaults
     balance_rel: float = 1.5
     migrate_below_free_fraction: float = 0.05
+    # a block another request sent to the replica is about to compute, against one already cached:
+    # the same saving once that prefill runs (the scheduler shares blocks within a step)
+    pending_prefix_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -64,6 +68,8 @@ class RouterConfig:
             raise ValueError("balance_abs must be ≥ 0 and balance_rel ≥ 1")
         if not 0.0 <= self.migrate_below_free_fraction < 1.0:
             raise ValueError("migrate_below_free_fraction must be in [0, 1)")
+        if not 0.0 <= self.pending_prefix_weight <= 1.0:
+            raise ValueError("pending_prefix_weight must be in [0, 1]")
 
 
 @dataclass(slots=True)
@@ -115,9 +121,11 @@ class Router:
             if replica is None:
                 break  # strict FIFO: later requests do not overtake a waiting head
             self.queue.popleft()
-            hit = replica.prefix.num_prefix_blocks(self._hashable_prefix(request))
+            hashes = self._hashable_prefix(request)
+            cached, hit = replica.prefix_hits(hashes)
             replica.on_dispatch(request.request_id, self._num_blocks(request) - hit,
-                                len(request.token_ids) - hit * self.config.block_size)
+                                len(request.token_ids) - hit * self.config.block_size,
+                                pending=[h for h in hashes[cached:] if h not in replica.prefix])
             dispatches.append(Dispatch(request.request_id, replica.replica_id))
         return dispatches
 
@@ -141,7 +149,7 @@ class Router:
         """Stop routing to a replica; its in-flight requests end (or retry) through their callers."""
         replica = self.replicas[replica_id]
         replica.is_alive = False
-        replica.in_flight.clear()
+        replica.clear()
         replica.prefix.mark_stale()  # a restarted replica starts a new cache and a new seq
 
     def mark_alive(self, replica_id: int) -> list[Dispatch]:
@@ -192,7 +200,8 @@ class Router:
     def _choose_coordinated(self, request: RouteRequest, replicas: list[ReplicaState]) -> ReplicaState | None:
         hashes = self._hashable_prefix(request)
         num_blocks = self._num_blocks(request)
-        hits = {r.replica_id: r.prefix.num_prefix_blocks(hashes) for r in replicas}
+        cached_and_pending = {r.replica_id: r.prefix_hits(hashes) for r in replicas}
+        hits = {i: n for i, (_, n) in cached_and_pending.items()}
         candidates = [r for r in replicas if r.replica_id not in request.excluded
                       and r.num_in_flight < r.max_num_seqs
                       and r.num_free_blocks >= num_blocks - hits[r.replica_id]]
@@ -211,7 +220,8 @@ class Router:
         cfg = self.config
 
         def score(r: ReplicaState) -> float:
-            prefix = hits[r.replica_id] / len(hashes) if hashes else 0.0
+            cached, hit = cached_and_pending[r.replica_id]
+            prefix = (cached + cfg.pending_prefix_weight * (hit - cached)) / len(hashes) if hashes else 0.0
             kv = (r.num_free_blocks - (num_blocks - hits[r.replica_id])) / r.num_total_blocks
             queue = 1.0 if q_max == q_min else (q_max - queued[r.replica_id]) / (q_max - q_min)
             return cfg.prefix_weight * prefix + cfg.kv_weight * kv + cfg.queue_weight * queue

@@ -203,8 +203,8 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
             node.last_event_seq = kv_events[-1].seq
             num_batches += 1
             lost = drop_event_every > 0 and num_batches % drop_event_every == 0
-            if not lost and not replica.prefix.apply(kv_events):
-                replica.prefix.resync(set(node.block_manager.cached), node.last_event_seq)
+            if not lost and not replica.apply_events(kv_events):
+                replica.resync(set(node.block_manager.cached), node.last_event_seq)
                 num_resyncs += 1
         sched = node.scheduler
         replica.report(node.block_manager.num_free_blocks, len(sched.running), len(sched.waiting))

@@ -103,6 +103,19 @@ def test_shared_prefix_lands_on_one_replica_under_coordinated(cluster):
     assert round_robin.num_dispatched == [2, 2]
 
 
+def test_a_concurrent_shared_prefix_burst_lands_together_under_coordinated(cluster):
+    """Sent at once, so no replica has stored the prompt yet: only the router's pending blocks
+    (what the first request will compute) can keep the others with it."""
+    actors, tokenizer = cluster
+    system = [(11 * j) % 290 + 7 for j in range(24)]  # 6 shared blocks, cached nowhere yet
+    prompts = [system + [120 + i, 220 + i, 60 + i] for i in range(4)]
+    engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    outs = run(engine, prompts)
+    assert sorted(engine.num_dispatched) == [0, 4]
+    assert sorted(o.num_cached_tokens >= len(system) for o in outs) == [False, True, True, True]
+    assert all(not r.pending for r in engine.router.replicas.values())  # nothing outlives its request
+
+
 def test_a_new_router_joining_mid_stream_resyncs_from_snapshots(cluster):
     actors, tokenizer = cluster
     warm = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.01)

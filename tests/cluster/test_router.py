@@ -137,6 +137,82 @@ def test_imbalance_override_beats_prefix_affinity():
     assert router.submit(req("b", 8, prefix=system, seed=1))[0].replica_id == 0
 
 
+# --- pending prefix blocks (in-flight affinity) ---------------------------------------------------
+
+def test_a_burst_sharing_a_new_prefix_lands_together():
+    router = make_router(num_replicas=3)  # nothing cached anywhere, no KV event yet
+    system = list(range(100, 132))
+    dispatches = [d for i in range(4) for d in router.submit(req(f"q{i}", 8, prefix=system, seed=i))]
+    assert {d.replica_id for d in dispatches} == {0}
+    # only the first computes the system prompt: the others' prefill and KV count just their question
+    assert [router.replicas[0].in_flight[f"q{i}"].num_prefill_tokens for i in range(4)] == [40, 8, 8, 8]
+    # a request with another prompt does not follow the burst
+    assert router.submit(req("other", 40, seed=9))[0].replica_id != 0
+
+
+def test_without_pending_blocks_the_same_burst_scatters():
+    router = make_router(num_replicas=3, pending_prefix_weight=0.0)
+    system = list(range(100, 132))
+    dispatches = [d for i in range(3) for d in router.submit(req(f"q{i}", 8, prefix=system, seed=i))]
+    assert {d.replica_id for d in dispatches} == {0, 1, 2}
+
+
+def test_pending_blocks_end_with_events_or_their_request():
+    router = make_router(num_replicas=2)
+    system = list(range(100, 132))
+    a = req("a", 8, prefix=system)
+    router.submit(a)
+    replica = router.replicas[0]
+    hashes = router._hashable_prefix(a)
+    assert set(replica.pending) == set(hashes) and replica.prefix_hits(hashes) == (0, 9)
+
+    # the replica stores the system prompt's 8 blocks: confirmed, no longer pending
+    assert replica.apply_events([KVEvent(1, "stored", tuple(hashes[:8]))])
+    assert set(replica.pending) == {hashes[8]} and replica.in_flight["a"].pending == {hashes[8]}
+    # an evicted block is a miss, not a stale pending hit
+    assert replica.apply_events([KVEvent(2, "removed", (hashes[7],))])
+    assert replica.prefix_hits(hashes) == (7, 7)
+
+    # the request ends before its last block was confirmed: nothing of it stays pending
+    router.on_complete(0, "a")
+    assert not replica.pending and replica.prefix_hits(hashes) == (7, 7)
+
+
+def test_a_resync_confirms_pending_blocks_it_holds():
+    router = make_router(num_replicas=1)
+    a = req("a", 16)
+    router.submit(a)
+    replica = router.replicas[0]
+    hashes = router._hashable_prefix(a)
+    replica.resync(set(hashes[:2]), seq=7)
+    assert set(replica.pending) == set(hashes[2:])
+
+
+def test_withdrawal_moves_pending_blocks_with_the_request():
+    router = make_router(num_replicas=2)
+    system = list(range(100, 132))
+    a = req("a", 8, prefix=system)
+    assert router.submit(a) == [Dispatch("a", 0)]
+    hashes = router._hashable_prefix(a)
+    assert router.withdrawn(0, [a]) == [Dispatch("a", 1)]
+    assert not router.replicas[0].pending
+    assert set(router.replicas[1].pending) == set(hashes)
+    # the next request with that prompt follows it to its new replica
+    assert router.submit(req("b", 8, prefix=system, seed=1))[0].replica_id == 1
+
+
+def test_replica_death_clears_its_pending_blocks():
+    router = make_router(num_replicas=2)
+    system = list(range(100, 132))
+    router.submit(req("a", 8, prefix=system))
+    router.mark_dead(0)
+    assert not router.replicas[0].pending and not router.replicas[0].in_flight
+    router.mark_alive(0)
+    # nothing pending or cached survives the death: no pull towards replica 0 either way
+    hashes = router._hashable_prefix(req("b", 8, prefix=system, seed=1))
+    assert router.replicas[0].prefix_hits(hashes) == (0, 0)
+
+
 # --- migration ----------------------------------------------------------------------------------
 
 def test_migration_withdraws_only_unstarted_requests_and_loses_none():
@@ -193,5 +269,7 @@ def test_config_validation():
     assert RouterConfig(policy="least-loaded").policy is Policy.LEAST_LOADED
     with pytest.raises(ValueError, match="unknown policy"):
         RouterConfig(policy="random")
+    with pytest.raises(ValueError, match="pending_prefix_weight"):
+        RouterConfig(pending_prefix_weight=1.5)
     with pytest.raises(ValueError, match="more KV blocks"):
         make_router(num_blocks=2).submit(req("a", 16))
