@@ -117,7 +117,8 @@ def run_tasks(llm: LLM, policy: GatePolicy, data_dir: Path, ids: dict[str, list[
         verbosity="ERROR",
     )
     runaway = frozenset(ctx for ctx, rec in lm.generations.items() if rec.hit_max_tokens)
-    items = {spec.name: items_from_samples(out["samples"][spec.name], spec.metric, runaway)
+    items = {spec.name: items_from_samples(out["samples"][spec.name], spec.metric, runaway,
+                                           out["configs"][spec.name].get("target_delimiter", " "))
              for spec in policy.tier1.tasks}
     scores = {task: {k: float(v) for k, v in res.items() if isinstance(v, int | float) and "stderr" not in k}
               for task, res in out["results"].items()}

@@ -198,13 +198,16 @@ INVALID_ANSWER = "[invalid]"  # what lm-eval's regex filter yields when nothing 
 
 
 def items_from_samples(
-    samples: Iterable[dict], metric: str, runaway_contexts: frozenset[str] = frozenset()
+    samples: Iterable[dict], metric: str, runaway_contexts: frozenset[str] = frozenset(),
+    target_delimiter: str = " ",
 ) -> dict[int, ItemResult]:
     """Per-item results for one task and one `metric,filter` key (e.g. "acc_norm,none").
 
     Args:
         runaway_contexts: prompts whose generation stopped at the token limit (lm-eval's
             string API does not carry finish reasons, so the adapter reports them).
+        target_delimiter: the task's delimiter, which lm-eval puts before each scored choice
+            but leaves out of the length acc_norm divides by.
     """
     name, _, filter_name = metric.partition(",")
     filter_name = filter_name or "none"
@@ -219,8 +222,8 @@ def items_from_samples(
         if resps and isinstance(resps[0], list | tuple):  # multiple choice: [(logprob, is_greedy), ...]
             logprobs = tuple(float(r[0]) for r in resps)
             scores = logprobs
-            if name == "acc_norm":  # lm-eval normalizes by the choice's character length
-                lengths = [len(arg[1]) for arg in sample["arguments"]]
+            if name == "acc_norm":  # lm-eval divides by the choice's character length, delimiter excluded
+                lengths = [len(arg[1].removeprefix(target_delimiter)) for arg in sample["arguments"]]
                 scores = tuple(lp / n for lp, n in zip(logprobs, lengths, strict=True))
             items[doc_id] = ItemResult(
                 doc_id=doc_id,

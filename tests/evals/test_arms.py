@@ -16,3 +16,26 @@ def test_greedy_generations_share_the_prefix_and_match_one_at_a_time(tiny_model_
     alone = LLM(str(tiny_model_dir), dtype="float32", enable_prefix_caching=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert together == [list(alone.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+
+
+def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir):
+    """The answer drift metrics use (argmax of choice scores) is the one lm-eval graded, acc_norm included."""
+    import pytest
+
+    from evals import data
+    from evals.policy import policy_from_dict
+
+    try:
+        data_dir = data.resolve_data_dir()
+    except data.DataMissingError as exc:
+        pytest.skip(f"shared evaluation data not present: {exc}")
+    tasks = [{"name": "driftgate_arc_easy", "metric": "acc_norm,none", "items": 24},
+             {"name": "driftgate_piqa", "metric": "acc_norm,none", "items": 24}]
+    policy = policy_from_dict({"tier1": {"tasks": tasks}})
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    items, _ = arms.run_tasks(llm, policy, data_dir, arms.selected_ids(policy, data_dir), "test")
+    gold = {"driftgate_arc_easy": [d["gold"] for d in data.load_arc(data_dir, "easy")],
+            "driftgate_piqa": [d["label"] for d in data.load_piqa(data_dir)]}
+    for task, results in items.items():
+        for doc_id, item in results.items():
+            assert item.correct == (int(item.answer) == gold[task][doc_id]), (task, doc_id, item.choice_scores)

@@ -33,9 +33,11 @@ def test_items_from_mc_samples_keeps_scores_and_correctness():
 
 
 def test_acc_norm_scores_divide_by_choice_character_length():
-    sample = _mc_sample(0, [-2.0, -3.0], 1, choices=("a", "bbbbb"))
+    """As lm-eval's acc_norm: the choice's length without the delimiter put before it ("a" vs " a")."""
+    sample = _mc_sample(0, [-2.0, -4.5], 1, choices=("a", "bbbbb"))
     items = drift.items_from_samples([sample], "acc_norm,none")
-    assert items[0].choice_scores == pytest.approx((-2.0 / 2, -3.0 / 6))
+    assert items[0].choice_scores == pytest.approx((-2.0 / 1, -4.5 / 5))
+    assert items[0].answer == "1"  # with the delimiter counted (-2/2 vs -4.5/6) it would have been 0
 
 
 def test_generative_samples_mark_invalid_and_runaway():
