@@ -55,7 +55,7 @@ class LayerDrift:
     """
 
     relative_drift: tuple[float, ...]  # per decoder layer: mean over tokens of |h_c - h_b| / |h_b|
-    largest_step_layer: int  # the layer that adds the most drift to what it received
+    largest_step_layer: int | None  # the layer that adds the most drift to what it received; None: no drift
 
     @property
     def steps(self) -> tuple[float, ...]:
@@ -64,7 +64,8 @@ class LayerDrift:
     @classmethod
     def from_drift(cls, relative_drift: Sequence[float]) -> LayerDrift:
         drift = tuple(float(d) for d in relative_drift)
-        return cls(relative_drift=drift, largest_step_layer=int(np.argmax(_drift_steps(drift))))
+        steps = _drift_steps(drift)
+        return cls(relative_drift=drift, largest_step_layer=int(np.argmax(steps)) if max(steps) > 0 else None)
 
 
 def _drift_steps(drift: tuple[float, ...]) -> tuple[float, ...]:

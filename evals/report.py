@@ -66,7 +66,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     failed = [c for c in report["checks"] if c["status"] in ("fail", "inconclusive")]
     verdict = report["verdict"].upper()
     reason = "; ".join(f"{c['name']}: {c['detail']}" for c in failed[:3])
-    if failed and (layers := _layer_drift(report)) is not None:
+    tier0_failed = any(c["name"].startswith("tier0.") for c in failed)
+    if tier0_failed and (layers := _layer_drift(report)) is not None and layers.largest_step_layer is not None:
         reason += (f"; hidden-state drift enters mostly at decoder layer {layers.largest_step_layer} "
                    f"(model.layers.{layers.largest_step_layer})")
     out = [f"# Gate verdict: **{verdict}**" + (f" — {reason}" if reason else ""), ""]
@@ -128,6 +129,8 @@ def _layer_block(report: dict[str, Any]) -> list[str]:
     layers = _layer_drift(report)
     if layers is None:
         return []
+    if layers.largest_step_layer is None:
+        return ["Hidden-state drift by decoder layer: none (the candidate's hidden states equal the baseline's).", ""]
     top = sorted(range(len(layers.steps)), key=lambda i: -layers.steps[i])[:3]
     return [f"Hidden-state drift by decoder layer (mean |h_candidate - h_baseline| / |h_baseline| after the layer). "
             f"Largest step at layer {layers.largest_step_layer}; top steps: "

@@ -175,5 +175,6 @@ def test_logit_parity_names_the_layer_that_adds_the_drift():
     assert parity.by_layer.steps == pytest.approx((0.0, 0.0, 0.5, 0.0, 0.0), abs=1e-6)
     assert parity.by_layer.largest_step_layer == 2
     assert parity.overall.kl_mean == pytest.approx(0.0, abs=1e-12)  # a constant shift keeps the distribution
+    assert drift.logit_parity([tokens], baseline, baseline).by_layer.largest_step_layer is None  # no drift anywhere
     logits_only = drift.logit_parity([tokens], lambda ids: logits, candidate)
     assert logits_only.by_layer is None  # one arm without layer states: nothing to compare per layer

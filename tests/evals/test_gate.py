@@ -164,3 +164,7 @@ def test_failed_report_names_the_layer_where_drift_enters(tmp_path):
     assert "FAIL" in verdict_line and "decoder layer 3 (model.layers.3)" in verdict_line
     assert json.loads(paths["json"].read_text())["tier0"]["by_layer"]["largest_step_layer"] == 3
     assert "Hidden-state drift by layer" in paths["html"].read_text()
+    only_tier1 = [c for c in checks if not c.name.startswith("tier0.")] + [gate.Check("tier1.x", gate.FAIL, "x")]
+    other = report.build_report(gate.outcome(only_tier1, comparisons=per_task, pooled=pooled, parity=parity),
+                                {"baseline_scores": {}}, {})
+    assert "decoder layer" not in report.render_markdown(other).splitlines()[0]  # Tier 0 did not fail: no blame
