@@ -371,8 +371,7 @@ class ClusterEngine:
                 flight.request.token_ids, flight.params, request_id)
             async for ref in stream:
                 out: RequestOutput = await ref
-                if any(c.token_ids for c in out.outputs):
-                    self.router.on_first_token(replica_id, request_id)
+                self.router.on_progress(replica_id, request_id, sum(len(c.token_ids) for c in out.outputs))
                 over = out.finished
                 yielded = True
                 flight.deliver(out)

@@ -4,9 +4,14 @@
   A gap in seq means an event was lost: the mirror is marked stale and reports no hits (rather
   than wrong ones) until it is rebuilt from a snapshot of the replica's cached hashes.
 - Load has two halves. What the replica reports (free blocks, running, waiting) lags by one
-  report; what the router predicts itself at dispatch, first token and completion (Dynamo's
-  three moments) is immediate, so two requests routed between reports never see the same free
-  space twice.
+  report; what the router predicts itself at dispatch, each output and completion (Dynamo's
+  three moments, plus progress) is immediate, so two requests routed between reports never see
+  the same free space twice.
+- KV prediction is over time, not a sum of maxima: each request holds its prompt's blocks now
+  and grows by a token a step until max_tokens, and frees everything when it finishes. The
+  replica's worst moment is just before one of them finishes; sizing for that instead of
+  every request at its longest at once admits more while still never overcommitting (as long
+  as requests decode in step, which a replica that admits them whole does).
 - Pending prefix blocks: a request's prompt blocks the replica lacked when the request was sent
   there. The replica will compute (and cache) them soon, but the mirror learns that only from
   the events after its prefill, so without this a burst sharing a new prefix would scatter.
@@ -76,14 +81,42 @@ class PrefixIndex:
         return n
 
 
+def peak_blocks(requests: Iterable[tuple[int, int]], block_size: int) -> int:
+    """Most KV blocks `requests` hold at once if each adds a token a step until it finishes.
+
+    A request is (tokens it holds blocks for now, tokens it will still generate). Usage grows
+    between finishes, so the peak is just before one: at t = remaining − 1 steps, summed over
+    the requests still there. Each request is rounded up to whole blocks (an upper bound).
+    """
+    peak = held = count = 0
+    order = sorted(requests, key=lambda r: r[1], reverse=True)
+    for i, (num_tokens, remaining) in enumerate(order):
+        held += num_tokens
+        count += 1
+        if i + 1 < len(order) and order[i + 1][1] == remaining:
+            continue  # the same finishing step: measure once all of them are counted
+        t = max(remaining - 1, 0)
+        peak = max(peak, (held + count * (t + block_size - 1)) // block_size)
+    return peak
+
+
 @dataclass(slots=True)
 class InFlight:
     """What the router predicted for one request it sent to a replica."""
 
-    num_blocks: int  # KV blocks it will hold at its longest (prompt + max_tokens − cached)
+    num_tokens: int  # tokens it holds its own blocks for at dispatch (prompt − cached or pending hits)
+    max_tokens: int  # output budget: it grows by up to this many tokens
     num_prefill_tokens: int  # tokens the replica must compute before the first token
-    has_first_token: bool = False
+    num_output_tokens: int = 0  # generated so far, as last reported to the router
     pending: set[bytes] = field(default_factory=set)  # its prompt blocks not confirmed cached yet
+
+    @property
+    def has_first_token(self) -> bool:
+        return self.num_output_tokens > 0
+
+    @property
+    def now_and_remaining(self) -> tuple[int, int]:
+        return self.num_tokens + self.num_output_tokens, max(self.max_tokens - self.num_output_tokens, 0)
 
 
 class ReplicaState:
@@ -142,20 +175,20 @@ class ReplicaState:
         self.num_reported_running = num_running
         self.num_reported_waiting = num_waiting
 
-    def on_dispatch(self, request_id: str, num_blocks: int, num_prefill_tokens: int,
+    def on_dispatch(self, request_id: str, num_tokens: int, max_tokens: int, num_prefill_tokens: int,
                     pending: Iterable[bytes] = ()) -> None:
         """Record a request sent here; `pending` are its prompt blocks this replica will compute."""
         self.release(request_id)  # a re-dispatch replaces the old entry, pending blocks included
-        entry = InFlight(num_blocks, num_prefill_tokens, pending=set(pending))
+        entry = InFlight(num_tokens, max_tokens, num_prefill_tokens, pending=set(pending))
         self.in_flight[request_id] = entry
         for h in entry.pending:
             self.pending.setdefault(h, set()).add(request_id)
 
-    def on_first_token(self, request_id: str) -> None:
-        """Prefill done: the request now costs decode work only."""
+    def on_progress(self, request_id: str, num_output_tokens: int) -> None:
+        """The request has generated this many tokens (≥ 1: prefill done, decode work only)."""
         entry = self.in_flight.get(request_id)
         if entry is not None:
-            entry.has_first_token = True
+            entry.num_output_tokens = max(entry.num_output_tokens, num_output_tokens)
 
     def release(self, request_id: str) -> InFlight | None:
         """Completion, failure or withdrawal: forget the request's predicted load and pending blocks."""
@@ -173,17 +206,16 @@ class ReplicaState:
         return len(self.in_flight)
 
     @property
-    def num_predicted_blocks(self) -> int:
-        return sum(e.num_blocks for e in self.in_flight.values())
-
-    @property
     def num_pending_prefill_tokens(self) -> int:
         return sum(e.num_prefill_tokens for e in self.in_flight.values() if not e.has_first_token)
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Free blocks by the more pessimistic of the report and the router's own prediction."""
-        return min(self.num_reported_free_blocks, self.num_total_blocks - self.num_predicted_blocks)
+    def num_free_blocks_with(self, num_tokens: int, max_tokens: int, block_size: int) -> int:
+        """Blocks left at this replica's worst moment if a request (holding `num_tokens` now,
+        generating up to `max_tokens`) joined; negative when it does not fit. The more
+        pessimistic of the report (now) and the router's prediction (over time)."""
+        now = self.num_reported_free_blocks - -(-num_tokens // block_size)
+        requests = [e.now_and_remaining for e in self.in_flight.values()] + [(num_tokens, max_tokens)]
+        return min(now, self.num_total_blocks - peak_blocks(requests, block_size))
 
     def unstarted_request_ids(self) -> list[str]:
         """Requests with no first token yet, newest first (the cheapest to move)."""

@@ -4,12 +4,13 @@ Three policies:
 - `round-robin` and `least-loaded` (fewest in-flight requests) dispatch at once, as an
   independent load balancer in front of N engines would; each engine queues locally.
 - `coordinated` holds requests in one global FIFO and dispatches the head only to a replica that
-  can admit it whole (predicted KV for prompt + max_tokens fits, a sequence slot is free), so an
-  engine never admits work it would later preempt. Among those it picks the best weighted score,
-  llm-d's 3:2:2 over scores in [0, 1]:
+  can admit it whole (a sequence slot is free, and the replica's predicted KV peak, every
+  request there growing to its max_tokens, fits; see `index.py`), so an engine never admits
+  work it would later preempt. Among those it picks the best weighted score, llm-d's 3:2:2 over
+  scores in [0, 1]:
     prefix = cached blocks from the start / prompt blocks   (work the replica skips; blocks that
              requests already sent there will compute count too, × pending_prefix_weight)
-    kv     = free blocks left after this request / total    (Dynamo's "decode blocks" load)
+    kv     = free blocks at the peak with this request / total  (Dynamo's "decode blocks" load)
     queue  = (max q − q) / (max q − min q) over candidates, q = blocks still to prefill there
   An SGLang-style override picks the fewest in-flight requests instead when replicas are
   imbalanced (max − min > balance_abs and max > balance_rel · min), so affinity cannot pile
@@ -123,8 +124,8 @@ class Router:
             self.queue.popleft()
             hashes = self._hashable_prefix(request)
             cached, hit = replica.prefix_hits(hashes)
-            replica.on_dispatch(request.request_id, self._num_blocks(request) - hit,
-                                len(request.token_ids) - hit * self.config.block_size,
+            num_new = len(request.token_ids) - hit * self.config.block_size
+            replica.on_dispatch(request.request_id, num_new, request.max_tokens, num_new,
                                 pending=[h for h in hashes[cached:] if h not in replica.prefix])
             dispatches.append(Dispatch(request.request_id, replica.replica_id))
         return dispatches
@@ -137,8 +138,9 @@ class Router:
                 return True
         return False
 
-    def on_first_token(self, replica_id: int, request_id: str) -> None:
-        self.replicas[replica_id].on_first_token(request_id)
+    def on_progress(self, replica_id: int, request_id: str, num_output_tokens: int) -> None:
+        """The request has generated this many tokens on that replica (its KV grew by as many)."""
+        self.replicas[replica_id].on_progress(request_id, num_output_tokens)
 
     def on_complete(self, replica_id: int, request_id: str) -> list[Dispatch]:
         """A request finished (or failed) on a replica: its capacity may admit queued ones."""
@@ -198,13 +200,13 @@ class Router:
         return self._choose_coordinated(request, replicas)
 
     def _choose_coordinated(self, request: RouteRequest, replicas: list[ReplicaState]) -> ReplicaState | None:
+        bs = self.config.block_size
         hashes = self._hashable_prefix(request)
-        num_blocks = self._num_blocks(request)
         cached_and_pending = {r.replica_id: r.prefix_hits(hashes) for r in replicas}
-        hits = {i: n for i, (_, n) in cached_and_pending.items()}
+        free = {r.replica_id: r.num_free_blocks_with(len(request.token_ids) - cached_and_pending[r.replica_id][1] * bs,
+                                                     request.max_tokens, bs) for r in replicas}
         candidates = [r for r in replicas if r.replica_id not in request.excluded
-                      and r.num_in_flight < r.max_num_seqs
-                      and r.num_free_blocks >= num_blocks - hits[r.replica_id]]
+                      and r.num_in_flight < r.max_num_seqs and free[r.replica_id] >= 0]
         if not candidates and request.excluded:
             # withdrawn from every fitting replica: its source may have room again by now
             request.excluded.clear()
@@ -214,7 +216,6 @@ class Router:
         loads = [r.num_in_flight for r in replicas]
         if max(loads) - min(loads) > self.config.balance_abs and max(loads) > self.config.balance_rel * min(loads):
             return min(candidates, key=lambda r: (r.num_in_flight, r.replica_id))
-        bs = self.config.block_size
         queued = {r.replica_id: -(-r.num_pending_prefill_tokens // bs) for r in candidates}
         q_min, q_max = min(queued.values()), max(queued.values())
         cfg = self.config
@@ -222,7 +223,7 @@ class Router:
         def score(r: ReplicaState) -> float:
             cached, hit = cached_and_pending[r.replica_id]
             prefix = (cached + cfg.pending_prefix_weight * (hit - cached)) / len(hashes) if hashes else 0.0
-            kv = (r.num_free_blocks - (num_blocks - hits[r.replica_id])) / r.num_total_blocks
+            kv = free[r.replica_id] / r.num_total_blocks
             queue = 1.0 if q_max == q_min else (q_max - queued[r.replica_id]) / (q_max - q_min)
             return cfg.prefix_weight * prefix + cfg.kv_weight * kv + cfg.queue_weight * queue
 

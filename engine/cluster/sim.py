@@ -210,8 +210,7 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
         replica.report(node.block_manager.num_free_blocks, len(sched.running), len(sched.waiting))
         for rid in sampled:
             token_times[rid].append(now)
-            if len(token_times[rid]) == 1:
-                router.on_first_token(node.node_id, rid)
+            router.on_progress(node.node_id, rid, len(token_times[rid]))
         dispatches = []
         for request in finished:
             dispatches += router.on_complete(node.node_id, request.request_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_manager import BlockManager, KVEvent, hash_token_blocks
-from engine.cluster.index import PrefixIndex, ReplicaState
+from engine.cluster.index import PrefixIndex, ReplicaState, peak_blocks
 from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
 from tests.helpers import make_requests
 
@@ -74,9 +74,9 @@ def test_prefix_affinity_picks_the_replica_holding_the_prompt():
     cache_on(router.replicas[2], system)
     (d,) = router.submit(req("a", 8, prefix=system))
     assert d == Dispatch("a", 2)
-    # the router's prediction counts only the uncached part: 40 tokens + 4 out = 11 blocks − 8 hit
-    assert router.replicas[2].in_flight["a"].num_blocks == 3
-    assert router.replicas[2].in_flight["a"].num_prefill_tokens == 8
+    # the router's prediction counts only the uncached part: 40 prompt tokens − 8 blocks hit
+    entry = router.replicas[2].in_flight["a"]
+    assert (entry.num_tokens, entry.max_tokens, entry.num_prefill_tokens) == (8, 4, 8)
 
 
 def test_kv_aware_placement_avoids_the_replica_without_room():
@@ -94,6 +94,27 @@ def test_kv_term_prefers_more_free_blocks_when_nothing_is_cached():
     router.replicas[0].report(num_free_blocks=30, num_running=2, num_waiting=0)
     router.replicas[1].report(num_free_blocks=90, num_running=2, num_waiting=0)
     assert router.submit(req("a"))[0].replica_id == 1
+
+
+def test_peak_blocks_is_the_worst_moment_not_every_maximum_at_once():
+    # (tokens held now, tokens still to generate), 4-token blocks
+    assert peak_blocks([(16, 0)], BS) == 4
+    assert peak_blocks([(13, 4)], BS) == 4  # 13 → 16 tokens
+    # 40 + 3 = 43 tokens (11 blocks) and 24 + 3 = 27 (7) just before the first finishes; rounding
+    # each request up bounds it by 19; every maximum at once would be 11 + 12 = 23
+    assert peak_blocks([(40, 4), (24, 24)], BS) == 19
+    assert peak_blocks([], BS) == 0
+
+
+def test_kv_prediction_follows_each_requests_progress():
+    router = make_router(num_replicas=1, num_blocks=20)
+    router.replicas[0].on_dispatch("long", 12, 32, 12)  # will hold 44 tokens = 11 blocks at its longest
+    # a 24 + 24 request overlaps "long" for 23 steps: 35 + 47 tokens = 9 + 12 blocks > 20
+    assert router.submit(req("b", 24, max_tokens=24)) == []
+    # 28 tokens later "long" ends in 4 steps: 43 + 27 tokens = 11 + 7 blocks fit, though the
+    # maxima (11 + 12) would not
+    router.on_progress(0, "long", 28)
+    assert router.dispatch_ready() == [Dispatch("b", 0)]
 
 
 def test_global_queue_holds_requests_until_a_replica_can_admit():
@@ -120,7 +141,7 @@ def test_baselines_dispatch_immediately():
     ll = make_router("least-loaded", num_blocks=10)
     rr_ids = [rr.submit(req(f"r{i}", 28, max_tokens=8, seed=i))[0].replica_id for i in range(4)]
     assert rr_ids == [0, 1, 2, 0]  # even past each replica's KV: the engine queues locally
-    ll.replicas[0].on_dispatch("x", 1, 1)
+    ll.replicas[0].on_dispatch("x", 4, 1, 4)
     assert ll.submit(req("a"))[0].replica_id == 1
 
 
@@ -129,11 +150,11 @@ def test_imbalance_override_beats_prefix_affinity():
     system = list(range(100, 132))
     cache_on(router.replicas[0], system)
     for i in range(6):
-        router.replicas[0].on_dispatch(f"busy{i}", 1, 0)
-    router.replicas[1].on_dispatch("one", 1, 0)
+        router.replicas[0].on_dispatch(f"busy{i}", 4, 1, 0)
+    router.replicas[1].on_dispatch("one", 4, 1, 0)
     # 6 − 1 > 4 and 6 > 1.5·1: imbalanced, so the shorter replica wins despite the cache
     assert router.submit(req("a", 8, prefix=system))[0].replica_id == 1
-    router.replicas[1].on_dispatch("two", 1, 0)  # 6 − 2 = 4: balanced again
+    router.replicas[1].on_dispatch("two", 4, 1, 0)  # 6 − 2 = 4: balanced again
     assert router.submit(req("b", 8, prefix=system, seed=1))[0].replica_id == 0
 
 
@@ -219,9 +240,9 @@ def test_migration_withdraws_only_unstarted_requests_and_loses_none():
     router = make_router(num_replicas=2, num_blocks=20)
     requests = {f"r{i}": req(f"r{i}", 12, max_tokens=4, seed=i) for i in range(4)}
     for rid in requests:
-        router.replicas[0].on_dispatch(rid, 4, 12)  # fabricated: all four sit on replica 0
-    router.on_first_token(0, "r0")
-    router.on_first_token(0, "r2")
+        router.replicas[0].on_dispatch(rid, 12, 4, 12)  # fabricated: all four sit on replica 0
+    router.on_progress(0, "r0", 1)
+    router.on_progress(0, "r2", 1)
     assert router.migration_candidates(0) == []  # plenty of free KV: no reason to move
     router.replicas[0].report(num_free_blocks=0, num_running=2, num_waiting=2)
     assert router.migration_candidates(0) == ["r3", "r1"]  # newest first, never r0 / r2
@@ -238,8 +259,8 @@ def test_withdrawn_requests_queue_ahead_of_new_arrivals():
     router = make_router(num_replicas=2, num_blocks=5)
     router.replicas[1].report(num_free_blocks=0, num_running=1, num_waiting=0)
     old = req("old", 12, seed=1)
-    router.replicas[0].on_dispatch("old", 4, 12)
-    router.replicas[0].on_dispatch("big", 5, 16)
+    router.replicas[0].on_dispatch("old", 12, 4, 12)
+    router.replicas[0].on_dispatch("big", 16, 4, 16)
     assert router.submit(req("new", 12, seed=2)) == []  # no room anywhere
     assert router.withdrawn(0, [old]) == []  # replica 1 is full and 0 still holds "big"
     assert [r.request_id for r in router.queue] == ["old", "new"]
@@ -247,7 +268,7 @@ def test_withdrawn_requests_queue_ahead_of_new_arrivals():
 
 def test_baselines_never_migrate():
     router = make_router("least-loaded", num_replicas=2)
-    router.replicas[0].on_dispatch("a", 4, 12)
+    router.replicas[0].on_dispatch("a", 12, 4, 12)
     router.replicas[0].report(num_free_blocks=0, num_running=1, num_waiting=1)
     assert router.migration_candidates(0) == []
 
@@ -256,7 +277,7 @@ def test_baselines_never_migrate():
 def test_dead_replicas_get_nothing_until_they_rejoin(policy):
     router = make_router(policy, num_replicas=2)
     cache_on(router.replicas[0], list(range(100, 132)))
-    router.replicas[0].on_dispatch("running", 4, 0)
+    router.replicas[0].on_dispatch("running", 12, 4, 0)
     router.mark_dead(0)
     assert not router.replicas[0].in_flight and router.replicas[0].prefix.is_stale
     assert [d.replica_id for d in router.submit(req("a")) + router.submit(req("b", seed=1))] == [1, 1]
