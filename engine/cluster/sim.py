@@ -13,15 +13,17 @@ each request runs to its max_tokens, like `ignore_eos`) and a step takes
 Default constants (`CostModel`) are first-principles estimates for Llama-3-8B BF16 on one
 H100-class GPU, NOT measured here: a = 6 ms (16 GB of weights at ~3 TB/s plus overhead),
 b = 0.04 ms/token (~25k prefill tok/s), c = 0.06 ms/seq (~1.5k tokens × 128 KiB KV per token).
-Calibrating them: run `driftgate bench offline MODEL` on the target GPU; its TTFT for a
-`--prompt-len` P prompt is one prefill step (a + b·P), its batch-1 ITL is one decode step
-(a + b + c), and its offline-throughput run at batch B gives a + B·(b + c) per decode step; solve
-for a, b, c (least squares over several P and B for a better fit) and pass them as
-`--step-a-ms/--step-b-ms/--step-c-ms`. Every result row records the constants it used.
+Calibrated constants: `driftgate bench steps MODEL --result-json F` times the real engine's
+`LLMEngine.step` at several prefill lengths and decode batch sizes (medians of repeats), and
+`--calibrate-from F` fits a, b, c to those medians by non-negative least squares
+(`CostModel.fit`). Every result row records the constants it used and where they came from.
 
 `load` is the offered Poisson rate as a fraction of the peak request rate of `least-loaded` on
-the same workload, measured here first by submitting every request at t = 0 (requests ÷
-makespan, so the peak includes the final drain and load 1.0 is slightly below saturation).
+the same workload. The peak comes from a run with every request submitted at t = 0: output
+tokens per second in its saturated window (from the first completion, when the synchronized
+start is over, to the first moment some node has nothing left to queue, when the drain
+begins), divided by the mean output length. Requests ÷ makespan would count the drain, when
+nodes run half-empty batches, and put "load 0.9" near 0.75 of what the cluster sustains.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import json
 import math
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +48,8 @@ from engine.sequence import Request
 
 WORKLOADS = ("published", "uniform", "shared-prefix")
 VOCAB = 32000
-CALIBRATION = ("first-principles Llama-3-8B BF16 / H100-class estimates, not measured; calibrate from "
-               "`driftgate bench offline` on the target GPU: TTFT at prompt length P = a + b*P, batch-1 ITL = "
-               "a + b + c, offline-throughput decode step at batch B = a + B*(b + c); least squares over several P, B")
+GPU_ESTIMATE = ("first-principles Llama-3-8B BF16 / H100-class estimates, not measured; calibrate with "
+                "`driftgate bench steps` on the target and `--calibrate-from`")
 
 
 @dataclass(slots=True)
@@ -58,10 +59,49 @@ class CostModel:
     a_ms: float = 6.0
     b_ms_per_token: float = 0.04
     c_ms_per_decode_seq: float = 0.06
+    calibration: str = GPU_ESTIMATE  # where the constants came from, recorded in every result row
 
     def step_s(self, num_batched_tokens: int, num_decode_seqs: int) -> float:
         return (self.a_ms + self.b_ms_per_token * num_batched_tokens
                 + self.c_ms_per_decode_seq * num_decode_seqs) / 1000.0
+
+    @classmethod
+    def fit(cls, steps: list[dict], source: str) -> CostModel:
+        """Non-negative least squares of step_ms on (1, num_batched_tokens, num_decode_seqs).
+
+        A negative constant would make a bigger step cheaper, so the fit takes the best
+        non-negative one: plain least squares on every subset of the three terms (the others
+        held at 0), keeping the feasible solution with the smallest residual.
+        """
+        if len(steps) < 3:
+            raise ValueError(f"{source}: a fit of a, b, c needs at least 3 measured steps, got {len(steps)}")
+        x = np.array([[1.0, s["num_batched_tokens"], s["num_decode_seqs"]] for s in steps])
+        y = np.array([float(s["step_ms"]) for s in steps])
+        best, best_err = np.zeros(3), float(np.sum(y * y))
+        for mask in range(1, 8):
+            cols = [i for i in range(3) if mask >> i & 1]
+            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(3)
+            full[cols] = coef
+            err = float(np.sum((x @ full - y) ** 2))
+            if err < best_err:
+                best, best_err = full, err
+        rms = math.sqrt(best_err / len(y))
+        rel = float(np.median(np.abs(x @ best - y) / y))
+        return cls(float(best[0]), float(best[1]), float(best[2]),
+                   f"non-negative least squares over {len(y)} measured step medians from {source} "
+                   f"(rms residual {rms:.2f} ms, median relative error {100 * rel:.1f}%)")
+
+    @classmethod
+    def from_file(cls, path: Path) -> CostModel:
+        """Fit to a `bench steps` result (its `steps` list; a bare list of steps works too)."""
+        data = json.loads(Path(path).read_text())
+        steps = data["steps"] if isinstance(data, dict) else data
+        if not all({"num_batched_tokens", "num_decode_seqs", "step_ms"} <= s.keys() for s in steps):
+            raise ValueError(f"{path}: every step needs num_batched_tokens, num_decode_seqs and step_ms")
+        return cls.fit(steps, str(path))
 
 
 @dataclass(slots=True)
@@ -137,7 +177,8 @@ class RunResult:
     """Raw per-run measurements; `summarize` turns them into a result row."""
 
     ttft_s: list[float]
-    itl_s: list[float]
+    itl_s: list[float]  # every gap between two tokens of a request
+    tpot_s: list[float]  # per request: its mean gap (vLLM's TPOT), for requests with 2+ tokens
     num_output_tokens: int
     makespan_s: float
     num_preemptions: int
@@ -145,6 +186,7 @@ class RunResult:
     num_prefix_query_tokens: int
     num_migrated: int
     num_resyncs: int
+    saturated_tok_s: float  # output rate while every node had work queued (see `simulate`)
 
 
 def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num_nodes: int,
@@ -163,6 +205,7 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
     events: list[tuple[float, int, int]] = []  # (time, tiebreak, node id or −1 − arrival index)
     counter = 0
     num_batches = num_resyncs = 0
+    backlog_end_s: float | None = None
 
     def push(t: float, what: int) -> None:
         nonlocal counter
@@ -219,6 +262,9 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
             dispatches += router.withdrawn(node.node_id, [route_requests[r.request_id] for r in withdrawn])
         apply(dispatches, now)
         start(node, now)
+        if (backlog_end_s is None and len(requests) == len(arrivals_s) and not router.queue
+                and any(not n.scheduler.waiting for n in nodes)):
+            backlog_end_s = now  # from here on some node could take more work than is left
 
     unfinished = [rid for rid, r in requests.items() if not r.status.is_finished]
     if unfinished or router.queue:
@@ -226,12 +272,23 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
     ttft = [times[0] - requests[rid].arrival_time for rid, times in token_times.items()]
     itl = [float(d) for times in token_times.values() for d in np.diff(times)]
     end = max(times[-1] for times in token_times.values())
+    # the saturated window: from the first completion (the synchronized start is over) to the
+    # end of the backlog (the drain begins); only meaningful when every request came at once
+    num_output_tokens = sum(len(t) for t in token_times.values())
+    window_start = min(times[-1] for times in token_times.values())
+    window_end = backlog_end_s if backlog_end_s is not None else end
+    if window_end > window_start:
+        in_window = sum(1 for times in token_times.values() for t in times if window_start < t <= window_end)
+        saturated = in_window / (window_end - window_start)
+    else:  # too few requests to saturate past the start: fall back to the whole run
+        saturated = num_output_tokens / (end - min(arrivals_s))
+    tpot = [(times[-1] - times[0]) / (len(times) - 1) for times in token_times.values() if len(times) > 1]
     return RunResult(
-        ttft_s=ttft, itl_s=itl, num_output_tokens=sum(len(t) for t in token_times.values()),
+        ttft_s=ttft, itl_s=itl, tpot_s=tpot, num_output_tokens=num_output_tokens,
         makespan_s=end - min(arrivals_s), num_preemptions=sum(n.scheduler.num_preemptions for n in nodes),
         num_prefix_hit_tokens=sum(n.scheduler.prefix_hits for n in nodes),
         num_prefix_query_tokens=sum(n.scheduler.prefix_queries for n in nodes),
-        num_migrated=router.num_migrated, num_resyncs=num_resyncs,
+        num_migrated=router.num_migrated, num_resyncs=num_resyncs, saturated_tok_s=saturated,
     )
 
 
@@ -248,12 +305,15 @@ def summarize(result: RunResult, num_nodes: int) -> dict:
 
     throughput = result.num_output_tokens / result.makespan_s
     itl_p50, itl_p99 = pct(result.itl_s, 50), pct(result.itl_s, 99)
+    tpot_p50, tpot_p99 = pct(result.tpot_s, 50), pct(result.tpot_s, 99)
     return {
         "throughput_tok_s": throughput,  # output tokens / s, whole cluster
         "throughput_per_node_tok_s": throughput / num_nodes,
         "ttft_p50_ms": pct(result.ttft_s, 50), "ttft_p99_ms": pct(result.ttft_s, 99),
         "itl_p50_ms": itl_p50, "itl_p99_ms": itl_p99,
         "itl_p99_over_p50": itl_p99 / itl_p50 if itl_p50 else 0.0,
+        "tpot_p50_ms": tpot_p50, "tpot_p99_ms": tpot_p99,
+        "tpot_p99_over_p50": tpot_p99 / tpot_p50 if tpot_p50 else 0.0,
         "preemptions": result.num_preemptions,
         "prefix_hit_rate": (result.num_prefix_hit_tokens / result.num_prefix_query_tokens
                             if result.num_prefix_query_tokens else 0.0),
@@ -268,7 +328,8 @@ def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[
     items = make_workload(workload, num_requests, random.Random(seed))
     burst = poisson_arrivals(num_requests, math.inf, random.Random(seed))
     peaks = {p: simulate(items, burst, p, num_nodes, node_config, cost, seed) for p in set(policies) | {Policy.LEAST_LOADED}}
-    peak_rate = num_requests / peaks[Policy.LEAST_LOADED].makespan_s
+    mean_output = sum(w.num_output_tokens for w in items) / len(items)
+    peak_rate = peaks[Policy.LEAST_LOADED].saturated_tok_s / mean_output
     rows = []
     for load in loads:
         arrivals = poisson_arrivals(num_requests, load * peak_rate, random.Random(seed + 1))
@@ -278,8 +339,12 @@ def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[
                 "workload": workload, "nodes": num_nodes, "policy": policy.value, "load": load,
                 "offered_req_s": load * peak_rate, "num_requests": num_requests,
                 **summarize(result, num_nodes),
-                "peak_throughput_tok_s": peaks[policy].num_output_tokens / peaks[policy].makespan_s,
-                "node": asdict(node_config), "cost_model": {**asdict(cost), "calibration": CALIBRATION},
+                # this policy saturated (every request at t = 0): its sustained output rate and what it cost
+                "peak_throughput_tok_s": peaks[policy].saturated_tok_s,
+                "peak_preemptions": peaks[policy].num_preemptions,
+                "peak_prefix_hit_rate": summarize(peaks[policy], num_nodes)["prefix_hit_rate"],
+                "peak_migrated": peaks[policy].num_migrated,
+                "node": asdict(node_config), "cost_model": asdict(cost),
             })
     return rows
 
@@ -323,6 +388,8 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-a-ms", type=float, default=cost.a_ms, help="fixed ms per step")
     parser.add_argument("--step-b-ms", type=float, default=cost.b_ms_per_token, help="ms per batched token")
     parser.add_argument("--step-c-ms", type=float, default=cost.c_ms_per_decode_seq, help="ms per decoding sequence")
+    parser.add_argument("--calibrate-from", type=Path, default=None,
+                        help="fit a, b, c to the step times in this `bench steps` result (overrides --step-*)")
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
 
@@ -334,21 +401,30 @@ def run_sim(args: argparse.Namespace) -> int:
         node = NodeConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
         if args.nodes < 1 or any(x <= 0 for x in loads):
             raise ValueError("--nodes and every --load must be positive")
-    except ValueError as e:
+        if args.calibrate_from is not None:
+            cost = CostModel.from_file(args.calibrate_from)
+        else:
+            cost = CostModel(args.step_a_ms, args.step_b_ms, args.step_c_ms, calibration=(
+                GPU_ESTIMATE if (args.step_a_ms, args.step_b_ms, args.step_c_ms) == astuple(CostModel())[:3]
+                else "given on the command line (--step-a-ms/--step-b-ms/--step-c-ms)"))
+    except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cost = CostModel(args.step_a_ms, args.step_b_ms, args.step_c_ms)
+    print(f"cost model: a = {cost.a_ms:.3f} ms, b = {cost.b_ms_per_token:.4f} ms/token, "
+          f"c = {cost.c_ms_per_decode_seq:.4f} ms/decode seq ({cost.calibration})")
     rows = run_sweep(args.workload, args.nodes, loads, policies, args.num_requests or 200 * args.nodes,
                      node, cost, args.seed)
     print(f"{'policy':<14}{'load':>6}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
-          f"{'p99/p50':>8}{'preempt':>8}{'hit':>6}{'migr':>6}")
+          f"{'p99/p50':>8}{'TPOT p99/p50':>13}{'preempt':>8}{'hit':>6}{'migr':>6}")
     for r in rows:
         print(f"{r['policy']:<14}{r['load']:>6.2f}{r['throughput_tok_s']:>10.0f}{r['ttft_p50_ms']:>10.0f}"
               f"{r['ttft_p99_ms']:>9.0f}{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}{r['itl_p99_over_p50']:>8.2f}"
-              f"{r['preemptions']:>8}{r['prefix_hit_rate']:>6.2f}{r['migrated']:>6}")
+              f"{r['tpot_p99_over_p50']:>13.2f}{r['preemptions']:>8}{r['prefix_hit_rate']:>6.2f}{r['migrated']:>6}")
     for policy in policies:
-        peak = next(r["peak_throughput_tok_s"] for r in rows if r["policy"] == policy.value)
-        print(f"peak {policy.value}: {peak:.0f} tok/s")
+        r = next(r for r in rows if r["policy"] == policy.value)
+        print(f"peak {policy.value}: {r['peak_throughput_tok_s']:.0f} tok/s saturated, "
+              f"{r['peak_preemptions']} preemptions, prefix hit rate {r['peak_prefix_hit_rate']:.2f}, "
+              f"{r['peak_migrated']} migrated")
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(rows, indent=2))

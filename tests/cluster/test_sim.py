@@ -11,6 +11,7 @@ import pytest
 from engine.cli import build_parser
 from engine.cluster.router import Policy
 from engine.cluster.sim import (
+    GPU_ESTIMATE,
     CostModel,
     NodeConfig,
     WorkItem,
@@ -110,5 +111,47 @@ def test_cli_writes_rows_with_the_required_fields(tmp_path):
     required = {"policy", "load", "throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                 "preemptions", "prefix_hit_rate", "cost_model"}
     assert all(required <= row.keys() and row["throughput_tok_s"] > 0 for row in rows)
-    assert "bench offline" in rows[0]["cost_model"]["calibration"]
+    assert "not measured" in rows[0]["cost_model"]["calibration"]
+    assert all(row["peak_throughput_tok_s"] > 0 and row["peak_preemptions"] >= 0 for row in rows)
     assert plot.stat().st_size > 0
+
+
+def test_the_saturated_peak_leaves_out_the_drain():
+    rng = random.Random(2)
+    items = [WorkItem([rng.randrange(1000) for _ in range(rng.randint(32, 128))], rng.randint(8, 48))
+             for _ in range(80)]
+    result = simulate(items, poisson_arrivals(80, math.inf, rng), Policy.LEAST_LOADED, 2, TINY, CostModel())
+    # the tail, where nodes run out of queued work and batches shrink, is slower than the middle
+    assert result.saturated_tok_s > result.num_output_tokens / result.makespan_s
+
+
+def synthetic_steps(a: float, b: float, c: float) -> list[dict]:
+    shapes = [(p, 0) for p in (32, 64, 128, 256)] + [(n, n) for n in (1, 2, 4, 8, 16)]
+    return [{"num_batched_tokens": t, "num_decode_seqs": d, "step_ms": a + b * t + c * d} for t, d in shapes]
+
+
+def test_cost_model_fit_recovers_the_constants_and_stays_non_negative():
+    fit = CostModel.fit(synthetic_steps(12.0, 0.5, 0.25), "synthetic")
+    assert (fit.a_ms, fit.b_ms_per_token, fit.c_ms_per_decode_seq) == pytest.approx((12.0, 0.5, 0.25))
+    assert "over 9 measured step medians from synthetic" in fit.calibration
+    # decode steps cheaper per sequence than prefill tokens would need c < 0: held at 0 instead
+    fit = CostModel.fit(synthetic_steps(12.0, 0.5, -0.2), "noisy")
+    assert fit.c_ms_per_decode_seq == 0.0 and min(fit.a_ms, fit.b_ms_per_token) > 0
+    with pytest.raises(ValueError, match="at least 3"):
+        CostModel.fit(synthetic_steps(1, 1, 1)[:2], "short")
+
+
+def test_cli_calibrates_from_a_steps_file(tmp_path, capsys):
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"model": "synthetic", "steps": synthetic_steps(20.0, 0.3, 0.1)}))
+    out = tmp_path / "sim.json"
+    args = build_parser("cluster-sim").parse_args([
+        "cluster-sim", "--workload", "uniform", "--nodes", "2", "--num-requests", "8", "--load", "0.5",
+        "--num-blocks", "128", "--policies", "least-loaded", "--calibrate-from", str(steps),
+        "--result-json", str(out)])
+    assert run_sim(args) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["cost_model"]["a_ms"] == pytest.approx(20.0) and str(steps) in row["cost_model"]["calibration"]
+    assert GPU_ESTIMATE not in row["cost_model"]["calibration"]
+    steps.write_text(json.dumps([{"num_batched_tokens": 1}]))
+    assert run_sim(args) == 2 and "step_ms" in capsys.readouterr().err
