@@ -20,7 +20,7 @@ COMMANDS = {
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl` or `schemes`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes` or `steps`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -84,12 +84,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     from bench.perplexity import add_ppl_args
     from bench.schemes import add_schemes_args
     from bench.serve import add_bench_serve_args
+    from bench.steps import add_steps_args
 
     add_offline_args(sub.add_parser("offline", help="offline throughput and batch-1 decode vs HF"))
     add_bench_serve_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
     add_ppl_args(sub.add_parser("ppl", help="WikiText-2 perplexity of checkpoints on a fixed token budget"))
     add_schemes_args(sub.add_parser("schemes", help="decode and concurrent throughput per quantization scheme, "
                                                     "llama.cpp side by side"))
+    add_steps_args(sub.add_parser("steps", help="engine step time per prefill length and decode batch "
+                                                "(cluster-sim --calibrate-from)"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -105,6 +108,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench.schemes import run_schemes
 
         return run_schemes(args)
+    if args.bench_command == "steps":
+        from bench.steps import run_steps
+
+        return run_steps(args)
     from bench.serve import run_bench_serve
 
     return run_bench_serve(args)
