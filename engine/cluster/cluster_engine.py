@@ -298,9 +298,9 @@ class ClusterEngine:
             if report.incarnation != self._incarnations[replica_id]:
                 state.prefix.mark_stale()  # restarted (or first seen): its seq began again
                 self._incarnations[replica_id] = report.incarnation
-            if not state.apply_events(report.events):
+            if not state.prefix.apply(report.events):
                 hashes, seq = await asyncio.wait_for(_get(actor.snapshot.remote()), self.poll_timeout_s)
-                state.resync(hashes, seq)
+                state.prefix.resync(hashes, seq)
         except (RayActorError, TimeoutError):
             if state.is_alive:
                 self.router.mark_dead(replica_id)

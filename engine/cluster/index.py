@@ -12,17 +12,17 @@
   replica's worst moment is just before one of them finishes; sizing for that instead of
   every request at its longest at once admits more while still never overcommitting (as long
   as requests decode in step, which a replica that admits them whole does).
-- Pending prefix blocks: a request's prompt blocks the replica lacked when the request was sent
-  there. The replica will compute (and cache) them soon, but the mirror learns that only from
-  the events after its prefill, so without this a burst sharing a new prefix would scatter.
-  A pending hash lasts until an event (or a resync) confirms it, or its request leaves the
-  replica (completion, failure, withdrawal, replica death): it never outlives its request.
+- Pending prefix blocks: prompt blocks of requests sent to the replica that its mirror does
+  not hold yet. The replica will compute (and cache) them soon, but the mirror learns that
+  only from the events after that prefill, so without this a burst sharing a new prefix would
+  scatter. A block stops being pending when an event (or a resync) confirms it, or when no
+  request holding it is in flight there (completion, failure, withdrawal, replica death).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_manager import KVEvent
 
@@ -104,23 +104,35 @@ def peak_blocks(requests: Iterable[tuple[int, int]], block_size: int) -> int:
 class InFlight:
     """What the router predicted for one request it sent to a replica."""
 
-    num_tokens: int  # tokens it holds its own blocks for at dispatch (prompt − cached or pending hits)
+    prefix: list[bytes]  # its prompt's full blocks (bar the last token's): shareable, held while it runs
+    num_tail_tokens: int  # prompt tokens past them, never shared
     max_tokens: int  # output budget: it grows by up to this many tokens
     num_prefill_tokens: int  # tokens the replica must compute before the first token
     num_output_tokens: int = 0  # generated so far, as last reported to the router
-    pending: set[bytes] = field(default_factory=set)  # its prompt blocks not confirmed cached yet
+    num_charged: int = 0  # prefix blocks charged to it (see ReplicaState.held)
 
     @property
     def has_first_token(self) -> bool:
         return self.num_output_tokens > 0
 
     @property
-    def now_and_remaining(self) -> tuple[int, int]:
-        return self.num_tokens + self.num_output_tokens, max(self.max_tokens - self.num_output_tokens, 0)
+    def remaining(self) -> int:
+        return max(self.max_tokens - self.num_output_tokens, 0)
+
+    def now_and_remaining(self, block_size: int) -> tuple[int, int]:
+        return self.num_charged * block_size + self.num_tail_tokens + self.num_output_tokens, self.remaining
 
 
 class ReplicaState:
-    """One replica as the router sees it: prefix mirror, reported load, predicted load."""
+    """One replica as the router sees it: prefix mirror, reported load, predicted load.
+
+    `held` maps every prefix block of an in-flight request to the requests holding it. It
+    serves twice. Affinity: a held block not in the mirror yet is pending (its request will
+    compute it; the KV event after that prefill confirms it), and counts as a hit. KV: a block
+    shared by several requests exists once and lives until the last of them finishes, so it is
+    charged to one holder, the one expected to run longest (`charged_to`), and to nobody else.
+    Both end with the request: a holder that completes, fails, is withdrawn or dies is dropped.
+    """
 
     def __init__(self, replica_id: int, num_total_blocks: int, max_num_seqs: int):
         if num_total_blocks < 1 or max_num_seqs < 1:
@@ -133,41 +145,30 @@ class ReplicaState:
         self.num_reported_running = 0
         self.num_reported_waiting = 0
         self.in_flight: dict[str, InFlight] = {}
-        self.pending: dict[bytes, set[str]] = {}  # pending block hash → in-flight requests computing it
+        self.held: dict[bytes, set[str]] = {}  # prefix block → in-flight requests holding it
+        self.charged_to: dict[bytes, str] = {}  # prefix block → the holder its KV is charged to
         self.is_alive = True
 
-    def apply_events(self, events: Sequence[KVEvent]) -> bool:
-        """Feed the mirror (see `PrefixIndex.apply`); stored blocks are no longer pending."""
-        seq = self.prefix.last_seq
-        applied = self.prefix.apply(events)
-        if applied:  # a redelivered event may describe a block evicted since: only new ones confirm
-            self._confirm(h for e in events if e.kind == "stored" and e.seq > seq for h in e.block_hashes)
-        return applied
-
-    def resync(self, snapshot: set[bytes], seq: int) -> None:
-        """Rebuild the mirror from a snapshot; whatever it holds is no longer pending."""
-        self.prefix.resync(snapshot, seq)
-        self._confirm([h for h in self.pending if h in snapshot])
-
-    def _confirm(self, hashes: Iterable[bytes]) -> None:
-        for h in hashes:
-            for request_id in self.pending.pop(h, ()):
-                self.in_flight[request_id].pending.discard(h)
+    @property
+    def pending(self) -> set[bytes]:
+        """Held blocks the mirror has not confirmed yet: being (or about to be) computed."""
+        return {h for h in self.held if h not in self.prefix}
 
     def prefix_hits(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
-        """(cached, cached or pending): longest runs from the start of `block_hashes`."""
+        """(cached, cached or held): longest runs from the start of `block_hashes`."""
         cached = self.prefix.num_prefix_blocks(block_hashes)
         n = cached
         for h in block_hashes[cached:]:
-            if h not in self.pending and h not in self.prefix:  # cached past a gap counts again
+            if h not in self.held and h not in self.prefix:  # cached past a gap counts again
                 break
             n += 1
         return cached, n
 
     def clear(self) -> None:
-        """Forget every in-flight request and pending block (the replica died)."""
+        """Forget every in-flight request and what it held (the replica died)."""
         self.in_flight.clear()
-        self.pending.clear()
+        self.held.clear()
+        self.charged_to.clear()
 
     def report(self, num_free_blocks: int, num_running: int, num_waiting: int) -> None:
         """The replica's own counts, as of its last step."""
@@ -175,14 +176,24 @@ class ReplicaState:
         self.num_reported_running = num_running
         self.num_reported_waiting = num_waiting
 
-    def on_dispatch(self, request_id: str, num_tokens: int, max_tokens: int, num_prefill_tokens: int,
-                    pending: Iterable[bytes] = ()) -> None:
-        """Record a request sent here; `pending` are its prompt blocks this replica will compute."""
-        self.release(request_id)  # a re-dispatch replaces the old entry, pending blocks included
-        entry = InFlight(num_tokens, max_tokens, num_prefill_tokens, pending=set(pending))
+    def on_dispatch(self, request_id: str, prefix: Sequence[bytes], num_tail_tokens: int, max_tokens: int,
+                    num_prefill_tokens: int) -> None:
+        """Record a request sent here, holding `prefix` (its prompt's shareable blocks)."""
+        self.release(request_id)  # a re-dispatch replaces the old entry
+        entry = InFlight(list(prefix), num_tail_tokens, max_tokens, num_prefill_tokens)
         self.in_flight[request_id] = entry
-        for h in entry.pending:
-            self.pending.setdefault(h, set()).add(request_id)
+        for h in entry.prefix:
+            holders = self.held.setdefault(h, set())
+            if not holders:
+                self._charge(h, request_id)
+            elif self.in_flight[self.charged_to[h]].remaining < entry.remaining:
+                self.in_flight[self.charged_to[h]].num_charged -= 1  # it now outlives the old holder
+                self._charge(h, request_id)
+            holders.add(request_id)
+
+    def _charge(self, block_hash: bytes, request_id: str) -> None:
+        self.charged_to[block_hash] = request_id
+        self.in_flight[request_id].num_charged += 1
 
     def on_progress(self, request_id: str, num_output_tokens: int) -> None:
         """The request has generated this many tokens (≥ 1: prefill done, decode work only)."""
@@ -191,14 +202,20 @@ class ReplicaState:
             entry.num_output_tokens = max(entry.num_output_tokens, num_output_tokens)
 
     def release(self, request_id: str) -> InFlight | None:
-        """Completion, failure or withdrawal: forget the request's predicted load and pending blocks."""
+        """Completion, failure or withdrawal: forget the request's predicted load and held blocks."""
         entry = self.in_flight.pop(request_id, None)
-        if entry is not None:
-            for h in entry.pending:
-                holders = self.pending[h]
-                holders.discard(request_id)
-                if not holders:
-                    del self.pending[h]
+        if entry is None:
+            return None
+        heir = None  # holders of a longer prefix hold every shorter one: sets shrink along it
+        for h in entry.prefix:
+            holders = self.held[h]
+            holders.discard(request_id)
+            if not holders:
+                del self.held[h], self.charged_to[h]
+            elif self.charged_to[h] == request_id:
+                if heir not in holders:
+                    heir = max(holders, key=lambda rid: self.in_flight[rid].remaining)
+                self._charge(h, heir)
         return entry
 
     @property
@@ -209,12 +226,15 @@ class ReplicaState:
     def num_pending_prefill_tokens(self) -> int:
         return sum(e.num_prefill_tokens for e in self.in_flight.values() if not e.has_first_token)
 
-    def num_free_blocks_with(self, num_tokens: int, max_tokens: int, block_size: int) -> int:
-        """Blocks left at this replica's worst moment if a request (holding `num_tokens` now,
-        generating up to `max_tokens`) joined; negative when it does not fit. The more
-        pessimistic of the report (now) and the router's prediction (over time)."""
-        now = self.num_reported_free_blocks - -(-num_tokens // block_size)
-        requests = [e.now_and_remaining for e in self.in_flight.values()] + [(num_tokens, max_tokens)]
+    def num_free_blocks_with(self, prefix: Sequence[bytes], num_tail_tokens: int, max_tokens: int,
+                             block_size: int) -> int:
+        """Blocks left at this replica's worst moment if a request joined; negative when it
+        does not fit. Its prefix blocks held here already cost nothing more (a cached block
+        nobody holds does: taking it from the free queue uses capacity). The more pessimistic
+        of the report (now) and the router's prediction (over time)."""
+        num_new = sum(1 for h in prefix if h not in self.held) * block_size + num_tail_tokens
+        now = self.num_reported_free_blocks - -(-num_new // block_size)
+        requests = [e.now_and_remaining(block_size) for e in self.in_flight.values()] + [(num_new, max_tokens)]
         return min(now, self.num_total_blocks - peak_blocks(requests, block_size))
 
     def unstarted_request_ids(self) -> list[str]:

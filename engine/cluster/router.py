@@ -3,7 +3,7 @@
 Three policies:
 - `round-robin` and `least-loaded` (fewest in-flight requests) dispatch at once, as an
   independent load balancer in front of N engines would; each engine queues locally.
-- `coordinated` holds requests in one global FIFO and dispatches the head only to a replica that
+- `coordinated` holds requests in one global queue and dispatches a request only to a replica that
   can admit it whole (a sequence slot is free, and the replica's predicted KV peak, every
   request there growing to its max_tokens, fits; see `index.py`), so an engine never admits
   work it would later preempt. Among those it picks the best weighted score, llm-d's 3:2:2 over
@@ -14,7 +14,8 @@ Three policies:
     queue  = (max q − q) / (max q − min q) over candidates, q = blocks still to prefill there
   An SGLang-style override picks the fewest in-flight requests instead when replicas are
   imbalanced (max − min > balance_abs and max > balance_rel · min), so affinity cannot pile
-  everything onto one replica.
+  everything onto one replica. The queue is served in arrival order, except that up to
+  `max_overtakes` later requests may pass a head that fits nowhere yet (see `dispatch_ready`).
 
 Migration: when a replica's reported free KV falls below `migrate_below_free_fraction` while it
 still has waiting requests (its next admission or decode growth would preempt), the router asks
@@ -53,6 +54,8 @@ class RouterConfig:
     # a block another request sent to the replica is about to compute, against one already cached:
     # the same saving once that prefill runs (the scheduler shares blocks within a step)
     pending_prefix_weight: float = 1.0
+    # how many later requests may pass a queue head that fits nowhere yet (0: strict FIFO)
+    max_overtakes: int = 32
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -71,6 +74,8 @@ class RouterConfig:
             raise ValueError("migrate_below_free_fraction must be in [0, 1)")
         if not 0.0 <= self.pending_prefix_weight <= 1.0:
             raise ValueError("pending_prefix_weight must be in [0, 1]")
+        if self.max_overtakes < 0:
+            raise ValueError("max_overtakes must be ≥ 0")
 
 
 @dataclass(slots=True)
@@ -82,6 +87,7 @@ class RouteRequest:
     max_tokens: int
     block_hashes: list[bytes] = field(default_factory=list)
     excluded: set[int] = field(default_factory=set)  # replicas it was withdrawn from
+    num_overtaken: int = 0  # later requests placed while it waited at the head of the queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,19 +120,33 @@ class Router:
         return self.dispatch_ready()
 
     def dispatch_ready(self) -> list[Dispatch]:
-        """Dispatch queued requests in arrival order while the head can be placed."""
+        """Dispatch queued requests in arrival order; a few may pass a head that does not fit.
+
+        Strict FIFO would let one head needing a big uncached prompt hold back followers that
+        need a few blocks where their prefix is cached (head-of-line blocking). So while the
+        head waits, the next `max_overtakes` requests are tried too, and each one placed counts
+        against the head; once it has been passed that many times the queue is strict FIFO
+        again until it is placed, so nothing waits forever.
+        """
         dispatches = []
-        while self.queue:
-            request = self.queue[0]
+        i = 0
+        while i < len(self.queue) and i <= self.config.max_overtakes:
+            request = self.queue[i]
             replica = self._choose(request)
             if replica is None:
-                break  # strict FIFO: later requests do not overtake a waiting head
-            self.queue.popleft()
+                if self.queue[0].num_overtaken >= self.config.max_overtakes:
+                    break
+                i += 1
+                continue
+            del self.queue[i]
+            if i:
+                self.queue[0].num_overtaken += 1
+            i = 0  # what just went may have changed what the head sees
             hashes = self._hashable_prefix(request)
-            cached, hit = replica.prefix_hits(hashes)
-            num_new = len(request.token_ids) - hit * self.config.block_size
-            replica.on_dispatch(request.request_id, num_new, request.max_tokens, num_new,
-                                pending=[h for h in hashes[cached:] if h not in replica.prefix])
+            _, hit = replica.prefix_hits(hashes)
+            bs = self.config.block_size
+            replica.on_dispatch(request.request_id, hashes, len(request.token_ids) - len(hashes) * bs,
+                                request.max_tokens, len(request.token_ids) - hit * bs)
             dispatches.append(Dispatch(request.request_id, replica.replica_id))
         return dispatches
 
@@ -203,8 +223,8 @@ class Router:
         bs = self.config.block_size
         hashes = self._hashable_prefix(request)
         cached_and_pending = {r.replica_id: r.prefix_hits(hashes) for r in replicas}
-        free = {r.replica_id: r.num_free_blocks_with(len(request.token_ids) - cached_and_pending[r.replica_id][1] * bs,
-                                                     request.max_tokens, bs) for r in replicas}
+        tail = len(request.token_ids) - len(hashes) * bs
+        free = {r.replica_id: r.num_free_blocks_with(hashes, tail, request.max_tokens, bs) for r in replicas}
         candidates = [r for r in replicas if r.replica_id not in request.excluded
                       and r.num_in_flight < r.max_num_seqs and free[r.replica_id] >= 0]
         if not candidates and request.excluded:

@@ -15,8 +15,9 @@ H100-class GPU, NOT measured here: a = 6 ms (16 GB of weights at ~3 TB/s plus ov
 b = 0.04 ms/token (~25k prefill tok/s), c = 0.06 ms/seq (~1.5k tokens × 128 KiB KV per token).
 Calibrated constants: `driftgate bench steps MODEL --result-json F` times the real engine's
 `LLMEngine.step` at several prefill lengths and decode batch sizes (medians of repeats), and
-`--calibrate-from F` fits a, b, c to those medians by non-negative least squares
-(`CostModel.fit`). Every result row records the constants it used and where they came from.
+`--calibrate-from F` fits a, b, c to those medians by non-negative least squares in
+relative error (`CostModel.fit`). Every result row records the constants it used and where
+they came from.
 
 `load` is the offered Poisson rate as a fraction of the peak request rate of `least-loaded` on
 the same workload. The peak comes from a run with every request submitted at t = 0: output
@@ -34,6 +35,7 @@ import json
 import math
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
@@ -67,32 +69,36 @@ class CostModel:
 
     @classmethod
     def fit(cls, steps: list[dict], source: str) -> CostModel:
-        """Non-negative least squares of step_ms on (1, num_batched_tokens, num_decode_seqs).
+        """Least squares of step_ms on (1, num_batched_tokens, num_decode_seqs), in relative error.
 
-        A negative constant would make a bigger step cheaper, so the fit takes the best
-        non-negative one: plain least squares on every subset of the three terms (the others
-        held at 0), keeping the feasible solution with the smallest residual.
+        Relative, because steps span 100× (a long prefill against a batch-1 decode) and the sim
+        needs both right; absolute residuals would let the prefills alone decide a. A negative
+        constant would make a bigger step cheaper, so the fit takes the best non-negative one:
+        least squares on every subset of the three terms (the others held at 0), keeping the
+        feasible solution with the smallest residual.
         """
         if len(steps) < 3:
             raise ValueError(f"{source}: a fit of a, b, c needs at least 3 measured steps, got {len(steps)}")
-        x = np.array([[1.0, s["num_batched_tokens"], s["num_decode_seqs"]] for s in steps])
         y = np.array([float(s["step_ms"]) for s in steps])
-        best, best_err = np.zeros(3), float(np.sum(y * y))
+        if (y <= 0).any():
+            raise ValueError(f"{source}: step times must be positive")
+        x = np.array([[1.0, s["num_batched_tokens"], s["num_decode_seqs"]] for s in steps]) / y[:, None]
+        best, best_err = np.zeros(3), float(len(y))  # all zeros: every relative residual is −1
         for mask in range(1, 8):
             cols = [i for i in range(3) if mask >> i & 1]
-            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            coef, *_ = np.linalg.lstsq(x[:, cols], np.ones(len(y)), rcond=None)
             if (coef < 0).any():
                 continue
             full = np.zeros(3)
             full[cols] = coef
-            err = float(np.sum((x @ full - y) ** 2))
+            err = float(np.sum((x @ full - 1.0) ** 2))
             if err < best_err:
                 best, best_err = full, err
-        rms = math.sqrt(best_err / len(y))
-        rel = float(np.median(np.abs(x @ best - y) / y))
+        relative = np.abs(x @ best - 1.0)
         return cls(float(best[0]), float(best[1]), float(best[2]),
-                   f"non-negative least squares over {len(y)} measured step medians from {source} "
-                   f"(rms residual {rms:.2f} ms, median relative error {100 * rel:.1f}%)")
+                   f"non-negative least squares in relative error over {len(y)} measured step medians from "
+                   f"{source} (median relative error {100 * float(np.median(relative)):.1f}%, "
+                   f"max {100 * float(relative.max()):.1f}%)")
 
     @classmethod
     def from_file(cls, path: Path) -> CostModel:
@@ -190,10 +196,13 @@ class RunResult:
 
 
 def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num_nodes: int,
-             node_config: NodeConfig, cost: CostModel, seed: int = 0, drop_event_every: int = 0) -> RunResult:
+             node_config: NodeConfig, cost: CostModel, seed: int = 0, drop_event_every: int = 0,
+             unseen: Sequence[tuple[int, WorkItem]] = ()) -> RunResult:
     """Run one workload through one policy until every request finishes.
 
     `drop_event_every` > 0 loses every n-th KV event batch in transit, to exercise resync.
+    `unseen` are (node, item) requests given straight to a node at t = 0, which the router
+    learns of only through that node's reports (another router's traffic); they are not measured.
     """
     rng = random.Random(seed)
     nodes = [SimNode(i, node_config) for i in range(num_nodes)]
@@ -226,6 +235,10 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
 
     for i, t in enumerate(arrivals_s):
         push(t, -1 - i)
+    for k, (node_id, item) in enumerate(unseen):
+        nodes[node_id].scheduler.add_request(Request(
+            f"unseen-{k}", item.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=item.num_output_tokens)))
+        start(nodes[node_id], 0.0)
     while events:
         now, _, what = heapq.heappop(events)
         if what < 0:
@@ -246,12 +259,12 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
             node.last_event_seq = kv_events[-1].seq
             num_batches += 1
             lost = drop_event_every > 0 and num_batches % drop_event_every == 0
-            if not lost and not replica.apply_events(kv_events):
-                replica.resync(set(node.block_manager.cached), node.last_event_seq)
+            if not lost and not replica.prefix.apply(kv_events):
+                replica.prefix.resync(set(node.block_manager.cached), node.last_event_seq)
                 num_resyncs += 1
         sched = node.scheduler
         replica.report(node.block_manager.num_free_blocks, len(sched.running), len(sched.waiting))
-        for rid in sampled:
+        for rid in sampled.keys() & token_times.keys():
             token_times[rid].append(now)
             router.on_progress(node.node_id, rid, len(token_times[rid]))
         dispatches = []
@@ -341,6 +354,7 @@ def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[
                 **summarize(result, num_nodes),
                 # this policy saturated (every request at t = 0): its sustained output rate and what it cost
                 "peak_throughput_tok_s": peaks[policy].saturated_tok_s,
+                "peak_whole_run_tok_s": peaks[policy].num_output_tokens / peaks[policy].makespan_s,  # drain included
                 "peak_preemptions": peaks[policy].num_preemptions,
                 "peak_prefix_hit_rate": summarize(peaks[policy], num_nodes)["prefix_hit_rate"],
                 "peak_migrated": peaks[policy].num_migrated,

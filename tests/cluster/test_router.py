@@ -76,7 +76,7 @@ def test_prefix_affinity_picks_the_replica_holding_the_prompt():
     assert d == Dispatch("a", 2)
     # the router's prediction counts only the uncached part: 40 prompt tokens − 8 blocks hit
     entry = router.replicas[2].in_flight["a"]
-    assert (entry.num_tokens, entry.max_tokens, entry.num_prefill_tokens) == (8, 4, 8)
+    assert entry.num_prefill_tokens == 8 and (entry.num_tail_tokens, entry.max_tokens) == (4, 4)
 
 
 def test_kv_aware_placement_avoids_the_replica_without_room():
@@ -108,7 +108,7 @@ def test_peak_blocks_is_the_worst_moment_not_every_maximum_at_once():
 
 def test_kv_prediction_follows_each_requests_progress():
     router = make_router(num_replicas=1, num_blocks=20)
-    router.replicas[0].on_dispatch("long", 12, 32, 12)  # will hold 44 tokens = 11 blocks at its longest
+    router.replicas[0].on_dispatch("long", [], 12, 32, 12)  # will hold 44 tokens = 11 blocks at its longest
     # a 24 + 24 request overlaps "long" for 23 steps: 35 + 47 tokens = 9 + 12 blocks > 20
     assert router.submit(req("b", 24, max_tokens=24)) == []
     # 28 tokens later "long" ends in 4 steps: 43 + 27 tokens = 11 + 7 blocks fit, though the
@@ -127,6 +127,26 @@ def test_global_queue_holds_requests_until_a_replica_can_admit():
     assert not router.queue
 
 
+def test_small_requests_pass_a_head_that_fits_nowhere_but_only_so_often():
+    router = make_router(num_replicas=1, num_blocks=12, max_overtakes=2)
+    router.replicas[0].on_dispatch("resident", [], 16, 4, 0)  # 5 blocks at its longest
+    assert router.submit(req("big", 28, max_tokens=8)) == []  # needs 9 of the 7 left
+    # followers that fit go ahead of it, twice; then the queue is strict FIFO again
+    assert router.submit(req("s1", 4, max_tokens=1, seed=1)) == [Dispatch("s1", 0)]
+    assert router.submit(req("s2", 4, max_tokens=1, seed=2)) == [Dispatch("s2", 0)]
+    assert router.submit(req("s3", 4, max_tokens=1, seed=3)) == []
+    assert [r.request_id for r in router.queue] == ["big", "s3"] and router.queue[0].num_overtaken == 2
+    dispatched = [d for rid in ("resident", "s1", "s2") for d in router.on_complete(0, rid)]
+    assert dispatched == [Dispatch("big", 0), Dispatch("s3", 0)]
+
+
+def test_strict_fifo_when_overtaking_is_off():
+    router = make_router(num_replicas=1, num_blocks=12, max_overtakes=0)
+    router.replicas[0].on_dispatch("resident", [], 16, 4, 0)
+    router.submit(req("big", 28, max_tokens=8))
+    assert router.submit(req("s1", 4, max_tokens=1, seed=1)) == []
+
+
 def test_cancel_drops_only_a_queued_request():
     router = make_router(num_replicas=1, num_blocks=10)
     router.submit(req("a", 28, max_tokens=8))
@@ -141,7 +161,7 @@ def test_baselines_dispatch_immediately():
     ll = make_router("least-loaded", num_blocks=10)
     rr_ids = [rr.submit(req(f"r{i}", 28, max_tokens=8, seed=i))[0].replica_id for i in range(4)]
     assert rr_ids == [0, 1, 2, 0]  # even past each replica's KV: the engine queues locally
-    ll.replicas[0].on_dispatch("x", 4, 1, 4)
+    ll.replicas[0].on_dispatch("x", [], 4, 1, 4)
     assert ll.submit(req("a"))[0].replica_id == 1
 
 
@@ -150,11 +170,11 @@ def test_imbalance_override_beats_prefix_affinity():
     system = list(range(100, 132))
     cache_on(router.replicas[0], system)
     for i in range(6):
-        router.replicas[0].on_dispatch(f"busy{i}", 4, 1, 0)
-    router.replicas[1].on_dispatch("one", 4, 1, 0)
+        router.replicas[0].on_dispatch(f"busy{i}", [], 4, 1, 0)
+    router.replicas[1].on_dispatch("one", [], 4, 1, 0)
     # 6 − 1 > 4 and 6 > 1.5·1: imbalanced, so the shorter replica wins despite the cache
     assert router.submit(req("a", 8, prefix=system))[0].replica_id == 1
-    router.replicas[1].on_dispatch("two", 4, 1, 0)  # 6 − 2 = 4: balanced again
+    router.replicas[1].on_dispatch("two", [], 4, 1, 0)  # 6 − 2 = 4: balanced again
     assert router.submit(req("b", 8, prefix=system, seed=1))[0].replica_id == 0
 
 
@@ -185,18 +205,18 @@ def test_pending_blocks_end_with_events_or_their_request():
     router.submit(a)
     replica = router.replicas[0]
     hashes = router._hashable_prefix(a)
-    assert set(replica.pending) == set(hashes) and replica.prefix_hits(hashes) == (0, 9)
+    assert replica.pending == set(hashes) and replica.prefix_hits(hashes) == (0, 9)
 
     # the replica stores the system prompt's 8 blocks: confirmed, no longer pending
-    assert replica.apply_events([KVEvent(1, "stored", tuple(hashes[:8]))])
-    assert set(replica.pending) == {hashes[8]} and replica.in_flight["a"].pending == {hashes[8]}
-    # an evicted block is a miss, not a stale pending hit
-    assert replica.apply_events([KVEvent(2, "removed", (hashes[7],))])
-    assert replica.prefix_hits(hashes) == (7, 7)
+    assert replica.prefix.apply([KVEvent(1, "stored", tuple(hashes[:8]))])
+    assert replica.pending == {hashes[8]} and replica.prefix_hits(hashes) == (8, 9)
 
     # the request ends before its last block was confirmed: nothing of it stays pending
     router.on_complete(0, "a")
-    assert not replica.pending and replica.prefix_hits(hashes) == (7, 7)
+    assert not replica.pending and not replica.held and replica.prefix_hits(hashes) == (8, 8)
+    # and a block evicted after that is a plain miss
+    assert replica.prefix.apply([KVEvent(2, "removed", (hashes[7],))])
+    assert replica.prefix_hits(hashes) == (7, 7)
 
 
 def test_a_resync_confirms_pending_blocks_it_holds():
@@ -205,8 +225,37 @@ def test_a_resync_confirms_pending_blocks_it_holds():
     router.submit(a)
     replica = router.replicas[0]
     hashes = router._hashable_prefix(a)
-    replica.resync(set(hashes[:2]), seq=7)
-    assert set(replica.pending) == set(hashes[2:])
+    replica.prefix.resync(set(hashes[:2]), seq=7)
+    assert replica.pending == set(hashes[2:])
+
+
+def test_a_shared_prefix_is_charged_once_to_its_longest_running_holder():
+    router = make_router(num_replicas=1)
+    system = list(range(100, 132))  # 8 shared blocks; each prompt adds one block of its own + a 4-token tail
+    for rid, max_tokens in (("short", 4), ("long", 20), ("mid", 8)):
+        router.submit(req(rid, 8, max_tokens=max_tokens, prefix=system, seed=len(rid)))
+    replica = router.replicas[0]
+    assert {rid: e.num_charged for rid, e in replica.in_flight.items()} == {"short": 1, "long": 9, "mid": 1}
+    # "long" finishing leaves the system prompt to the longest of the rest, not to nobody
+    router.on_complete(0, "long")
+    assert {rid: e.num_charged for rid, e in replica.in_flight.items()} == {"short": 1, "mid": 9}
+    router.on_complete(0, "mid")
+    router.on_complete(0, "short")
+    assert not replica.held and not replica.charged_to
+
+
+def test_kv_prediction_charges_cached_blocks_nobody_holds():
+    router = make_router(num_replicas=1, num_blocks=30)
+    system = list(range(100, 132))
+    replica = router.replicas[0]
+    a, b = req("a", 8, max_tokens=4, prefix=system), req("b", 8, max_tokens=4, prefix=system, seed=1)
+    prefix_a, prefix_b = (hash_token_blocks(r.token_ids, BS)[:9] for r in (a, b))  # 4-token tails
+    # 9 blocks + 4 tokens, growing 4: at most 11 blocks
+    assert replica.num_free_blocks_with(prefix_a, 4, 4, BS) == 30 - 11
+    cache_on(replica, system)  # cached but free: taking it uses capacity like computing it
+    assert replica.num_free_blocks_with(prefix_a, 4, 4, BS) == 30 - 11
+    router.submit(a)  # now held: a follower pays only for its own block and tail (8 → 12 tokens)
+    assert replica.num_free_blocks_with(prefix_b, 4, 4, BS) == 30 - (40 + 8 + 2 * (3 + 3)) // BS
 
 
 def test_withdrawal_moves_pending_blocks_with_the_request():
@@ -240,7 +289,7 @@ def test_migration_withdraws_only_unstarted_requests_and_loses_none():
     router = make_router(num_replicas=2, num_blocks=20)
     requests = {f"r{i}": req(f"r{i}", 12, max_tokens=4, seed=i) for i in range(4)}
     for rid in requests:
-        router.replicas[0].on_dispatch(rid, 12, 4, 12)  # fabricated: all four sit on replica 0
+        router.replicas[0].on_dispatch(rid, [], 12, 4, 12)  # fabricated: all four sit on replica 0
     router.on_progress(0, "r0", 1)
     router.on_progress(0, "r2", 1)
     assert router.migration_candidates(0) == []  # plenty of free KV: no reason to move
@@ -259,8 +308,8 @@ def test_withdrawn_requests_queue_ahead_of_new_arrivals():
     router = make_router(num_replicas=2, num_blocks=5)
     router.replicas[1].report(num_free_blocks=0, num_running=1, num_waiting=0)
     old = req("old", 12, seed=1)
-    router.replicas[0].on_dispatch("old", 12, 4, 12)
-    router.replicas[0].on_dispatch("big", 16, 4, 16)
+    router.replicas[0].on_dispatch("old", [], 12, 4, 12)
+    router.replicas[0].on_dispatch("big", [], 16, 4, 16)
     assert router.submit(req("new", 12, seed=2)) == []  # no room anywhere
     assert router.withdrawn(0, [old]) == []  # replica 1 is full and 0 still holds "big"
     assert [r.request_id for r in router.queue] == ["old", "new"]
@@ -268,7 +317,7 @@ def test_withdrawn_requests_queue_ahead_of_new_arrivals():
 
 def test_baselines_never_migrate():
     router = make_router("least-loaded", num_replicas=2)
-    router.replicas[0].on_dispatch("a", 12, 4, 12)
+    router.replicas[0].on_dispatch("a", [], 12, 4, 12)
     router.replicas[0].report(num_free_blocks=0, num_running=1, num_waiting=1)
     assert router.migration_candidates(0) == []
 
@@ -277,7 +326,7 @@ def test_baselines_never_migrate():
 def test_dead_replicas_get_nothing_until_they_rejoin(policy):
     router = make_router(policy, num_replicas=2)
     cache_on(router.replicas[0], list(range(100, 132)))
-    router.replicas[0].on_dispatch("running", 12, 4, 0)
+    router.replicas[0].on_dispatch("running", [], 12, 4, 0)
     router.mark_dead(0)
     assert not router.replicas[0].in_flight and router.replicas[0].prefix.is_stale
     assert [d.replica_id for d in router.submit(req("a")) + router.submit(req("b", seed=1))] == [1, 1]
@@ -292,5 +341,7 @@ def test_config_validation():
         RouterConfig(policy="random")
     with pytest.raises(ValueError, match="pending_prefix_weight"):
         RouterConfig(pending_prefix_weight=1.5)
+    with pytest.raises(ValueError, match="max_overtakes"):
+        RouterConfig(max_overtakes=-1)
     with pytest.raises(ValueError, match="more KV blocks"):
         make_router(num_blocks=2).submit(req("a", 16))
