@@ -7,9 +7,10 @@ times `LLMEngine.step` on the two shapes that separate the constants:
 - decode: B requests of `--decode-context` prompt tokens, all past their prefill
   (tokens = B, decode seqs = B); each timed step is checked to have computed no prompt token.
 
-Every shape is timed `--repeats` times after one warm-up step, with prefix caching off so no
-prompt is served from the cache; the median is what the fit uses (shared machines are noisy),
-and every sample is recorded. The result carries the non-negative least-squares fit of a, b, c
+Every shape is timed `--repeats` times (after one warm-up step) in each of `--rounds` rounds
+that visit all shapes in turn, so a slow spell on a shared machine lands on every shape rather
+than on one; prefix caching is off so no prompt is served from the cache. The median over all
+samples is what the fit uses, and every sample is recorded. The result carries the non-negative least-squares fit of a, b, c
 (`CostModel.fit`); `cluster-sim --calibrate-from RESULT.json` refits the same medians.
 """
 
@@ -47,7 +48,8 @@ def add_steps_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-lens", type=_ints, default=[32, 64, 128, 256, 512])
     parser.add_argument("--decode-batches", type=_ints, default=[1, 2, 4, 8, 16])
     parser.add_argument("--decode-context", type=int, default=256, help="prompt tokens of each decoding request")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per shape (the median is kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per shape per round")
+    parser.add_argument("--rounds", type=int, default=3, help="passes over all shapes (medians over all samples)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
@@ -64,8 +66,8 @@ def _step_row(kind: str, num_batched_tokens: int, num_decode_seqs: int, samples_
             "step_ms": statistics.median(samples_ms), "samples_ms": samples_ms}
 
 
-def time_prefill(engine: LLMEngine, num_tokens: int, repeats: int, rng: random.Random) -> dict:
-    """One P-token prompt per step, a fresh one each time (one warm-up first)."""
+def time_prefill(engine: LLMEngine, num_tokens: int, repeats: int, rng: random.Random) -> list[float]:
+    """Seconds per step of one P-token prompt, a fresh one each time (one warm-up first)."""
     vocab = engine.model.args.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     samples = []
@@ -78,11 +80,11 @@ def time_prefill(engine: LLMEngine, num_tokens: int, repeats: int, rng: random.R
             raise RuntimeError(f"a {num_tokens}-token prefill took more than one step; raise max_num_batched_tokens")
         if i:
             samples.append(elapsed)
-    return _step_row("prefill", num_tokens, 0, samples)
+    return samples
 
 
-def time_decode(engine: LLMEngine, batch: int, context: int, repeats: int, rng: random.Random) -> dict:
-    """B requests prefilled first (untimed), then `repeats` decode steps of all B (one warm-up).
+def time_decode(engine: LLMEngine, batch: int, context: int, repeats: int, rng: random.Random) -> list[float]:
+    """Seconds per decode step of B requests, prefilled first (untimed); one warm-up step.
 
     The requests could run much longer; they are aborted once timed.
     """
@@ -104,23 +106,30 @@ def time_decode(engine: LLMEngine, batch: int, context: int, repeats: int, rng: 
             samples.append(elapsed)
     for request_id in request_ids:
         engine.abort_request(request_id)
-    return _step_row("decode", batch, batch, samples)
+    return samples
 
 
 def measure_steps(config: EngineConfig, prefill_lens: list[int], decode_batches: list[int], decode_context: int,
-                  repeats: int, seed: int = 0) -> dict:
-    """Time every shape on one engine; returns the result with the fitted cost model."""
+                  repeats: int, rounds: int, seed: int = 0) -> dict:
+    """Time every shape on one engine, round by round; returns the result with the fitted cost model."""
     engine = LLMEngine(config)
     rng = random.Random(seed)
     load_before = os.getloadavg()
     started = time.perf_counter()
-    steps = [time_prefill(engine, p, repeats, rng) for p in prefill_lens]
-    steps += [time_decode(engine, b, decode_context, repeats, rng) for b in decode_batches]
+    prefill: dict[int, list[float]] = {p: [] for p in prefill_lens}
+    decode: dict[int, list[float]] = {b: [] for b in decode_batches}
+    for _ in range(rounds):
+        for p in prefill_lens:
+            prefill[p] += time_prefill(engine, p, repeats, rng)
+        for b in decode_batches:
+            decode[b] += time_decode(engine, b, decode_context, repeats, rng)
+    steps = [_step_row("prefill", p, 0, samples) for p, samples in prefill.items()]
+    steps += [_step_row("decode", b, b, samples) for b, samples in decode.items()]
     fit = CostModel.fit(steps, f"`bench steps` on {Path(config.model).name} ({config.device})")
     return {
         "model": config.model, "device": config.device, "dtype": str(next(engine.model.parameters()).dtype),
         "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-        "decode_context": decode_context, "repeats": repeats,
+        "decode_context": decode_context, "repeats": repeats, "rounds": rounds,
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "wall_s": time.perf_counter() - started,
         "steps": steps,
@@ -162,7 +171,7 @@ def run_steps(args: argparse.Namespace) -> int:
         config = EngineConfig(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
                               max_num_seqs=max(args.decode_batches), max_num_batched_tokens=max(2048, biggest))
         result = measure_steps(config, args.prefill_lens, args.decode_batches, args.decode_context,
-                               args.repeats, args.seed)
+                               args.repeats, args.rounds, args.seed)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
