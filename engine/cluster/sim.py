@@ -370,17 +370,20 @@ def plot_rows(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("throughput_tok_s", "output tok/s"), ("ttft_p99_ms", "TTFT p99 (ms)"),
-              ("itl_p99_over_p50", "ITL p99 / p50"), ("prefix_hit_rate", "prefix hit rate")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
-    for ax, (key, label) in zip(axes, panels, strict=True):
+              ("itl_p99_over_p50", "ITL p99 / p50 (per token)"), ("tpot_p99_over_p50", "TPOT p99 / p50 (per request)"),
+              ("preemptions", "preemptions"), ("prefix_hit_rate", "prefix hit rate")]
+    fig, axes = plt.subplots(2, len(panels) // 2, figsize=(4.2 * (len(panels) // 2), 7.0))
+    for ax, (key, label) in zip(axes.flat, panels, strict=True):
         for policy in dict.fromkeys(r["policy"] for r in rows):
             mine = [r for r in rows if r["policy"] == policy]
             ax.plot([r["load"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
         ax.set_xlabel("load (fraction of least-loaded peak)")
         ax.set_title(label)
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"cluster-sim · {rows[0]['workload']} · {rows[0]['nodes']} nodes")
+    axes.flat[0].legend()
+    fig.suptitle(f"cluster-sim · {rows[0]['workload']} · {rows[0]['nodes']} nodes · "
+                 f"a={rows[0]['cost_model']['a_ms']:.3g} ms, b={rows[0]['cost_model']['b_ms_per_token']:.3g} ms/tok, "
+                 f"c={rows[0]['cost_model']['c_ms_per_decode_seq']:.3g} ms/seq")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
