@@ -45,7 +45,7 @@ def test_dynamic_scales_come_from_the_first_batch(tiny_model_dir, tmp_path):
         torch.testing.assert_close(attn.v_scale, v.abs().amax().float() * 2 / 448)
     before = [(a.k_scale.clone(), a.v_scale.clone()) for a in attns]
     llm.generate([[p + 1 for p in PROMPT]], SamplingParams(max_tokens=2), use_tqdm=False)  # later batches keep them
-    assert all(torch.equal(a.k_scale, k) and torch.equal(a.v_scale, v) for a, (k, v) in zip(attns, before))
+    assert all(torch.equal(a.k_scale, k) and torch.equal(a.v_scale, v) for a, (k, v) in zip(attns, before, strict=True))
     # the same scales written into the checkpoint give the same model: dynamic differs only in where scales come from
     calibrated = tmp_path / "calibrated"
     shutil.copytree(tiny_model_dir, calibrated)
