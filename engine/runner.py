@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.attention import AttentionMetadata, DecodeGroup, ForwardContext, KVCache, PrefillSpan
+from engine.layers import paged_decode
+from engine.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    ForwardContext,
+    KVCache,
+    PagedDecode,
+    PrefillSpan,
+)
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import LogprobsDict
 from engine.sampler import SamplingRow, prompt_logprobs, sample
@@ -38,6 +46,7 @@ class ModelRunner:
         self.block_size = block_size
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        self.use_decode_kernel = paged_decode.available(kv_cache.dtype, kv_cache.k[0].device)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of one request."""
@@ -57,19 +66,14 @@ class ModelRunner:
 
         decodes = [c for c in chunks if c.num_tokens == 1]
         nd = len(decodes)
-        slot_parts, groups = [], []
-        for start, end in _length_groups([c.start + 1 for c in decodes]):
-            group = decodes[start:end]
-            context_lens = torch.tensor([c.start + 1 for c in group])
-            max_blocks = max(len(c.request.block_ids) for c in group)
-            tables = torch.zeros(len(group), max_blocks, dtype=torch.long)
-            for i, c in enumerate(group):
-                tables[i, :len(c.request.block_ids)] = torch.tensor(c.request.block_ids)
-            pos = torch.arange(int(context_lens.max()))
-            slots = tables[:, pos // bs] * bs + pos % bs  # [n, max_len]
-            mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
-            groups.append(DecodeGroup(start, slots, mask))
-            slot_parts.append(slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
+        slot_parts, groups, kernel_decode = [], [], None
+        if decodes and self.use_decode_kernel:
+            kernel_decode = self._paged_decode(decodes)
+            last = kernel_decode.context_lens.long() - 1
+            blocks = kernel_decode.block_tables.long().gather(1, (last // bs).unsqueeze(1)).squeeze(1)
+            slot_parts.append(blocks * bs + last % bs)
+        elif decodes:
+            groups = self._decode_groups(decodes, slot_parts)
         prefills = []
         row = nd
         for c in chunks[nd:]:
@@ -82,8 +86,33 @@ class ModelRunner:
                 mask = torch.arange(end).unsqueeze(0) <= q_pos
             prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
             row += c.num_tokens
-        meta = AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills)
+        meta = AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills, kernel_decode)
         return input_ids_t, positions_t, meta
+
+    def _block_tables(self, chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
+        """[n, max_blocks] block ids of each chunk's request, right-padded with block 0."""
+        tables = torch.zeros(len(chunks), max(len(c.request.block_ids) for c in chunks), dtype=dtype)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.request.block_ids)] = torch.tensor(c.request.block_ids, dtype=dtype)
+        return tables
+
+    def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode:
+        context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32)
+        return PagedDecode(self._block_tables(decodes, torch.int32), context_lens, self.block_size)
+
+    def _decode_groups(self, decodes: list[ScheduledChunk], slot_parts: list[torch.Tensor]) -> list[DecodeGroup]:
+        """Torch path: decode batches of similar context length; appends each token's write slot."""
+        bs, groups = self.block_size, []
+        for start, end in _length_groups([c.start + 1 for c in decodes]):
+            group = decodes[start:end]
+            context_lens = torch.tensor([c.start + 1 for c in group])
+            tables = self._block_tables(group, torch.long)
+            pos = torch.arange(int(context_lens.max()))
+            slots = tables[:, pos // bs] * bs + pos % bs  # [n, max_len]
+            mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+            groups.append(DecodeGroup(start, slots, mask))
+            slot_parts.append(slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
+        return groups
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

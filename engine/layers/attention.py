@@ -2,7 +2,8 @@
 
 The KV cache of one layer is two tensors `[num_blocks * block_size, num_kv_heads, head_dim]`
 (flat slots: slot = block_id * block_size + offset). Writes go through `slot_mapping`; reads
-gather a sequence's slots through precomputed flat indices, then call SDPA. FP8 storage keeps
+gather a sequence's slots through precomputed flat indices, then call SDPA; on CPUs decode
+queries instead go to a C kernel that reads the blocks in place (engine/layers/paged_decode.py). FP8 storage keeps
 `float8_e4m3fn` and a per-layer scale (x ≈ stored · scale); CPUs cannot do arithmetic on fp8,
 so values are upcast right after the gather.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.paged_decode import paged_decode_attention
 
 FP8_MAX = 448.0
 # Dynamic KV scales map the first batch's absmax to half the fp8 range: later tokens up to twice
@@ -46,6 +49,15 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class PagedDecode:
+    """Single-token queries for the C kernel, which reads each sequence's blocks in place."""
+
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    context_lens: torch.Tensor  # int32 [num_seqs], the new token included
+    block_size: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step's flat token batch (shared by all layers).
 
@@ -54,8 +66,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decode_tokens: int
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # the torch path's decode batches
     prefills: list[PrefillSpan]
+    paged_decode: PagedDecode | None = None  # set instead of decode_groups when the kernel is used
 
 
 class KVCache:
@@ -147,6 +160,13 @@ class Attention(nn.Module):
         _store(k_cache, meta.slot_mapping, k, self.k_scale)
         _store(v_cache, meta.slot_mapping, v, self.v_scale)
         out = torch.empty_like(q)
+        if meta.paged_decode is not None:
+            decode = meta.paged_decode
+            rows = slice(0, meta.num_decode_tokens)
+            out[rows] = paged_decode_attention(
+                q[rows], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size,
+                self.scale, self.k_scale, self.v_scale,
+            )
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.slots.shape[0])
             keys = _load(k_cache, group.slots, self.k_scale, q.dtype)  # [n, L, KV, D]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.layers import paged_decode
 from engine.layers.attention import Attention, ForwardContext, KVCache
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk
@@ -27,19 +29,26 @@ class _NullModel:
     pass
 
 
+KERNEL_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not paged_decode.available(torch.float32, torch.device("cpu")), reason="no C compiler for the decode kernel"))]
+
+
+@pytest.mark.parametrize("decode_kernel", KERNEL_PATHS)
 @settings(max_examples=40, deadline=None)
 @given(
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([8, 16]),
     block_size=st.sampled_from([1, 2, 4, 16]), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
     split=st.floats(0.0, 1.0), seed=st.integers(0, 1000),
 )
-def test_paged_equals_dense(kv_heads, group, head_dim, block_size, lengths, split, seed):
-    """Each sequence is fed in two steps (a prefill chunk, then the rest as one chunk or a decode)."""
+def test_paged_equals_dense(decode_kernel, kv_heads, group, head_dim, block_size, lengths, split, seed):
+    """Each sequence is fed in up to three steps (a prompt chunk, a middle chunk, a decode), with
+    decode attention on the torch path and on the C kernel."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
     cache = KVCache(1, num_blocks * block_size, kv_heads, head_dim, torch.float32)
     runner = ModelRunner(_NullModel(), cache, block_size)
+    runner.use_decode_kernel = decode_kernel
     attn = Attention(0, heads, kv_heads, head_dim)
     reqs = make_requests(len(lengths), lengths)
     # hand out blocks in a scrambled order so block tables are not contiguous
@@ -49,9 +58,12 @@ def test_paged_equals_dense(kv_heads, group, head_dim, block_size, lengths, spli
     qkv = {r.request_id: [torch.randn(r.num_tokens, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads)]
            for r in reqs}
     outputs = {r.request_id: torch.empty(r.num_tokens, heads * head_dim) for r in reqs}
-    firsts = [max(1, int(r.num_tokens * split)) for r in reqs]
+    # a prompt chunk, the middle as one chunk, the last token as a decode (steps mix both kinds)
+    firsts = [max(1, min(r.num_tokens - 1, int(r.num_tokens * split))) for r in reqs]
     steps = [[ScheduledChunk(r, 0, f) for r, f in zip(reqs, firsts, strict=True)],
-             [ScheduledChunk(r, f, r.num_tokens - f) for r, f in zip(reqs, firsts, strict=True) if f < r.num_tokens]]
+             [ScheduledChunk(r, f, r.num_tokens - 1 - f) for r, f in zip(reqs, firsts, strict=True)
+              if f < r.num_tokens - 1],
+             [ScheduledChunk(r, r.num_tokens - 1, 1) for r in reqs if r.num_tokens > 1]]
     for chunks in filter(None, steps):
         chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)
         _, _, meta = runner.build_metadata(chunks)
