@@ -15,6 +15,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op, bit-identical to the steps below in fp32 (~60 calls per decode step)
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

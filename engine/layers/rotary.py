@@ -36,6 +36,8 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = rope_type
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._last_positions: torch.Tensor | None = None
+        self._last = (self.cos, self.sin)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -51,17 +53,22 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim]: the two halves repeat so rotate_half needs no re-indexing
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
+        self._last_positions = None
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim] → rotated, same shapes."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] (queries and keys together) → rotated, same shape."""
+        cos, sin = self._lookup(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, 1, head_dim] of `positions`. One module serves every layer and all layers
+        of a forward pass get the same positions tensor, so the table is indexed once per step."""
+        if positions is not self._last_positions or dtype != self._last[0].dtype:
+            self._last = (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+            self._last_positions = positions
+        return self._last
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

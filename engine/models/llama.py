@@ -74,7 +74,8 @@ class LlamaArgs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int, prefix: str, quant_config, dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, layer_idx: int, prefix: str, quant_config, dtype: torch.dtype,
+                 rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -83,17 +84,16 @@ class LlamaAttention(nn.Module):
             prefixes=[f"{prefix}.{n}_proj" for n in "qkv"], quant_config=quant_config, dtype=dtype)
         self.o_proj = make_linear(q_size, [args.hidden_size], bias=False, prefixes=[f"{prefix}.o_proj"],
                                   quant_config=quant_config, dtype=dtype)
-        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta,
-                                      args.rope_scaling)
+        self.rotary = rotary  # shared by every layer
         self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim)
-        self.split = [q_size, kv_size, kv_size]
+        self.qk_size = q_size + kv_size
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in each row: rotate both heads at once
+        qk = self.rotary(positions, qkv[:, :self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
+        v = qkv[:, self.qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -112,11 +112,12 @@ class LlamaMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int, quant_config, dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, layer_idx: int, quant_config, dtype: torch.dtype,
+                 rotary: RotaryEmbedding):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(args, layer_idx, f"{prefix}.self_attn", quant_config, dtype)
+        self.self_attn = LlamaAttention(args, layer_idx, f"{prefix}.self_attn", quant_config, dtype, rotary)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(args, f"{prefix}.mlp", quant_config, dtype)
 
@@ -137,7 +138,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype) for i in range(args.num_layers))
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype, self.rotary)
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
