@@ -25,35 +25,30 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table indexed by absolute position."""
+    """Precomputed cos/sin table indexed by absolute position, shared by every layer of a model.
+
+    The tables are plain attributes, not buffers: moving one layer (the calibration pipeline
+    sends each finished layer to the meta device) must not move the table the others use. They
+    follow the device of the positions they are asked for.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type not in ("default", "linear", "llama3", None):
             raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
-        self.rope_type = rope_type
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self._last_positions: torch.Tensor | None = None
-        self._last = (self.cos, self.sin)
-        self.reset_buffers()
-
-    def reset_buffers(self) -> None:
-        """(Re)compute the tables on the CPU; called again after meta-device construction."""
-        device = "cpu" if self.cos.is_meta else self.cos.device
-        dims = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
-        inv_freq = 1.0 / (self.theta ** (dims / self.head_dim))
-        if self.rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
-        elif self.rope_type == "linear":
-            inv_freq = inv_freq / self.scaling["factor"]
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
+        dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (theta ** (dims / head_dim))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         # [max_positions, head_dim]: the two halves repeat so rotate_half needs no re-indexing
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
-        self._last_positions = None
+        self._last_positions: torch.Tensor | None = None
+        self._last = (self.cos, self.sin)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (queries and keys together) → rotated, same shape."""
@@ -64,6 +59,8 @@ class RotaryEmbedding(nn.Module):
         """cos/sin rows [T, 1, head_dim] of `positions`. One module serves every layer and all layers
         of a forward pass get the same positions tensor, so the table is indexed once per step."""
         if positions is not self._last_positions or dtype != self._last[0].dtype:
+            if self.cos.device != positions.device:
+                self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
             self._last = (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
             self._last_positions = positions
         return self._last
