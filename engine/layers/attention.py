@@ -3,9 +3,9 @@
 The KV cache of one layer is two tensors `[num_blocks * block_size, num_kv_heads, head_dim]`
 (flat slots: slot = block_id * block_size + offset). Writes go through `slot_mapping`; reads
 gather a sequence's slots through precomputed flat indices, then call SDPA; on CPUs decode
-queries instead go to a C kernel that reads the blocks in place (engine/layers/paged_decode.py). FP8 storage keeps
-`float8_e4m3fn` and a per-layer scale (x ≈ stored · scale); CPUs cannot do arithmetic on fp8,
-so values are upcast right after the gather.
+queries instead go to a C kernel that reads the blocks in place (engine/layers/paged_decode.py).
+FP8 storage keeps `float8_e4m3fn` and a per-layer scale (x ≈ stored · scale); CPUs cannot do
+arithmetic on fp8, so values are upcast right after the gather.
 """
 
 from __future__ import annotations
