@@ -91,10 +91,9 @@ class ModelRunner:
 
     def _block_tables(self, chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
         """[n, max_blocks] block ids of each chunk's request, right-padded with block 0."""
-        tables = torch.zeros(len(chunks), max(len(c.request.block_ids) for c in chunks), dtype=dtype)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.request.block_ids)] = torch.tensor(c.request.block_ids, dtype=dtype)
-        return tables
+        width = max(len(c.request.block_ids) for c in chunks)
+        return torch.tensor([c.request.block_ids + [0] * (width - len(c.request.block_ids)) for c in chunks],
+                            dtype=dtype)
 
     def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode:
         context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32)

@@ -83,8 +83,11 @@ def gptq_quantize(
         g_idx = torch.arange(cols) // g
 
     w, h = w[:, perm], h[perm][:, perm]
-    col_scale = scale.float()[:, g_idx[perm]]  # [out, in] in processing order (dynamic: filled per group)
-    col_zp = zero_point.float()[:, g_idx[perm]] if zero_point is not None else torch.zeros_like(col_scale)
+    if dynamic_groups:  # filled as the solve reaches each group
+        col_scale, col_zp = torch.empty(out, cols), torch.zeros(out, cols)
+    else:  # [out, in] in processing order
+        col_scale = scale.float()[:, g_idx[perm]]
+        col_zp = zero_point.float()[:, g_idx[perm]] if zero_point is not None else torch.zeros_like(col_scale)
 
     h += dampening * torch.mean(torch.diag(h)) * torch.eye(cols)
     try:
