@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import dense_matmul, prepack_cpu_weight
+from engine.layers import panel_matmul
+from engine.layers.linear import dense_matmul
 from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale
 from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
 from quant.schemes import QuantScheme
@@ -111,7 +112,7 @@ class QuantLinearBase(nn.Module, abc.ABC):
     def prepack(self) -> None:
         """Lay a dequantized fallback weight out for CPU GEMMs, as the engine does for dense layers."""
         dense = getattr(self, "weight_dense", None)
-        if dense is not None and (packed := prepack_cpu_weight(dense)) is not None:
+        if dense is not None and (packed := panel_matmul.pack(dense)) is not None:
             self.weight_dense = packed
 
     def extra_repr(self) -> str:

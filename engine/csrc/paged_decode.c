@@ -13,7 +13,7 @@
  *   block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
  * fp8 values decode through 256-entry tables that already hold the dequantization scale.
  *
- * Built at first use by engine/layers/paged_decode.py with the system C compiler; OpenMP
+ * Built at first use by engine/layers/cpu_kernels.py with the system C compiler; OpenMP
  * resolves to the runtime torch already loaded, so both share one thread pool.
  */
 #include <math.h>

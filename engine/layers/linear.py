@@ -10,10 +10,9 @@ the scheme:
 - ``finalize()`` runs once after every shard is loaded (merge shard scales, prepack for a fast
   kernel, free staging copies).
 
-On CPU the serving engine then re-lays dense weights out in oneDNN's blocked format
-(`prepack_cpu_weight`): matmuls with 1–32 rows, the decode regime, run 1.2–1.9× faster than
-`F.linear` on the plain row-major weight (measured in bench/README.md). Calibration edits
-weights in place, so only the engine packs, after loading.
+On CPU the serving engine then re-lays fp32 weights out in 16-column panels for its C matmul
+kernel (`engine/layers/panel_matmul.py`; decode runs 1.3–1.6× faster than on oneDNN's blocked
+layout). Calibration edits weights in place, so only the engine packs, after loading.
 """
 
 from __future__ import annotations
@@ -24,25 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import panel_matmul
+
 if TYPE_CHECKING:
     from quant.config import QuantizationConfig
 
 
-# oneDNN picks its blocked layout for this many rows; 32 also beat a 1-row layout at 1 row.
-_PACK_ROWS = 32
-
-
-def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout, or None where that layout does not apply."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
-
-
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b`` for a plain weight or one from `prepack_cpu_weight`."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """``x Wᵀ + b`` for a plain weight [N, K] or `panel_matmul.pack` panels (3-D)."""
+    if weight.dim() == 3:
+        return panel_matmul.matmul(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -84,8 +74,8 @@ class DenseLinear(nn.Module):
             raise ValueError(f"shards {sorted(missing)} were never loaded")
 
     def prepack(self) -> None:
-        """Swap the weight for its oneDNN-blocked copy (CPU fp32 only); the plain copy is freed."""
-        packed = prepack_cpu_weight(self.weight)
+        """Swap the weight for its CPU panel layout (fp32 only); the plain copy is freed."""
+        packed = panel_matmul.pack(self.weight)
         if packed is not None:
             del self.weight
             self.register_buffer("weight", packed, persistent=False)

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import panel_matmul
 from engine.layers.attention import Attention, ForwardContext
-from engine.layers.linear import dense_matmul, make_linear, prepack_cpu_weight
+from engine.layers.linear import dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             if module is not self and hasattr(module, "prepack"):
                 module.prepack()
         if self.lm_head is None:
-            self.packed_embedding = prepack_cpu_weight(self.model.embed_tokens.weight)
+            self.packed_embedding = panel_matmul.pack(self.model.embed_tokens.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.layers import paged_decode
+from engine.layers import cpu_kernels, paged_decode
 
 pytestmark = pytest.mark.skipif(not paged_decode.available(torch.float32, torch.device("cpu")),
                                 reason="no C compiler for the decode kernel")
@@ -73,41 +73,41 @@ def test_bf16_queries_are_accepted():
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
-    paged_decode._library.cache_clear()
+    cpu_kernels.kernel.cache_clear()
     try:
         assert not paged_decode.available(torch.float32, torch.device("cpu"))
     finally:
         monkeypatch.delenv("DRIFTGATE_CPU_KERNELS")
-        paged_decode._library.cache_clear()
+        cpu_kernels.kernel.cache_clear()
 
 
 def test_missing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("DRIFTGATE_HOME", str(tmp_path))  # no cached build to reuse
     monkeypatch.setenv("CC", "no-such-compiler")
-    paged_decode._library.cache_clear()
+    cpu_kernels.kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
             assert not paged_decode.available(torch.float32, torch.device("cpu"))
         assert "no C compiler" in caplog.text
     finally:
         monkeypatch.undo()
-        paged_decode._library.cache_clear()
+        cpu_kernels.kernel.cache_clear()
 
 
 def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("DRIFTGATE_HOME", str(tmp_path))
-    paged_decode._library.cache_clear()
+    cpu_kernels.kernel.cache_clear()
     try:
         assert paged_decode.available(torch.float32, torch.device("cpu"))
         built = list((tmp_path / "kernels").iterdir())
         assert len(built) == 1 and built[0].suffix == ".so"
         mtime = built[0].stat().st_mtime_ns
-        paged_decode._library.cache_clear()
+        cpu_kernels.kernel.cache_clear()
         assert paged_decode.available(torch.float32, torch.device("cpu"))
         assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()] == [mtime]  # reused, not rebuilt
     finally:
         monkeypatch.undo()
-        paged_decode._library.cache_clear()
+        cpu_kernels.kernel.cache_clear()
 
 
 def test_block_size_must_be_a_power_of_two():

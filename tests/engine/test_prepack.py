@@ -1,4 +1,4 @@
-"""The serving engine's CPU weight layout (oneDNN-blocked) computes the same Linear."""
+"""The serving engine's CPU weight layout (16-column panels, C kernel) computes the same Linear."""
 
 import pytest
 import torch
@@ -7,18 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM
-from engine.layers.linear import DenseLinear, prepack_cpu_weight
+from engine.layers import cpu_kernels, panel_matmul
+from engine.layers.linear import DenseLinear
 from engine.loader import load_model
 
-needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_kernel = pytest.mark.skipif(panel_matmul.pack(torch.zeros(16, 1)) is None, reason="no C compiler here")
 
 
-@needs_mkldnn
-@settings(max_examples=25, deadline=None)
-@given(rows=st.integers(0, 40), in_features=st.sampled_from([8, 64, 96]), sizes=st.lists(st.integers(1, 48), min_size=1,
-       max_size=3), bias=st.booleans(), seed=st.integers(0, 100))
-def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed):
-    g = torch.Generator().manual_seed(seed)
+def _layer(in_features: int, sizes: list[int], bias: bool, g: torch.Generator) -> DenseLinear:
     layer = DenseLinear(in_features, sizes, bias, torch.float32)
     for i, n in enumerate(sizes):
         tensors = {"weight": torch.randn(n, in_features, generator=g)}
@@ -26,27 +22,52 @@ def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed):
             tensors["bias"] = torch.randn(n, generator=g)
         layer.load_shard(i, tensors)
     layer.finalize()
+    return layer
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 40), in_features=st.sampled_from([1, 8, 37, 96]),
+       sizes=st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=3), bias=st.booleans(),
+       seed=st.integers(0, 100))
+def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed):
+    """Every row count crosses the kernel's row tiles and their leftovers (tiles of 4 or 8)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = _layer(in_features, sizes, bias, g)
     weight, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
     x = torch.randn(rows, in_features, generator=g)
     layer.prepack()
-    assert layer.weight.is_mkldnn
+    assert layer.weight.shape == (sum(sizes) // 16, in_features, 16)
     torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    x3d = torch.randn(2, 3, in_features, generator=g)
+    torch.testing.assert_close(layer(x3d), F.linear(x3d, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_only_cpu_fp32_weights_are_packed():
-    assert prepack_cpu_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+def test_weights_the_kernel_cannot_take_stay_plain(monkeypatch):
+    assert panel_matmul.pack(torch.randn(16, 8, dtype=torch.bfloat16)) is None
+    assert panel_matmul.pack(torch.randn(24, 8)) is None  # not whole panels
     if torch.cuda.is_available():
-        assert prepack_cpu_weight(torch.randn(8, 8, device="cuda")) is None
+        assert panel_matmul.pack(torch.randn(16, 8, device="cuda")) is None
+    monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
+    cpu_kernels.kernel.cache_clear()
+    try:
+        layer = _layer(8, [16], True, torch.Generator().manual_seed(0))
+        weight = layer.weight.clone()
+        layer.prepack()
+        assert torch.equal(layer.weight, weight)  # no kernel: the plain layout and F.linear
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.kernel.cache_clear()
 
 
-@needs_mkldnn
+@needs_kernel
 def test_engine_packs_its_weights_and_scores_like_the_plain_model(tiny_model_dir):
     llm = LLM(str(tiny_model_dir))
     model = llm.engine.model
-    assert model.model.layers[0].mlp.down_proj.weight.is_mkldnn
-    assert model.packed_embedding is not None and not model.model.embed_tokens.weight.is_mkldnn  # lookups stay dense
+    assert model.model.layers[0].mlp.down_proj.weight.dim() == 3
+    assert model.model.embed_tokens.weight.dim() == 2  # lookups stay dense
     plain, _ = load_model(tiny_model_dir)  # what calibration uses: never packed
-    assert not plain.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    assert plain.model.layers[0].mlp.down_proj.weight.dim() == 2
     ids = torch.tensor([5, 17, 42, 99, 3, 250, 7])
     with torch.inference_mode():
         expected = plain.compute_logits(plain(ids, torch.arange(len(ids))))
