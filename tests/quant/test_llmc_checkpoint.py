@@ -22,6 +22,7 @@ from compressed_tensors.quantization import QuantizationConfig as CTQuantization
 from safetensors.torch import load_file, save_file
 
 from engine import LLM
+from engine.layers import cpu_kernels
 from tests.helpers import make_tiny_model_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -144,7 +145,14 @@ TOLERANCE = 1e-4
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_dir, scheme):
+def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_dir, scheme, monkeypatch, request):
+    if scheme == "fp8-dynamic":
+        # Rounding activations to fp8 is discontinuous: the C kernels' other summation order moves
+        # an activation by an ulp, flips its rounding and moves log-probs by ~0.3. Compare with
+        # torch's arithmetic on both sides; the kernels equal torch in tests/engine.
+        monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
+        cpu_kernels.kernel.cache_clear()
+        request.addfinalizer(cpu_kernels.kernel.cache_clear)
     ckpt = tmp_path / scheme
     dequantized = write_llmc_checkpoint(source_dir, ckpt, scheme, kv=True)
     config = json.loads((ckpt / "config.json").read_text())["quantization_config"]

@@ -1,0 +1,55 @@
+"""The fused C RMSNorm (residual add + norm in one pass) equals the step-by-step fp32 formula."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.layers import cpu_kernels, norm
+from engine.layers.norm import RMSNorm
+
+needs_kernel = pytest.mark.skipif(norm._kernel() is None, reason="no C compiler here")
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 130), hidden=st.sampled_from([1, 7, 64, 576]), seed=st.integers(0, 100))
+def test_fused_kernel_equals_the_formula(rows, hidden, seed):
+    """Rows cross the kernel's threshold for splitting rows across threads (64)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = RMSNorm(hidden, 1e-5, torch.float32)
+    layer.weight.data = torch.randn(hidden, generator=g)
+    x, residual = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    torch.testing.assert_close(layer(x), _reference(x, layer.weight, 1e-5), rtol=1e-5, atol=1e-5)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, total = layer(x, residual)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs untouched
+    torch.testing.assert_close(total, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, _reference(x + residual, layer.weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_where_the_kernel_does_not_apply(monkeypatch):
+    layer = RMSNorm(8, 1e-6, torch.float32)
+    x = torch.randn(3, 8)
+    strided = torch.randn(8, 3).t()  # not contiguous: torch path
+    torch.testing.assert_close(layer(strided), _reference(strided, layer.weight, 1e-6))
+    monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
+    cpu_kernels.kernel.cache_clear()
+    try:
+        assert layer._fused_cpu(x, None) is None
+        out, total = layer(x, x)
+        torch.testing.assert_close(out, _reference(2 * x, layer.weight, 1e-6))
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.kernel.cache_clear()
+
+
+def test_bf16_keeps_the_torch_path():
+    layer = RMSNorm(8, 1e-6, torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    assert layer._fused_cpu(x, None) is None
+    assert layer(x).dtype == torch.bfloat16
