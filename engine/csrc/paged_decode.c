@@ -44,11 +44,24 @@ static inline const float *cache_row(const void *cache, int64_t index, int head_
     return dst;
 }
 
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+/* Sum of the lanes as a tree (a plain loop compiles to 16 dependent scalar adds). */
+static inline float lane_sum(vec16 v) {
+    vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 static inline float dot(const float *a, const float *b, int n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int i = 0; i < n; i++) acc += a[i] * b[i];
-    return acc;
+    vec16 acc = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) acc += *(const vec16 *)(a + i) * *(const vec16 *)(b + i);
+    float sum = lane_sum(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
 }
 
 /* How far ahead (in tokens) rows are prefetched: without it the kernel waits on DRAM for every
