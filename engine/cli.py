@@ -20,7 +20,7 @@ COMMANDS = {
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes` or `steps`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps` or `matmul`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -80,6 +80,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True)
+    from bench.matmul import add_matmul_args
     from bench.offline import add_offline_args
     from bench.perplexity import add_ppl_args
     from bench.schemes import add_schemes_args
@@ -93,6 +94,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                                                     "llama.cpp side by side"))
     add_steps_args(sub.add_parser("steps", help="engine step time per prefill length and decode batch "
                                                 "(cluster-sim --calibrate-from)"))
+    add_matmul_args(sub.add_parser("matmul", help="the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -112,6 +114,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench.steps import run_steps
 
         return run_steps(args)
+    if args.bench_command == "matmul":
+        from bench.matmul import run_matmul
+
+        return run_matmul(args)
     from bench.serve import run_bench_serve
 
     return run_bench_serve(args)
