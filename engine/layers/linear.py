@@ -11,7 +11,7 @@ the scheme:
   kernel, free staging copies).
 
 On CPU the serving engine then re-lays fp32 weights out in 16-column panels for its C matmul
-kernel (`engine/layers/panel_matmul.py`; decode runs 1.3–1.6× faster than on oneDNN's blocked
+kernel (`engine/layers/panel_matmul.py`; decode runs 1.3–1.4× faster than on oneDNN's blocked
 layout). Calibration edits weights in place, so only the engine packs, after loading.
 """
 
