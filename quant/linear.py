@@ -324,6 +324,9 @@ class WeightOnlyIntLinear(_IntWeightLinear):
     """W4A16 / W8A16: int weights (tensor/channel/group, sym or asym, optional g_idx), float activations.
 
     Kernels, chosen at ``finalize`` by device and model dtype:
+    - CPU, fp32 model: ``panel_matmul_i8`` (engine/csrc/panel_matmul.c), int8 weight panels with
+      their group scales, fp32 arithmetic: the weight streams at 1 byte per value (int4 values
+      are stored in int8, asymmetric ones with the zero point folded in).
     - CPU, bf16 model: ``torch._weight_int4pack_mm_for_cpu`` (int4, consecutive groups of
       32/64/128/256 dividing in, out a multiple of 16) or ``torch._weight_int8pack_mm`` (symmetric per-channel int8).
       These beat fp32 only with bf16 activations (10-80x slower with fp32).
@@ -341,14 +344,31 @@ class WeightOnlyIntLinear(_IntWeightLinear):
         self.kernel = self._pick_kernel()
         if self.kernel == "int8pack":
             self.register_buffer("kernel_scales", self.weight_scale[:, 0].to(torch.bfloat16), persistent=False)
+        elif self.kernel == "int8panel":
+            panels, scales = panel_matmul.pack_int8(self._zero_folded(), self.weight_scale)
+            self.register_buffer("kernel_weight", panels, persistent=False)
+            self.register_buffer("kernel_scales", scales, persistent=False)
         elif self.kernel.startswith("int4pack"):
             self._prepare_int4pack()
         else:
             self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
 
+    def _zero_folded(self) -> torch.Tensor:
+        """q − zero point per group (fits int8 for up to 7-bit schemes), or q when symmetric."""
+        if self.weight_zero_point is None:
+            return self.qweight
+        group = self.input_size // self.weight_zero_point.shape[1]
+        zp = self.weight_zero_point.to(torch.int16).repeat_interleave(group, dim=1)
+        return (self.qweight.to(torch.int16) - zp).to(torch.int8)
+
     def _pick_kernel(self) -> str:
         w = self.scheme.weights
         group = w.group_size or self.input_size
+        if (self.dtype == torch.float32 and self.g_idx is None and not self.qweight.is_cuda
+                and (self.weight_zero_point is None or w.num_bits <= 7)
+                and panel_matmul.int8_available() and self.output_size % panel_matmul.PANEL == 0
+                and self.input_size % self.weight_scale.shape[1] == 0):
+            return "int8panel"
         if self.dtype != torch.bfloat16 or self.g_idx is not None:
             return "dense"
         if w.num_bits == 4 and group in _INT4PACK_GROUPS and self.input_size % group == 0:
@@ -391,6 +411,8 @@ class WeightOnlyIntLinear(_IntWeightLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "dense":
             return self._add_bias(dense_matmul(x.to(self.dtype), self.weight_dense)).to(x.dtype)
+        if self.kernel == "int8panel":
+            return self._add_bias(panel_matmul.matmul_int8(x, self.kernel_weight, self.kernel_scales)).to(x.dtype)
         x2d = x.reshape(-1, self.input_size).to(torch.bfloat16)
         if self.kernel == "int8pack":
             y = torch._weight_int8pack_mm(x2d, self.qweight, self.kernel_scales)

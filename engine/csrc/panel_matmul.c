@@ -1,4 +1,5 @@
-/* y = x Wᵀ + b for CPUs, on a weight laid out in 16-column panels.
+/* y = x Wᵀ + b for CPUs, on a weight laid out in 16-column panels: float32 weights, or int8
+ * weights with float32 scales per group of input columns (weight-only W8A16 / W4A16).
  *
  * Decode multiplies a few activation rows by every weight, so the step is bound by how fast the
  * weights stream from memory. oneDNN's blocked layout reached 15–20 GB/s here at 1–8 rows; this
@@ -8,17 +9,39 @@
  * Layouts (all contiguous, float32):
  *   x      [M, K]
  *   panels [N / 16, K, 16]: panel p, row k holds W[16p .. 16p + 15][k]  (N a multiple of 16)
+ *   int8 weights: the same panels of int8, and scales [N / 16, K / group, 16], so that
+ *                 W[n][k] = panels[n / 16][k][n % 16] * scales[n / 16][k / group][n % 16]
  *   bias   [N] or NULL
  *   y      [M, N]
  *
  * Built at first use by engine/layers/cpu_kernels.py; OpenMP resolves to the runtime torch
  * already loaded, so both share one thread pool.
  */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
 
 enum { PANEL = 16 };
 typedef float panel_vec __attribute__((vector_size(PANEL * sizeof(float)), aligned(sizeof(float))));
+
+/* 16 int8 weights as floats. Spelled with intrinsics: GCC scalarizes the generic int8 → float
+ * vector conversion into 16 byte loads and inserts. */
+static inline __attribute__((always_inline)) panel_vec widen_int8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (panel_vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    union { panel_vec v; __m256 half[2]; } u;
+    u.half[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    u.half[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    return u.v;
+#else
+    panel_vec v;
+    for (int i = 0; i < PANEL; i++) v[i] = p[i];
+    return v;
+#endif
+}
 
 /* Activation rows per register tile: ROW_TILE accumulators plus the weight vector must fit the
  * vector registers (32 with AVX-512, 16 with AVX2, where one panel_vec takes two). */
@@ -64,6 +87,76 @@ void panel_matmul_f32(float *y, const float *x, const float *panels, const float
             TAIL(1) TAIL(2) TAIL(3)
 #if ROW_TILE > 4
             TAIL(4) TAIL(5) TAIL(6) TAIL(7)
+#endif
+            default: break;
+        }
+    }
+}
+
+/* The int8 tile: fewer rows than ROW_TILE so that CHAINS independent accumulators per row fit
+ * the registers. With one chain a row's FMAs wait on each other (4 cycles per 16 weights), which
+ * is 12 GB/s per core on int8 weights: slower than memory. */
+#ifdef __AVX512F__
+#define ROW_TILE_I8 4
+#define CHAINS 4
+#else
+#define ROW_TILE_I8 2
+#define CHAINS 2
+#endif
+
+/* As row_tile, on int8 panels: each group of input columns sums on its own, then is scaled. */
+static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y, const float *restrict x,
+                                                              const int8_t *restrict panel, const float *scales,
+                                                              const float *bias, int rows, int K, int N, int group) {
+    panel_vec total[ROW_TILE_I8];
+    for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
+    for (int k0 = 0; k0 < K; k0 += group, scales += PANEL) {
+        panel_vec acc[CHAINS][ROW_TILE_I8];
+        for (int c = 0; c < CHAINS; c++)
+            for (int i = 0; i < rows; i++) acc[c][i] = (panel_vec){0};
+        int k = k0;
+        for (; k + CHAINS <= k0 + group; k += CHAINS, panel += CHAINS * PANEL) {
+            __builtin_prefetch(panel + PREFETCH_BYTES);
+            for (int c = 0; c < CHAINS; c++) {
+                panel_vec w = widen_int8(panel + c * PANEL);
+                for (int i = 0; i < rows; i++) acc[c][i] += x[(int64_t)i * K + k + c] * w;
+            }
+        }
+        for (; k < k0 + group; k++, panel += PANEL) {
+            panel_vec w = widen_int8(panel);
+            for (int i = 0; i < rows; i++) acc[0][i] += x[(int64_t)i * K + k] * w;
+        }
+        panel_vec scale = *(const panel_vec *)scales;
+        for (int i = 0; i < rows; i++) {
+            panel_vec sum = acc[0][i];
+            for (int c = 1; c < CHAINS; c++) sum += acc[c][i];
+            total[i] += sum * scale;
+        }
+    }
+    panel_vec b = bias ? *(const panel_vec *)bias : (panel_vec){0};
+    for (int i = 0; i < rows; i++) *(panel_vec *)(y + (int64_t)i * N) = total[i] + b;
+}
+
+#define TAIL_I8(r) case r: row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, r, K, N, \
+                                       group); break;
+
+/* group must divide K (group = K: one scale per output channel). */
+void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
+                     int M, int N, int K, int group, int threads) {
+    int num_panels = N / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int p = 0; p < num_panels; p++) {
+        const int8_t *panel = panels + (int64_t)p * K * PANEL;
+        const float *scales_p = scales + (int64_t)p * (K / group) * PANEL;
+        const float *bias_p = bias ? bias + p * PANEL : 0;
+        float *y_p = y + p * PANEL;
+        int m = 0;
+        for (; m + ROW_TILE_I8 <= M; m += ROW_TILE_I8)
+            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, ROW_TILE_I8, K, N, group);
+        switch (M - m) {
+            TAIL_I8(1)
+#if ROW_TILE_I8 > 2
+            TAIL_I8(2) TAIL_I8(3)
 #endif
             default: break;
         }

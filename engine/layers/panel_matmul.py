@@ -41,3 +41,43 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = No
         _kernel()(y.data_ptr(), x2d.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                   x2d.shape[0], n, k, torch.get_num_threads())
     return y.reshape(*x.shape[:-1], n)
+
+
+_ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)
+
+
+def _kernel_int8() -> ctypes._CFuncPtr | None:
+    return cpu_kernels.kernel("panel_matmul", "panel_matmul_i8", _ARGTYPES_INT8, None)
+
+
+def int8_available() -> bool:
+    return _kernel_int8() is not None
+
+
+def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Weight-only int8 (any values in int8: int4 and int8 schemes alike), W = qweight · scale
+    with scale [N, G] over G equal groups of input columns → (int8 panels [N / 16, K, 16],
+    scale panels [N / 16, G, 16]), or None where the kernel does not apply."""
+    n, k = qweight.shape
+    groups = scale.shape[1]
+    if (qweight.device.type != "cpu" or qweight.dtype != torch.int8 or n % PANEL or k % groups
+            or _kernel_int8() is None):
+        return None
+    panels = qweight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    scales = scale.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+    return panels, scales
+
+
+def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int8(...)`."""
+    num_panels, k, _ = panels.shape
+    n = num_panels * PANEL
+    x2d = x.reshape(-1, k).to(torch.float32).contiguous()
+    y = torch.empty(x2d.shape[0], n, dtype=torch.float32)
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    if x2d.shape[0]:
+        _kernel_int8()(y.data_ptr(), x2d.data_ptr(), panels.data_ptr(), scales.data_ptr(),
+                       None if bias is None else bias.data_ptr(),
+                       x2d.shape[0], n, k, k // scales.shape[1], torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], n)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.layers import panel_matmul
 from quant.checkpoint import quantize_weight
 from quant.linear import Fp8Linear, Int8Linear, WeightOnlyIntLinear, make_quantized_linear
 from quant.schemes import QuantArgs, QuantScheme, preset
@@ -75,9 +76,15 @@ def test_int8_fbgemm_matches_per_token_reference(shape, seed, loud):
         assert rel_err(y[row], ref[row]) < 5e-2
 
 
+needs_int8_panel = pytest.mark.skipif(not panel_matmul.int8_available(), reason="no C compiler here")
+
+
+@needs_int8_panel
 def test_kernel_choice_follows_dtype():
     assert build(preset("w4a16", group_size=32), 64, [16], torch.bfloat16)[0].kernel == "int4pack_cpu"
-    assert build(preset("w4a16", group_size=32), 64, [16], torch.float32)[0].kernel == "dense"
+    assert build(preset("w4a16", group_size=32), 64, [16], torch.float32)[0].kernel == "int8panel"
+    assert build(preset("w8a16"), 64, [16], torch.float32)[0].kernel == "int8panel"
+    assert build(preset("w8a16"), 64, [8], torch.float32)[0].kernel == "dense"  # out not whole panels
     assert build(preset("w8a16"), 64, [16], torch.bfloat16)[0].kernel == "int8pack"
     assert build(preset("w4a16", group_size=48), 96, [16], torch.bfloat16)[0].kernel == "dense"  # 48 not a kernel group
     assert build(preset("w4a16", group_size=32), 64, [8], torch.bfloat16)[0].kernel == "dense"  # out not a multiple of 16
@@ -118,7 +125,8 @@ def test_asymmetric_and_g_idx_int4():
         module = make_quantized_linear(asym, k, [32], bias=False, dtype=dtype)
         module.load_shard(0, quantize_weight(w.to(dtype), asym))
         module.finalize()
-        assert module.kernel == ("int4pack_cpu" if dtype == torch.bfloat16 else "dense")
+        fp32_kernel = "int8panel" if panel_matmul.int8_available() else "dense"  # zero point folded into q
+        assert module.kernel == ("int4pack_cpu" if dtype == torch.bfloat16 else fp32_kernel)
         x = torch.randn(3, k).to(dtype)
         assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[dtype]
         assert rel_err(module.dequantized_weight(), w) < 0.1
