@@ -26,22 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from bench.output import save_result
+from bench.steps import positive_ints
 from engine.layers import panel_matmul
 from engine.models.llama import LlamaArgs
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",")]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got {text!r}")
-    return values
-
-
 def add_matmul_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, help="model folder (only config.json is read: the shapes)")
-    parser.add_argument("--rows", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 256])
+    parser.add_argument("--rows", type=positive_ints, default=[1, 2, 4, 8, 16, 32, 64, 256])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)

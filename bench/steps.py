@@ -34,7 +34,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 
-def _ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
     values = [int(x) for x in text.split(",")]
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got {text!r}")
@@ -45,8 +45,8 @@ def add_steps_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--prefill-lens", type=_ints, default=[32, 64, 128, 256, 512])
-    parser.add_argument("--decode-batches", type=_ints, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--prefill-lens", type=positive_ints, default=[32, 64, 128, 256, 512])
+    parser.add_argument("--decode-batches", type=positive_ints, default=[1, 2, 4, 8, 16])
     parser.add_argument("--decode-context", type=int, default=256, help="prompt tokens of each decoding request")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per shape per round")
     parser.add_argument("--rounds", type=int, default=3, help="passes over all shapes (medians over all samples)")

@@ -412,7 +412,7 @@ class WeightOnlyIntLinear(_IntWeightLinear):
         if self.kernel == "dense":
             return self._add_bias(dense_matmul(x.to(self.dtype), self.weight_dense)).to(x.dtype)
         if self.kernel == "int8panel":
-            return self._add_bias(panel_matmul.matmul_int8(x, self.kernel_weight, self.kernel_scales)).to(x.dtype)
+            return panel_matmul.matmul_int8(x, self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         x2d = x.reshape(-1, self.input_size).to(torch.bfloat16)
         if self.kernel == "int8pack":
             y = torch._weight_int8pack_mm(x2d, self.qweight, self.kernel_scales)

@@ -22,25 +22,36 @@ def _kernel() -> ctypes._CFuncPtr | None:
     return cpu_kernels.kernel("panel_matmul", "panel_matmul_f32", _ARGTYPES, None)
 
 
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] → [N / 16, C, 16]: row n of t lands in panel n // 16, lane n % 16."""
+    n, c = t.shape
+    return t.detach().reshape(n // PANEL, PANEL, c).transpose(1, 2).contiguous()
+
+
+def _run(kernel: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[torch.Tensor, ...],
+         bias: torch.Tensor | None, *sizes: int) -> torch.Tensor:
+    """Call a panel kernel on x [..., K] as float32 rows → y [..., N] float32."""
+    x2d = x.reshape(-1, k).to(torch.float32).contiguous()
+    y = torch.empty(x2d.shape[0], n, dtype=torch.float32)
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    if x2d.shape[0]:
+        kernel(y.data_ptr(), x2d.data_ptr(), *(w.data_ptr() for w in weights),
+               None if bias is None else bias.data_ptr(), x2d.shape[0], n, k, *sizes, torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], n)
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] → panels [N / 16, K, 16], or None where the kernel does not apply
     (not a CPU fp32 weight, N not a multiple of 16, or no kernel on this machine)."""
-    n, k = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or n % PANEL or _kernel() is None:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[0] % PANEL or _kernel() is None:
         return None
-    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    return _panels(weight)
 
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] float32 and W given as `pack(W)`."""
     num_panels, k, _ = panels.shape
-    n = num_panels * PANEL
-    x2d = x.reshape(-1, k).to(torch.float32).contiguous()
-    y = torch.empty(x2d.shape[0], n, dtype=torch.float32)
-    if x2d.shape[0]:
-        _kernel()(y.data_ptr(), x2d.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                  x2d.shape[0], n, k, torch.get_num_threads())
-    return y.reshape(*x.shape[:-1], n)
+    return _run(_kernel(), x, k, num_panels * PANEL, (panels,), bias)
 
 
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)
@@ -59,25 +70,14 @@ def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     with scale [N, G] over G equal groups of input columns → (int8 panels [N / 16, K, 16],
     scale panels [N / 16, G, 16]), or None where the kernel does not apply."""
     n, k = qweight.shape
-    groups = scale.shape[1]
-    if (qweight.device.type != "cpu" or qweight.dtype != torch.int8 or n % PANEL or k % groups
+    if (qweight.device.type != "cpu" or qweight.dtype != torch.int8 or n % PANEL or k % scale.shape[1]
             or _kernel_int8() is None):
         return None
-    panels = qweight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
-    scales = scale.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
-    return panels, scales
+    return _panels(qweight), _panels(scale.float())
 
 
 def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int8(...)`."""
     num_panels, k, _ = panels.shape
-    n = num_panels * PANEL
-    x2d = x.reshape(-1, k).to(torch.float32).contiguous()
-    y = torch.empty(x2d.shape[0], n, dtype=torch.float32)
-    bias = None if bias is None else bias.to(torch.float32).contiguous()
-    if x2d.shape[0]:
-        _kernel_int8()(y.data_ptr(), x2d.data_ptr(), panels.data_ptr(), scales.data_ptr(),
-                       None if bias is None else bias.data_ptr(),
-                       x2d.shape[0], n, k, k // scales.shape[1], torch.get_num_threads())
-    return y.reshape(*x.shape[:-1], n)
+    return _run(_kernel_int8(), x, k, num_panels * PANEL, (panels, scales), bias, k // scales.shape[1])
