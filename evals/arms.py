@@ -98,10 +98,13 @@ def selected_ids(policy: GatePolicy, data_dir: Path) -> dict[str, list[int]]:
     return {spec.name: spread_ids(len(tasks[spec.name].test_docs()), spec.items) for spec in policy.tier1.tasks}
 
 
-def run_tasks(llm: LLM, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]],
+def run_tasks(lm, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]],
               label: str) -> tuple[dict[str, dict[int, ItemResult]], dict[str, dict[str, float]]]:
-    """Run the policy's tasks on the given item ids; per-item results and aggregate scores."""
-    lm = DriftgateLM(llm=llm)
+    """Run the policy's tasks on the given item ids; per-item results and aggregate scores.
+
+    `lm` is an lm-eval model with a `generations` record (in-process `DriftgateLM` or the
+    HTTP `ServerLM`), from which generations that hit the token limit are read.
+    """
     print(f"[gate] {label}: lm-eval on {', '.join(f'{t} ({len(v)})' for t, v in ids.items())}", flush=True)
     out = lm_eval.simple_evaluate(
         model=lm,
@@ -125,21 +128,26 @@ def run_tasks(llm: LLM, policy: GatePolicy, data_dir: Path, ids: dict[str, list[
     return items, scores
 
 
-def tier2_prompts(llm: LLM, data_dir: Path, num_prompts: int) -> list[list[int]]:
+def tier2_prompts(tokenizer, data_dir: Path, num_prompts: int) -> list[list[int]]:
     """GSM8K 8-shot chain-of-thought prompts: long, shared-prefix, decode-heavy."""
     task = task_manager(data_dir).load(["driftgate_gsm8k_cot"])["tasks"]["driftgate_gsm8k_cot"]
     docs = task.test_docs()
     ids = spread_ids(len(docs), num_prompts)
-    return [llm.tokenizer.encode(task.fewshot_context(docs[i], num_fewshot=8)) for i in ids]
+    return [tokenizer.encode(task.fewshot_context(docs[i], num_fewshot=8)) for i in ids]
+
+
+def prompt_room(prompts: list[list[int]], max_model_len: int, max_new_tokens: int) -> list[list[int]]:
+    """Prompts cut from the left (keeping the question) to leave room for the generation."""
+    room = max_model_len - max_new_tokens
+    if room < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in max_model_len")
+    return [p[-room:] for p in prompts]
 
 
 def greedy_generations(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations; prompts are cut from the left (keeping the question) to leave room."""
-    room = llm.engine.max_model_len - max_new_tokens
-    if room < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in max_model_len")
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    prompts = [p[-room:] for p in prompts]
+    prompts = prompt_room(prompts, llm.engine.max_model_len, max_new_tokens)
     prefill_first(llm, prompts)  # the 8-shot exemplars are shared: compute them once
     outputs = llm.generate(prompts, params, use_tqdm=True)
     return [list(o.outputs[0].token_ids) for o in outputs]
@@ -170,7 +178,7 @@ def run_arm(model_dir: Path, policy: GatePolicy, data_dir: Path, ids: dict[str, 
     llm = build_engine(model_dir, policy, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
                        max_num_batched_tokens=max_num_batched_tokens)
     before = llm.stats()
-    items, scores = run_tasks(llm, policy, data_dir, ids, label)
+    items, scores = run_tasks(DriftgateLM(llm=llm), policy, data_dir, ids, label)
     after = llm.stats()
     generations: list[list[int]] = []
     if tier2_prompt_ids:
@@ -181,6 +189,18 @@ def run_arm(model_dir: Path, policy: GatePolicy, data_dir: Path, ids: dict[str, 
                      task_prompt_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
                      task_cached_tokens=after.prefix_cache_hits - before.prefix_cache_hits)
     return arm, llm
+
+
+def run_server_arm(base_url: str, model: str, tokenizer_dir: Path, policy: GatePolicy, data_dir: Path,
+                   ids: dict[str, list[int]], *, api_key: str | None = None) -> ArmResults:
+    """The candidate arm's tasks scored by a live OpenAI-compatible server serving `model`."""
+    from evals import remote
+
+    start = time.perf_counter()
+    lm = remote.server_lm(base_url, model, str(tokenizer_dir), max_length=policy.engine.max_model_len - 1,
+                          api_key=api_key)
+    items, scores = run_tasks(lm, policy, data_dir, ids, f"candidate @ {base_url}")
+    return ArmResults(items=items, scores=scores, wall_seconds=time.perf_counter() - start)
 
 
 class BaselineCache:

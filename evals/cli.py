@@ -35,6 +35,11 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
     parser.add_argument("--cache-dir", default=None, help="baseline result cache (default ~/.cache/driftgate)")
     parser.add_argument("--no-cache", action="store_true", help="always re-run the baseline arm")
+    parser.add_argument("--server", default=None, metavar="URL",
+                        help="score the candidate as served at URL (OpenAI-compatible) instead of in process; "
+                             "--candidate still names its checkpoint (tokenizer, and the hashes the verdict binds)")
+    parser.add_argument("--server-api-key", default=os.environ.get("DRIFTGATE_API_KEY"),
+                        help="bearer key for --server (default: $DRIFTGATE_API_KEY)")
 
 
 def check_model_dir(path: Path, role: str) -> dict[str, str]:
@@ -82,7 +87,7 @@ def run_gate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from evals import arms, data, drift, gate, report, verdict
+    from evals import arms, data, drift, gate, remote, report, verdict
     from evals.policy import load_policy
 
     started = time.perf_counter()
@@ -98,12 +103,18 @@ def _run(args: argparse.Namespace) -> int:
     ids = arms.selected_ids(policy, data_dir)
     cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
 
-    candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
-                                       kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
-    prompts = arms.tier2_prompts(cand_llm, data_dir, policy.tier2.num_prompts) if policy.tier2.enabled else []
-    if prompts:
-        print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
-        candidate.generations = arms.greedy_generations(cand_llm, prompts, policy.tier2.max_new_tokens)
+    server_card = None
+    if args.server:
+        candidate, server_card = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir)
+        cand_llm, prompts = None, server_card.pop("tier2_prompts")
+    else:
+        candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
+                                           kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
+        prompts = arms.tier2_prompts(cand_llm.tokenizer, data_dir, policy.tier2.num_prompts) \
+            if policy.tier2.enabled else []
+        if prompts:
+            print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
+            candidate.generations = arms.greedy_generations(cand_llm, prompts, policy.tier2.max_new_tokens)
 
     baseline, base_llm, cached = _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts,
                                                baseline_dir, baseline_hashes, data_hashes, variant="baseline")
@@ -116,7 +127,9 @@ def _run(args: argparse.Namespace) -> int:
     noise_cmp, noise_pooled = gate.compare_arms(policy, baseline.items, noise.items) if noise else ({}, None)
 
     parity, skip_reason = None, None
-    if policy.tier0.enabled:
+    if policy.tier0.enabled and cand_llm is None:
+        skip_reason = remote.TIER0_SKIP_REASON
+    elif policy.tier0.enabled:
         if base_llm is None:
             base_llm = arms.build_engine(baseline_dir, policy)
         base_fn, cand_fn = arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm)
@@ -126,8 +139,12 @@ def _run(args: argparse.Namespace) -> int:
             sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
             print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
             parity = drift.logit_parity(sequences, base_fn, cand_fn)
-    agreement = (drift.generation_agreement(baseline.generations, candidate.generations)
-                 if prompts and baseline.generations else None)
+    agreement = None
+    if prompts and baseline.generations:
+        # A server without exact ids returns text, re-encoded; the baseline's ids take the same round trip.
+        base_generations = (remote.as_served_tokens(baseline.generations, server_card["tokenizer"])
+                            if server_card and not server_card["exact_token_ids"] else baseline.generations)
+        agreement = drift.generation_agreement(base_generations, candidate.generations)
 
     checks = gate.decide(policy, comparisons, pooled, noise_pooled=noise_pooled, parity=parity,
                          parity_skip_reason=skip_reason, agreement=agreement)
@@ -136,6 +153,10 @@ def _run(args: argparse.Namespace) -> int:
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
                          cached, time.perf_counter() - started, noise)
+    if server_card:
+        manifest["candidate_server"] = {"url": args.server, "model": server_card["card"],
+                                        "serves_candidate": server_card["serves_candidate"],
+                                        "exact_token_ids": server_card["exact_token_ids"]}
     items = {arm_name: arm.to_json()["items"] for arm_name, arm in (("baseline", baseline), ("candidate", candidate))}
     full = report.build_report(result, manifest, items)
     report_dir = Path(args.report_dir) if args.report_dir else candidate_dir / "gate-report"
@@ -148,6 +169,42 @@ def _run(args: argparse.Namespace) -> int:
     print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}; reports in {paths['md'].parent}; "
           f"{time.perf_counter() - started:.0f}s", flush=True)
     return EXIT_PASS if result.passed else EXIT_DRIFT
+
+
+def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) -> tuple:
+    """The candidate arm from a live server: Tier 1 via lm-eval's HTTP client, Tier 2 via completions.
+
+    Returns the arm and a dict of what the rest of the run needs: the server's model card,
+    the candidate's tokenizer, the Tier 2 prompts, and whether the server is known to serve
+    the --candidate folder (None: it does not say).
+    """
+    from engine.tokenizer import load_tokenizer
+
+    try:
+        card = remote.server_model(args.server, args.server_api_key)
+        if (served_len := card.get("max_model_len")) is not None and served_len < policy.engine.max_model_len:
+            raise GateInputError(f"the server's max_model_len {served_len} is below the policy's "
+                                 f"{policy.engine.max_model_len}: serve with --max-model-len "
+                                 f"{policy.engine.max_model_len} so both arms see the same prompts")
+        # A driftgate or vLLM server names the folder it serves; elsewhere the gate cannot tell.
+        serves_candidate = None if card.get("root") is None else Path(card["root"]) == candidate_dir.resolve()
+        if serves_candidate is False:
+            print(f"[gate] warning: the server serves {card['root']}, not {candidate_dir.resolve()} "
+                  "(fine if it is a copy of the same checkpoint; the verdict binds the --candidate files)", flush=True)
+        candidate = arms.run_server_arm(args.server, card["id"], candidate_dir, policy, data_dir, ids,
+                                        api_key=args.server_api_key)
+        tokenizer = load_tokenizer(candidate_dir)
+        prompts: list[list[int]] = []
+        if policy.tier2.enabled:
+            prompts = arms.prompt_room(arms.tier2_prompts(tokenizer, data_dir, policy.tier2.num_prompts),
+                                       policy.engine.max_model_len, policy.tier2.max_new_tokens)
+            print(f"[gate] candidate @ {args.server}: {len(prompts)} greedy generations", flush=True)
+            candidate.generations, exact = remote.greedy_generations(
+                args.server, card["id"], prompts, policy.tier2.max_new_tokens, tokenizer, api_key=args.server_api_key)
+    except remote.ServerError as exc:
+        raise GateInputError(str(exc)) from exc
+    return candidate, {"card": card, "tokenizer": tokenizer, "tier2_prompts": prompts,
+                       "exact_token_ids": not prompts or exact, "serves_candidate": serves_candidate}
 
 
 def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_dir, baseline_hashes, data_hashes,
@@ -175,7 +232,7 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "baseline_weights_sha256": baseline_hashes,
         "candidate_weights_sha256": candidate_hashes,
         "candidate_config": json.loads((Path(args.candidate) / "config.json").read_text()).get("quantization_config"),
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": None if args.server else args.kv_cache_dtype,
         "kv_scales": args.kv_scales if args.kv_cache_dtype != "auto" else None,
         "data_sha256": data_hashes,
         "policy": asdict(policy),

@@ -48,7 +48,8 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         engine = state.ready_engine()
-        return ModelList(data=[ModelCard(id=config.served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=config.served_model_name, root=config.model_root,
+                                         max_model_len=engine.max_model_len)])
 
     @app.get("/health")
     async def health() -> Response:

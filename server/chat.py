@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from engine.outputs import CompletionOutput, RequestOutput
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
-from server.logprobs import TokenText, chat_logprobs
+from server.logprobs import TokenNamer, chat_logprobs, token_namer
 from server.params import build_sampling_params, check_model_name, check_prompt_ids
 from server.protocol import (
     AssistantMessage,
@@ -44,7 +44,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
 class _Renderer:
     """Builds chat choices and chunks; remembers what each streamed choice already got."""
 
-    def __init__(self, body: ChatCompletionRequest, request_id: str, model: str, text: TokenText,
+    def __init__(self, body: ChatCompletionRequest, request_id: str, model: str, text: TokenNamer,
                  prompt_tokens: int) -> None:
         self.body = body
         self.request_id = request_id
@@ -119,7 +119,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = RequestRecord(request_id)
     request.state.record = record
-    renderer = _Renderer(body, request_id, config.served_model_name, state.token_text, len(ids))
+    renderer = _Renderer(body, request_id, config.served_model_name,
+                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids))
     generation = Generation(state, engine, [EngineRequest(request_id, ids, params)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)

@@ -158,6 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(
             served_model_name=args.served_model_name or Path(args.model).resolve().name,
+            model_root=str(Path(args.model).resolve()),
             api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
             metrics_public=args.metrics_public, max_queue=args.max_queue,
             request_timeout_s=args.request_timeout, max_n=args.max_n,

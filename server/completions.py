@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from engine.outputs import CompletionOutput, RequestOutput
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
-from server.logprobs import TokenText, completion_logprobs
+from server.logprobs import TokenNamer, completion_logprobs, token_namer
 from server.params import build_sampling_params, check_model_name, check_prompt_ids
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from server.state import RequestRecord, ServerState
@@ -32,7 +32,7 @@ def _prompts(body: CompletionRequest, tokenizer) -> list[tuple[str | None, list[
 class _Renderer:
     """Builds choices from engine outputs; remembers what each streamed choice already got."""
 
-    def __init__(self, body: CompletionRequest, request_id: str, model: str, text: TokenText,
+    def __init__(self, body: CompletionRequest, request_id: str, model: str, text: TokenNamer,
                  prompts: list[tuple[str, list[int]]]) -> None:
         self.body = body
         self.request_id = request_id
@@ -117,7 +117,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     record = RequestRecord(request_id)
     request.state.record = record
-    renderer = _Renderer(body, request_id, config.served_model_name, state.token_text, prompts)
+    renderer = _Renderer(body, request_id, config.served_model_name,
+                         token_namer(state.token_text, body.return_tokens_as_token_ids), prompts)
     generation = Generation(state, engine, engine_requests, record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)

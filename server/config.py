@@ -10,6 +10,7 @@ class ServerConfig:
     """What the app needs to know beyond the engine: names, auth, limits."""
 
     served_model_name: str
+    model_root: str | None = None  # the served folder, reported as the model card's `root` (as vLLM does)
     api_key: str | None = None
     metrics_public: bool = False  # /health and /metrics open even when api_key is set
     max_queue: int = 1024  # requests not yet started before new ones get 429

@@ -6,6 +6,7 @@ would otherwise make the whole response unencodable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from engine.outputs import LogprobsDict
@@ -28,12 +29,25 @@ class TokenText:
         return self._decode(token_id)
 
 
+def token_ids_as_text(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` form: exact even where a token's text is not unique."""
+    return f"token_id:{token_id}"
+
+
+TokenNamer = Callable[[int], str]
+
+
+def token_namer(text: TokenText, as_ids: bool) -> TokenNamer:
+    """How logprob entries name tokens for one request."""
+    return token_ids_as_text if as_ids else text
+
+
 def _ranked(entries: LogprobsDict, top_n: int) -> list[tuple[int, float]]:
     return sorted(entries.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
 
 
 def completion_logprobs(
-    text: TokenText,
+    text: TokenNamer,
     token_ids: list[int],
     entries: list[LogprobsDict | None],
     top_n: int,
@@ -61,7 +75,7 @@ def completion_logprobs(
     return out
 
 
-def chat_logprobs(text: TokenText, token_ids: list[int], entries: list[LogprobsDict], top_n: int) -> ChatLogprobs:
+def chat_logprobs(text: TokenNamer, token_ids: list[int], entries: list[LogprobsDict], top_n: int) -> ChatLogprobs:
     """The chat shape: one item per generated token with its top `top_n` alternatives."""
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):

@@ -43,6 +43,7 @@ class SamplingFields(_Request):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:N", exact ids
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -198,6 +199,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "driftgate"
+    root: str | None = None
     max_model_len: int
 
 

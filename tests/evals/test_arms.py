@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine import LLM, SamplingParams
 from evals import arms
+from evals.lm_eval_model import DriftgateLM
 
 SHARED = [5, 9, 17, 33, 65, 129, 200, 7] * 6  # 48 tokens of "exemplars"
 
@@ -33,7 +34,7 @@ def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir):
              {"name": "driftgate_piqa", "metric": "acc_norm,none", "items": 24}]
     policy = policy_from_dict({"tier1": {"tasks": tasks}})
     llm = LLM(str(tiny_model_dir), dtype="float32")
-    items, _ = arms.run_tasks(llm, policy, data_dir, arms.selected_ids(policy, data_dir), "test")
+    items, _ = arms.run_tasks(DriftgateLM(llm=llm), policy, data_dir, arms.selected_ids(policy, data_dir), "test")
     gold = {"driftgate_arc_easy": [d["gold"] for d in data.load_arc(data_dir, "easy")],
             "driftgate_piqa": [d["label"] for d in data.load_piqa(data_dir)]}
     for task, results in items.items():

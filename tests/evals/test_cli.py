@@ -132,3 +132,71 @@ def test_damaged_checkpoint_fails_with_a_failing_verdict(setup):
     assert failed & {"tier1.pooled_drop", "tier1.flip_rate_above_floor", "tier2.mean_agreed_prefix"}
     with pytest.raises(verdict.VerdictError, match="failing"):
         verdict.check_verdict(damaged)
+
+
+@pytest.fixture(scope="module")
+def served_baseline(setup):
+    """The tiny baseline model behind a live OpenAI-compatible server: a deployed candidate."""
+    from engine import AsyncEngine, EngineConfig
+    from server.app import build_app
+    from server.config import ServerConfig
+    from tests.server.live import serve_in_thread
+
+    _, baseline, _ = setup
+    engine = AsyncEngine(EngineConfig(model=str(baseline), max_num_seqs=8, max_num_batched_tokens=512, seed=0))
+    engine.start()
+    try:
+        config = ServerConfig(served_model_name="served", model_root=str(baseline.resolve()))
+        with serve_in_thread(build_app(engine, config)) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_gating_a_live_server_scores_what_it_serves(setup, served_baseline):
+    root, baseline, policy = setup
+    assert _gate(baseline, baseline, policy, root, "--server", served_baseline) == EXIT_PASS
+    report = json.loads((root / "report" / "report.json").read_text())
+    assert report["manifest"]["candidate_server"]["url"] == served_baseline
+    assert report["manifest"]["candidate_server"]["model"]["id"] == "served"
+    assert report["manifest"]["candidate_server"]["exact_token_ids"]  # our server returns token ids
+    assert report["manifest"]["candidate_server"]["serves_candidate"]  # its model card names the folder
+    # Same weights over HTTP: every choice's log-likelihood equals the in-process baseline's.
+    base, cand = report["items"]["baseline"], report["items"]["candidate"]
+    compared = 0
+    for task, rows in base.items():
+        served = {row["doc_id"]: row for row in cand[task]}
+        for row in rows:
+            assert served[row["doc_id"]]["choice_logprobs"] == pytest.approx(row["choice_logprobs"], abs=1e-3)
+            compared += 1
+    assert compared == 16
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["tier0"]["status"] == "skipped" and "HTTP" in checks["tier0"]["detail"]
+    assert checks["tier2.mean_agreed_prefix"]["status"] == "pass"
+    assert report["tier2"]["num_identical"] == report["tier2"]["num_prompts"] == 1
+
+
+def test_servers_without_token_ids_fall_back_to_text():
+    from evals import remote
+
+    assert remote._token_ids({"logprobs": {"tokens": ["token_id:5", "token_id:17"]}}) == [5, 17]
+    assert remote._token_ids({"logprobs": {"tokens": ["Hello", " world"]}}) is None  # the extension was ignored
+    assert remote._token_ids({"text": "Hello world", "logprobs": None}) is None
+
+
+def test_unreachable_server_is_exit_2(setup, capsys):
+    root, baseline, policy = setup
+    assert _gate(baseline, baseline, policy, root, "--server", "http://127.0.0.1:9") == EXIT_ERROR
+    assert "cannot reach http://127.0.0.1:9/v1/models" in capsys.readouterr().err
+
+
+def test_server_with_a_shorter_context_than_the_policy_is_exit_2(setup, served_baseline, capsys):
+    import httpx
+
+    root, baseline, _ = setup
+    served_len = httpx.get(served_baseline + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    policy = root / "long.toml"
+    policy.write_text(TINY_POLICY.replace("max_model_len = 512", f"max_model_len = {served_len + 1}"))
+    assert _gate(baseline, baseline, policy, root, "--server", served_baseline) == EXIT_ERROR
+    assert f"max_model_len {served_len} is below the policy's {served_len + 1}" in capsys.readouterr().err

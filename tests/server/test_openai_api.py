@@ -85,6 +85,21 @@ def test_echo_with_logprobs_returns_prompt_logprobs_first_null(client, base_url)
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
 
 
+def test_tokens_as_token_ids_name_the_exact_ids(client, base_url):
+    """vLLM's `return_tokens_as_token_ids`: the ids, not texts that may not re-encode to them."""
+    prompt_ids = httpx.post(base_url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                    echo=True, extra_body={"return_tokens_as_token_ids": True})
+    lp = out.choices[0].logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    assert all(t.startswith("token_id:") for t in lp.tokens)
+    assert ids[:len(prompt_ids)] == prompt_ids
+    assert httpx.post(base_url + "/detokenize", json={"tokens": ids[len(prompt_ids):]},
+                      timeout=10).json()["prompt"] == out.choices[0].text[len(PROMPT):]
+    for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True):
+        assert token in top and all(k.startswith("token_id:") for k in top)
+
+
 def test_chat_logprobs(client):
     out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0,
                                          logprobs=True, top_logprobs=3)
