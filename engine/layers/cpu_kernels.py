@@ -9,6 +9,7 @@ gives None and callers keep their torch path.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import hashlib
 import logging
@@ -27,6 +28,14 @@ SOURCES = Path(__file__).resolve().parent.parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
+@functools.cache
+def _flags() -> list[str]:
+    """CFLAGS, plus glibc's vector math library where there is one (kernels then vectorize expf)."""
+    if ctypes.util.find_library("mvec") is None:
+        return CFLAGS
+    return [*CFLAGS, "-fno-math-errno", "-DHAVE_LIBMVEC", "-lmvec"]
+
+
 def _cpu_signature() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
     try:
@@ -39,7 +48,7 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str, source: Path) -> Path:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join([compiler, *CFLAGS]).encode(), _cpu_signature().encode()):
+    for part in (source.read_bytes(), " ".join([compiler, *_flags()]).encode(), _cpu_signature().encode()):
         digest.update(part)
     target = driftgate_home() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -49,7 +58,7 @@ def _build(compiler: str, source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, str(source), *_flags(), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

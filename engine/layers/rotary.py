@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 from torch import nn
+
+from engine.layers import cpu_kernels
+
+_ARGTYPES = (*[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+
+def _kernel() -> ctypes._CFuncPtr | None:
+    return cpu_kernels.kernel("rotary", "rotary_f32", _ARGTYPES, None)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -51,9 +60,28 @@ class RotaryEmbedding(nn.Module):
         self._last = (self.cos, self.sin)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (queries and keys together) → rotated, same shape."""
+        """x: [T, heads, head_dim] (queries and keys together) → rotated, same shape.
+
+        On CPU fp32 the C kernel rotates x in place (x may be a row-strided view of the fused
+        qkv output) and returns it; elsewhere the result is a new tensor.
+        """
+        if self._rotate_in_place(positions, x):
+            return x
         cos, sin = self._lookup(positions, x.dtype)
         return x * cos + _rotate_half(x) * sin
+
+    def _rotate_in_place(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """Apply the C kernel where it fits (fp32 CPU, head vectors contiguous within each row)."""
+        num_tokens, heads, head_dim = x.shape
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != head_dim
+                or positions.dtype != torch.int64 or not positions.is_contiguous() or self.cos.device != x.device):
+            return False
+        kernel = _kernel()
+        if kernel is None:
+            return False
+        kernel(x.data_ptr(), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), num_tokens,
+               x.stride(0), heads, head_dim, torch.get_num_threads())
+        return True
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows [T, 1, head_dim] of `positions`. One module serves every layer and all layers

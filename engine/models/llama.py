@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import panel_matmul
+from engine.layers.activation import silu_and_mul
 from engine.layers.attention import Attention, ForwardContext
 from engine.layers.linear import dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
@@ -108,8 +108,7 @@ class LlamaMLP(nn.Module):
                                      prefixes=[f"{prefix}.down_proj"], quant_config=quant_config, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

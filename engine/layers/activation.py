@@ -1,0 +1,28 @@
+"""SwiGLU's gate, silu(gate) · up, over the fused gate_up projection's output."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers import cpu_kernels
+
+_ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+
+def _kernel() -> ctypes._CFuncPtr | None:
+    return cpu_kernels.kernel("activation", "silu_mul_f32", _ARGTYPES, None)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2·I] (gate then up) → silu(gate) · up [..., I]; one C pass on CPU fp32."""
+    inter = x.shape[-1] // 2
+    kernel = _kernel() if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() else None
+    if kernel is None:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    out = x.new_empty(*x.shape[:-1], inter)
+    kernel(out.data_ptr(), x.data_ptr(), x.numel() // x.shape[-1], inter, torch.get_num_threads())
+    return out
