@@ -35,10 +35,26 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale):
 @given(
     cache_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), head_dim=st.sampled_from([8, 64]),
-    block_size=st.sampled_from([1, 4, 16]), lens=st.lists(st.integers(1, 70), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 16]), lens=st.lists(st.integers(1, 300), min_size=1, max_size=5),
     seed=st.integers(0, 1000),
 )
 def test_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed):
+    """Contexts past 128 with few (sequence, KV head) pairs take the kernel's split-context path."""
+    _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed)
+
+
+@pytest.mark.parametrize("lens", [[1, 257], [300], [129, 64, 2]])
+def test_split_contexts_merge_to_the_reference(lens):
+    """Few sequences: each context is cut into ranges across threads (a 1-token one leaves a range empty)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split count depends on the thread count: pin it
+    try:
+        _check_against_reference(torch.float32, 1, 3, 64, 16, lens, 0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed):
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + 3
