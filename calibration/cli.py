@@ -40,6 +40,9 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", required=True, choices=SCHEMES,
                         help="weight scheme; 'none' writes KV-cache scales only (needs --kv-cache)")
     parser.add_argument("--algo", default=_DEFAULTS["algorithm"], choices=ALGORITHMS, help="weight algorithm")
+    parser.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
+                        help="w8a8-int8: migrate activation outliers into the weights first (SmoothQuant, "
+                             "strength α in (0, 1]; the paper uses 0.5)")
     parser.add_argument("--group-size", type=_group_size, default=None, metavar="{auto," +
                         ",".join(map(str, GROUP_SIZES)) + "}",
                         help="INT4 group size; auto takes the largest that divides every input size")
@@ -64,7 +67,7 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
     """The one place parsed arguments become a validated :class:`QuantizeOptions`."""
     return QuantizeOptions(
         model_dir=args.model_dir, calib_path=args.calib, output_dir=args.output, scheme=args.scheme,
-        algorithm=args.algo, group_size=args.group_size, kv_cache=args.kv_cache,
+        algorithm=args.algo, smoothquant=args.smoothquant, group_size=args.group_size, kv_cache=args.kv_cache,
         kv_strategy=args.kv_scale_strategy, num_samples=args.num_samples, num_heldout=args.num_heldout,
         max_seq_len=args.max_seq_len, ignore=tuple(args.ignore), device=args.device, seed=args.seed,
         allow_few=args.allow_few, overwrite=args.overwrite,

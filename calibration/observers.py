@@ -59,6 +59,11 @@ class HessianObserver:
         self._sum.addmm_(rows.T, rows)
         self.num_tokens += rows.shape[0]
 
+    def rescale_inputs(self, scales: torch.Tensor) -> None:
+        """The Hessian of ``X / scales`` (per input channel), after smoothing divided the input by them."""
+        inverse = 1.0 / scales.to(self._sum)
+        self._sum.mul_(inverse.unsqueeze(1) * inverse.unsqueeze(0))
+
     @property
     def hessian(self) -> torch.Tensor:
         """``[in_features, in_features]`` in the accumulation dtype."""

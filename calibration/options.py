@@ -26,6 +26,7 @@ class QuantizeOptions:
     output_dir: Path
     scheme: str
     algorithm: str = "rtn"
+    smoothquant: float | None = None  # SmoothQuant migration strength α (w8a8-int8 only); None: off
     group_size: int | None = None
     kv_cache: str | None = None
     kv_strategy: str = "tensor"
@@ -51,6 +52,11 @@ class QuantizeOptions:
         if self.algorithm != "rtn" and self.scheme not in _ALGORITHM_SCHEMES[self.algorithm]:
             raise ValueError(f"--algo {self.algorithm} applies to {', '.join(_ALGORITHM_SCHEMES[self.algorithm])}, "
                              f"not --scheme {self.scheme}")
+        if self.smoothquant is not None:
+            if self.scheme != "w8a8-int8":
+                raise ValueError(f"--smoothquant applies to w8a8-int8 (its activations are quantized), not {self.scheme}")
+            if not 0.0 < self.smoothquant <= 1.0:
+                raise ValueError(f"--smoothquant α must be in (0, 1], got {self.smoothquant}")
         if self.group_size is not None:
             if self.scheme not in _GROUPED_SCHEMES:
                 raise ValueError(f"--group-size applies to {', '.join(_GROUPED_SCHEMES)}; "

@@ -27,6 +27,7 @@ from quant.gptq import gptq_quantize
 from quant.linear import make_quantized_linear
 from quant.schemes import QuantScheme
 from quant.smoothing import fold_smoothing_scales
+from quant.smoothquant import smoothquant_scales
 
 
 def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -41,7 +42,7 @@ def _shard_rows(output_sizes: tuple[int, ...]) -> list[slice]:
 
 @dataclass(frozen=True, slots=True)
 class _SmoothMapping:
-    """AWQ pair: the balance Linear at ``balance`` reads channels produced by ``smooth``.
+    """AWQ / SmoothQuant pair: the balance Linear at ``balance`` reads channels produced by ``smooth``.
 
     ``smooth`` is an RMSNorm (whole weight) or rows ``rows`` of a fused Linear's weight.
     """
@@ -51,7 +52,7 @@ class _SmoothMapping:
     rows: slice | None = None
 
 
-def _awq_mappings(layer: nn.Module) -> list[_SmoothMapping]:
+def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     """The Llama block's smoothable pairs.
 
     v_proj → o_proj is left out under grouped-query attention: its scales would have to be
@@ -70,20 +71,22 @@ def _awq_mappings(layer: nn.Module) -> list[_SmoothMapping]:
 
 
 class WeightQuantizer:
-    """RTN / GPTQ / AWQ for one scheme; implements the pipeline's ``LayerQuantizer``."""
+    """RTN / GPTQ / AWQ for one scheme, optionally after SmoothQuant; the pipeline's ``LayerQuantizer``."""
 
-    def __init__(self, scheme: QuantScheme, algorithm: str):
+    def __init__(self, scheme: QuantScheme, algorithm: str, smoothquant_alpha: float | None = None):
         self.scheme = scheme
         self.algorithm = algorithm
+        self.smoothquant_alpha = smoothquant_alpha
         acts = scheme.input_activations
-        self.needs_statistics = algorithm != "rtn" or (acts is not None and not acts.dynamic)
+        self.needs_statistics = (algorithm != "rtn" or smoothquant_alpha is not None
+                                 or (acts is not None and not acts.dynamic))
         self.needs_hessian = algorithm == "gptq"
         self.needs_activations = algorithm == "awq"
 
     def quantize_layer(self, layer_idx: int, layer: nn.Module, targets: list[LinearTarget],
                        stats: dict[str, LinearStats]) -> LayerQuantization:
         result = LayerQuantization(tensors={}, weight_errors={})
-        if self.algorithm == "awq":
+        if self.algorithm == "awq" or self.smoothquant_alpha is not None:
             result.changed = self._smooth(layer_idx, layer, targets, stats)
         for target in targets:
             self._quantize_target(layer, target, stats[target.module_path], result)
@@ -153,24 +156,30 @@ class WeightQuantizer:
 
     def _smooth(self, layer_idx: int, layer: nn.Module, targets: list[LinearTarget],
                 stats: dict[str, LinearStats]) -> dict[str, torch.Tensor]:
-        """Search every mapping's scales on the unsmoothed layer, then fold them all in place.
+        """Find every mapping's scales on the unsmoothed layer, then fold them all in place.
 
-        Searching first keeps each search on the statistics it was observed with; folding is
-        output-preserving, so the order of the folds does not matter. Returns the norm weights
-        that absorbed scales, by checkpoint name (smoothed Linear rows are quantized next).
+        Scales come from AWQ's search or SmoothQuant's closed form. Finding them all first keeps
+        each on the statistics it was observed with; folding is output-preserving, so the order
+        of the folds does not matter. Returns the norm weights that absorbed scales, by
+        checkpoint name (smoothed Linear rows are quantized next). A GPTQ solve that follows
+        gets the Hessian of the smoothed input, X / s.
         """
         quantized = {t.module_path: t for t in targets}
         w = self.scheme.weights
         searched = []
-        for mapping in _awq_mappings(layer):
+        for mapping in _smooth_mappings(layer):
             if mapping.balance not in quantized or (mapping.rows is not None and mapping.smooth not in quantized):
                 continue  # nothing to protect, or the scales would land in a Linear kept dense
             balance_stats = stats[mapping.balance]
-            found = awq_search_scales(  # on CPU, where the token sample is kept
-                layer.get_submodule(mapping.balance).weight.detach().float().cpu(), balance_stats.token_sample.rows,
-                num_bits=w.num_bits, group_size=w.group_size, symmetric=w.symmetric,
-                act_mean_abs=balance_stats.mean_abs.mean)
-            searched.append((mapping, found.scales))
+            balance_weight = layer.get_submodule(mapping.balance).weight.detach().float().cpu()
+            if self.smoothquant_alpha is not None:
+                scales = smoothquant_scales(balance_stats.input_absmax.per_channel.cpu(), [balance_weight],
+                                            self.smoothquant_alpha)
+            else:
+                scales = awq_search_scales(  # on CPU, where the token sample is kept
+                    balance_weight, balance_stats.token_sample.rows, num_bits=w.num_bits, group_size=w.group_size,
+                    symmetric=w.symmetric, act_mean_abs=balance_stats.mean_abs.mean).scales
+            searched.append((mapping, scales))
         changed: dict[str, torch.Tensor] = {}
         for mapping, scales in searched:
             balance = layer.get_submodule(mapping.balance)
@@ -183,6 +192,8 @@ class WeightQuantizer:
             [balanced], smoothed, bias = fold_smoothing_scales(
                 scales, balance_weights=[balance.weight.data], smooth_weight=smooth_weight, smooth_bias=smooth_bias)
             balance.weight.data.copy_(balanced)
+            if self.needs_hessian:
+                stats[mapping.balance].hessian.rescale_inputs(scales)
             smooth_weight.copy_(smoothed)  # a view: writes into the norm or the fused Linear's rows
             if bias is not None:
                 smooth_bias.copy_(bias)

@@ -51,6 +51,7 @@ def build_report(options: QuantizeOptions, calib: CalibrationSet, result: Calibr
         "model_dir": str(options.model_dir.resolve()),
         "scheme": options.scheme,
         "algorithm": options.algorithm if options.scheme != "none" else None,
+        "smoothquant_alpha": options.smoothquant,
         "group_size": group_size,
         "group_size_requested": options.group_size if options.group_size is not None else "auto",
         "kv_cache": options.kv_cache,

@@ -135,7 +135,8 @@ def quantize(options: QuantizeOptions) -> Path:
     stored = config.get("torch_dtype") or config.get("dtype")
     model, _ = load_model(options.model_dir, dtype=stored if stored in _STORED_DTYPES else "float32", device="cpu")
     scheme = _scheme(options, group_size)
-    quantizer = WeightQuantizer(scheme, options.algorithm) if scheme is not None else None
+    quantizer = (WeightQuantizer(scheme, options.algorithm, smoothquant_alpha=options.smoothquant)
+                 if scheme is not None else None)
     result = calibrate(model, calib.samples, calib.heldout, targets, quantizer,
                        observe_kv=options.kv_cache is not None, device=options.device)
     del model

@@ -18,7 +18,7 @@ BIN=${BIN:-.venv/bin}
 LLAMA_BIN=${DRIFTGATE_LLAMA_CPP:-${DRIFTGATE_HOME:-$HOME/.cache/driftgate}/llama.cpp/bin}
 GGUF=${GGUF:-${DRIFTGATE_HOME:-$HOME/.cache/driftgate}/gguf/smollm2-135m-instruct.Q8_0.gguf}
 TOKENIZER=${TOKENIZER:-${DRIFTGATE_HOME:-$HOME/.cache/driftgate}/models/smollm2-135m-instruct}
-SWEEP=${SWEEP:-0.5,1,2,4}
+SWEEP=${SWEEP-0.5,1,2,4}
 PORT_OURS=${PORT_OURS:-18431}
 PORT_LLAMA=${PORT_LLAMA:-18432}
 
@@ -71,9 +71,11 @@ for run in $(seq "$RUNS"); do
   stop
 done
 
-start_ours
-"$BIN/driftgate" bench serve --base-url "http://127.0.0.1:$PORT_OURS" --model smollm2 --tokenizer "$TOKENIZER" \
-  --dataset sharegpt --num-prompts 64 --sweep "$SWEEP" --ignore-eos --no-progress \
-  --result-json "$OUT/ours-sharegpt-sweep.json" --plot "$OUT/ours-sharegpt-sweep.png"
-stop
+if [[ -n $SWEEP ]]; then  # SWEEP= (empty) skips it
+  start_ours
+  "$BIN/driftgate" bench serve --base-url "http://127.0.0.1:$PORT_OURS" --model smollm2 --tokenizer "$TOKENIZER" \
+    --dataset sharegpt --num-prompts 64 --sweep "$SWEEP" --ignore-eos --no-progress \
+    --result-json "$OUT/ours-sharegpt-sweep.json" --plot "$OUT/ours-sharegpt-sweep.png"
+  stop
+fi
 echo "results in $OUT"

@@ -77,3 +77,37 @@ def test_checkpoint_reloads_and_tracks_the_source_model(runs, outlier_model_dir,
 
     # on text like the calibration set's, but not in it, the served checkpoint beats RTN too
     assert error(algo) < error("rtn")
+
+
+@pytest.fixture(scope="module")
+def w8a8_runs(outlier_model_dir, tmp_path_factory):
+    """calibration.json of w8a8-int8 plain, with SmoothQuant, and with SmoothQuant then GPTQ."""
+    root = tmp_path_factory.mktemp("smoothquant")
+    calib = write_calib_file(root / "calib.jsonl", 48)
+    reports = {}
+    for name, extra in (("plain", []), ("sq", ["--smoothquant", "0.5"]), ("sq-gptq", ["--smoothquant", "0.5",
+                                                                                      "--algo", "gptq"])):
+        out = root / name
+        assert main([str(outlier_model_dir), "--calib", str(calib), "-o", str(out), "--scheme", "w8a8-int8",
+                     "--num-samples", "32", "--num-heldout", "16", *extra]) == 0
+        reports[name] = (out, json.loads((out / "calibration.json").read_text()))
+    return reports
+
+
+@pytest.mark.parametrize("name", ["sq", "sq-gptq"])
+def test_smoothquant_lowers_w8a8_error_where_activations_have_outliers(w8a8_runs, outlier_model_dir, name):
+    """Per-token int8 activations lose the small channels next to a ×10 outlier; smoothing moves it into the weights."""
+    plain = [layer["output_error"] for layer in w8a8_runs["plain"][1]["layers"]]
+    errors = [layer["output_error"] for layer in w8a8_runs[name][1]["layers"]]
+    assert all(e < p for e, p in zip(errors, plain, strict=True)), (name, errors, plain)
+    assert w8a8_runs[name][1]["smoothquant_alpha"] == 0.5 and w8a8_runs["plain"][1]["smoothquant_alpha"] is None
+    norm = "model.layers.0.input_layernorm.weight"
+    smoothed = load_file(w8a8_runs[name][0] / "model.safetensors")[norm]
+    assert not torch.equal(smoothed, load_file(outlier_model_dir / "model.safetensors")[norm])
+
+
+def test_smoothquant_is_refused_for_weight_only_schemes(outlier_model_dir, tmp_path, capsys):
+    calib = write_calib_file(tmp_path / "calib.jsonl", 8)
+    assert main([str(outlier_model_dir), "--calib", str(calib), "-o", str(tmp_path / "out"), "--scheme", "w4a16",
+                 "--smoothquant", "0.5"]) == 2
+    assert "--smoothquant applies to w8a8-int8" in capsys.readouterr().err

@@ -82,3 +82,14 @@ def test_token_sample_spreads_over_calls_and_caps():
 def test_empty_observer_refuses_to_report():
     with pytest.raises(RuntimeError, match="no data"):
         _ = HessianObserver(2).hessian
+
+
+def test_hessian_rescaled_for_a_smoothed_input():
+    """After smoothing divides the input by s per channel, the solve needs the Hessian of X / s."""
+    x = torch.randn(50, 6)
+    scales = torch.rand(6) + 0.5
+    observer, smoothed = HessianObserver(6), HessianObserver(6)
+    observer.update(x)
+    smoothed.update(x / scales)
+    observer.rescale_inputs(scales)
+    torch.testing.assert_close(observer.hessian, smoothed.hessian, rtol=1e-5, atol=1e-6)
