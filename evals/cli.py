@@ -148,8 +148,12 @@ def _run(args: argparse.Namespace) -> int:
 
     checks = gate.decide(policy, comparisons, pooled, noise_pooled=noise_pooled, parity=parity,
                          parity_skip_reason=skip_reason, agreement=agreement)
+    length_accuracy = {task: drift.accuracy_by_generation_length(baseline.items[task], candidate.items[task])
+                       for task, items in baseline.items.items()
+                       if items and next(iter(items.values())).choice_scores is None}  # generative tasks
     result = gate.outcome(checks, comparisons=comparisons, pooled=pooled, noise_floor=noise_cmp,
-                          noise_pooled=noise_pooled, parity=parity, agreement=agreement)
+                          noise_pooled=noise_pooled, parity=parity, agreement=agreement,
+                          length_accuracy=length_accuracy)
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
                          cached, time.perf_counter() - started, noise)

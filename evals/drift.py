@@ -458,6 +458,39 @@ def generation_agreement(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class LengthBucket:
+    """Paired accuracy of the items whose baseline generation length falls in [min_chars, max_chars]."""
+
+    min_chars: int
+    max_chars: int
+    num_items: int
+    baseline_accuracy: float
+    candidate_accuracy: float
+
+
+def accuracy_by_generation_length(baseline: dict[int, ItemResult], candidate: dict[int, ItemResult],
+                                  num_buckets: int = 4) -> list[LengthBucket]:
+    """A generative task's accuracy in equal-count buckets of the baseline's generation length.
+
+    Both arms are scored on the same items in each bucket, so a candidate that holds up on short
+    answers and falls off on long chains of thought (the signature of a drifting KV cache)
+    shows as a gap that widens with length. Length is in characters: it needs no tokenizer and
+    means the same for an in-process arm and a served one.
+    """
+    ids = sorted(baseline.keys() & candidate.keys(), key=lambda i: (len(baseline[i].response), i))
+    if not ids:
+        return []
+    buckets = []
+    for chunk in np.array_split(np.asarray(ids), min(num_buckets, len(ids))):
+        lengths = [len(baseline[int(i)].response) for i in chunk]
+        buckets.append(LengthBucket(
+            min_chars=min(lengths), max_chars=max(lengths), num_items=len(chunk),
+            baseline_accuracy=float(np.mean([baseline[int(i)].correct for i in chunk])),
+            candidate_accuracy=float(np.mean([candidate[int(i)].correct for i in chunk]))))
+    return buckets
+
+
 def kl_growth(parity: LogitParity) -> float | None:
     """p99 KL in the longest populated position bucket over the first bucket's (FP8-KV signature)."""
     names = [bucket_name(b) for b in POSITION_BUCKETS if bucket_name(b) in parity.by_position]

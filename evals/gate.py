@@ -15,6 +15,7 @@ from evals import stats
 from evals.drift import (
     GenerationAgreement,
     ItemResult,
+    LengthBucket,
     LogitParity,
     TaskComparison,
     compare_items,
@@ -48,6 +49,7 @@ class GateOutcome:
     noise_pooled: TaskComparison | None = None
     parity: LogitParity | None = None
     agreement: GenerationAgreement | None = None
+    length_accuracy: dict[str, list[LengthBucket]] = field(default_factory=dict)  # generative tasks only
 
     @property
     def failed_checks(self) -> list[Check]:

@@ -51,6 +51,8 @@ def build_report(outcome: GateOutcome, manifest: dict[str, Any], items: dict[str
         },
         "tier0": asdict(outcome.parity) if outcome.parity else None,
         "tier2": asdict(outcome.agreement) if outcome.agreement else None,
+        "tier2_accuracy_by_length": {task: [asdict(b) for b in buckets]
+                                     for task, buckets in outcome.length_accuracy.items()},
         "items": items,
         "manifest": manifest,
     }
@@ -105,6 +107,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += ["## Tier 2: greedy long generations",
                 f"{a['num_identical']}/{a['num_prompts']} identical; mean agreed prefix {a['mean_agreed_prefix']:.1f} "
                 f"tokens (min {a['min_agreed_prefix']}); divergence positions: {list(a['divergence_positions'])}", ""]
+    for task, buckets in report.get("tier2_accuracy_by_length", {}).items():
+        out += [f"### {task}: accuracy by the baseline's generation length (characters)",
+                _table(["length", "items", "baseline", "candidate", "delta"], [
+                    [f"{b['min_chars']}–{b['max_chars']}", str(b["num_items"]), f"{100 * b['baseline_accuracy']:.1f}",
+                     f"{100 * b['candidate_accuracy']:.1f}",
+                     f"{100 * (b['candidate_accuracy'] - b['baseline_accuracy']):+.1f}"] for b in buckets]), ""]
     out += ["## Worst right -> wrong flips (highest baseline confidence first)"]
     for task, flips in t1["worst_flips"].items():
         for f in flips[:20]:

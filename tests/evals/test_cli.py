@@ -34,6 +34,10 @@ items = 8
 name = "driftgate_piqa"
 metric = "acc,none"
 items = 8
+[[tier1.tasks]]
+name = "driftgate_gsm8k_cot"
+metric = "exact_match,strict-match"
+items = 2
 [tier2]
 num_prompts = 1
 max_new_tokens = 8
@@ -110,6 +114,9 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     for arm in prefix.values():  # each ARC item's four choices share its context: the cache serves part of it
         assert 0 < arm["prefill_tokens_saved"] < arm["task_prompt_tokens"]
     assert "Prefill tokens saved by the prefix cache" in (root / "report" / "report.md").read_text()
+    by_length = report["tier2_accuracy_by_length"]
+    assert list(by_length) == ["driftgate_gsm8k_cot"] and sum(b["num_items"] for b in by_length[
+        "driftgate_gsm8k_cot"]) == 2  # the generative task, paired per item
     capsys.readouterr()
     assert _gate(baseline, candidate, policy, root) == EXIT_PASS
     assert "baseline: cached" in capsys.readouterr().out
@@ -170,7 +177,7 @@ def test_gating_a_live_server_scores_what_it_serves(setup, served_baseline):
         for row in rows:
             assert served[row["doc_id"]]["choice_logprobs"] == pytest.approx(row["choice_logprobs"], abs=1e-3)
             compared += 1
-    assert compared == 16
+    assert compared == 16 + 2
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["tier0"]["status"] == "skipped" and "HTTP" in checks["tier0"]["detail"]
     assert checks["tier2.mean_agreed_prefix"]["status"] == "pass"

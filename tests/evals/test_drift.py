@@ -178,3 +178,20 @@ def test_logit_parity_names_the_layer_that_adds_the_drift():
     assert drift.logit_parity([tokens], baseline, baseline).by_layer.largest_step_layer is None  # no drift anywhere
     logits_only = drift.logit_parity([tokens], lambda ids: logits, candidate)
     assert logits_only.by_layer is None  # one arm without layer states: nothing to compare per layer
+
+
+def test_accuracy_by_generation_length_pairs_items_in_equal_buckets():
+    """A candidate right on short answers and wrong on long ones: the gap shows only in the long buckets."""
+    from evals.drift import ItemResult, accuracy_by_generation_length
+
+    baseline = {i: ItemResult(doc_id=i, prompt_hash="h", correct=True, response="x" * (10 * i + 1))
+                for i in range(8)}
+    candidate = {i: ItemResult(doc_id=i, prompt_hash="h", correct=i < 4, response="y") for i in range(8)}
+    candidate[99] = ItemResult(doc_id=99, prompt_hash="h", correct=False)  # unpaired: ignored
+    buckets = accuracy_by_generation_length(baseline, candidate, num_buckets=4)
+    assert [(b.min_chars, b.max_chars, b.num_items) for b in buckets] == [(1, 11, 2), (21, 31, 2), (41, 51, 2),
+                                                                           (61, 71, 2)]
+    assert [b.baseline_accuracy for b in buckets] == [1.0] * 4
+    assert [b.candidate_accuracy for b in buckets] == [1.0, 1.0, 0.0, 0.0]
+    assert len(accuracy_by_generation_length(baseline, {0: candidate[0]})) == 1
+    assert accuracy_by_generation_length({}, candidate) == []

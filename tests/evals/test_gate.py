@@ -168,3 +168,18 @@ def test_failed_report_names_the_layer_where_drift_enters(tmp_path):
     other = report.build_report(gate.outcome(only_tier1, comparisons=per_task, pooled=pooled, parity=parity),
                                 {"baseline_scores": {}}, {})
     assert "decoder layer" not in report.render_markdown(other).splitlines()[0]  # Tier 0 did not fail: no blame
+
+
+def test_report_shows_generative_accuracy_by_length(tmp_path):
+    from evals import report
+
+    policy = policy_from_dict({**BASE_POLICY, "tier2": {"enabled": False}})
+    per_task, pooled = gate.compare_arms(policy, {"t": _arm([1, 0])}, {"t": _arm([1, 0])})
+    buckets = [drift.LengthBucket(min_chars=12, max_chars=300, num_items=5, baseline_accuracy=0.6,
+                                  candidate_accuracy=0.4)]
+    result = gate.outcome(gate.decide(policy, per_task, pooled), comparisons=per_task, pooled=pooled,
+                          length_accuracy={"gsm8k": buckets})
+    full = report.build_report(result, {"baseline_scores": {}}, {})
+    paths = report.write_reports(full, tmp_path)
+    assert json.loads(paths["json"].read_text())["tier2_accuracy_by_length"]["gsm8k"][0]["num_items"] == 5
+    assert "| 12–300 | 5 | 60.0 | 40.0 | -20.0 |" in paths["md"].read_text()
