@@ -83,6 +83,10 @@ def hf_batch1(model, prompt: list[int], output_len: int) -> dict[str, float]:
 
 
 def ours_throughput(llm: LLM, prompts: list[str], output_lens: list[int]) -> dict[str, float]:
+    """Every run starts with an empty prefix cache: the runs reuse the same prompts, and a warm
+    cache would skip their prefill and overstate throughput."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("prefix cache still in use before a throughput run")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -96,3 +96,10 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`), so a repeated run starts cold.
+
+        Returns False, changing nothing, while a request still holds blocks.
+        """
+        return self.engine.block_manager.reset_prefix_cache()

@@ -2,6 +2,7 @@
 
 import json
 
+from bench import offline
 from bench.offline import kv_utilization
 from engine.cli import main as driftgate_main
 
@@ -24,3 +25,17 @@ def test_bench_offline_writes_ratios_against_hf(tiny_model_dir, tmp_path):
     assert ratios["batch1_decode_vs_hf"] == result["batch1"]["ours"]["decode_tok_s"] / result["batch1"]["hf"]["decode_tok_s"]
     assert set(result["kv_utilization"]) == {"8", "16", "32"}
     assert (tmp_path / "offline.png").stat().st_size > 0
+
+
+def test_throughput_runs_start_with_a_cold_prefix_cache(tiny_model_dir):
+    """The runs repeat the same prompts; a warm cache would skip their prefill and inflate the figure."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), seed=0, block_size=4)
+    prompts = [[5 + i] + [6, 7, 8] * 10 for i in range(3)]  # distinct first tokens: nothing shared within a run
+    offline.ours_throughput(llm, prompts, [4, 4, 4])
+    hits = llm.stats().prefix_cache_hits
+    offline.ours_throughput(llm, prompts, [4, 4, 4])
+    assert llm.stats().prefix_cache_hits == hits
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)  # without the reset they would hit
+    assert llm.stats().prefix_cache_hits > hits
