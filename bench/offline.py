@@ -55,8 +55,15 @@ def fixed_length_prompt(tokenizer, data_dir: Path, num_tokens: int) -> list[int]
     raise ValueError("not enough ShareGPT text for the requested prompt length")
 
 
+def _cold_prefix_cache(llm: LLM) -> None:
+    """Runs repeat the same prompts: a warm prefix cache would skip their prefill and flatter us."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("prefix cache still in use before a measured run")
+
+
 def ours_batch1(llm: LLM, prompt: list[int], output_len: int) -> dict[str, float]:
-    """TTFT = the prefill step; decode = the remaining steps, one token each."""
+    """TTFT = the prefill step (prefix cache empty); decode = the remaining steps, one token each."""
+    _cold_prefix_cache(llm)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("b1", prompt, params)
@@ -83,10 +90,7 @@ def hf_batch1(model, prompt: list[int], output_len: int) -> dict[str, float]:
 
 
 def ours_throughput(llm: LLM, prompts: list[str], output_lens: list[int]) -> dict[str, float]:
-    """Every run starts with an empty prefix cache: the runs reuse the same prompts, and a warm
-    cache would skip their prefill and overstate throughput."""
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("prefix cache still in use before a throughput run")
+    _cold_prefix_cache(llm)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
