@@ -37,7 +37,10 @@ def server_model(base_url: str, api_key: str | None = None, timeout: float = 10.
         raise ServerError(f"cannot reach {url}: {exc}") from exc
     if response.status_code != 200:
         raise ServerError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
-    cards = response.json().get("data") or []
+    try:
+        cards = response.json().get("data") or []
+    except (ValueError, AttributeError) as exc:
+        raise ServerError(f"{url} did not answer with an OpenAI model list: {response.text[:200]!r}") from exc
     if not cards:
         raise ServerError(f"{url} lists no model")
     return cards[0]

@@ -192,6 +192,20 @@ def test_servers_without_token_ids_fall_back_to_text():
     assert remote._token_ids({"text": "Hello world", "logprobs": None}) is None
 
 
+def test_a_server_that_is_not_openai_compatible_is_exit_2(setup, capsys):
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from tests.server.live import serve_in_thread
+
+    root, baseline, policy = setup
+    app = FastAPI()
+    app.get("/v1/models")(lambda: PlainTextResponse("a web page, not a model list"))
+    with serve_in_thread(app) as url:
+        assert _gate(baseline, baseline, policy, root, "--server", url) == EXIT_ERROR
+    assert "did not answer with an OpenAI model list" in capsys.readouterr().err
+
+
 def test_unreachable_server_is_exit_2(setup, capsys):
     root, baseline, policy = setup
     assert _gate(baseline, baseline, policy, root, "--server", "http://127.0.0.1:9") == EXIT_ERROR
