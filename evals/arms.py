@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lm_eval
+from lm_eval.api.model import TemplateLM
 
 from engine import LLM, SamplingParams
 from evals import data
@@ -98,7 +99,7 @@ def selected_ids(policy: GatePolicy, data_dir: Path) -> dict[str, list[int]]:
     return {spec.name: spread_ids(len(tasks[spec.name].test_docs()), spec.items) for spec in policy.tier1.tasks}
 
 
-def run_tasks(lm, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]],
+def run_tasks(lm: TemplateLM, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]],
               label: str) -> tuple[dict[str, dict[int, ItemResult]], dict[str, dict[str, float]]]:
     """Run the policy's tasks on the given item ids; per-item results and aggregate scores.
 

@@ -103,10 +103,9 @@ def _run(args: argparse.Namespace) -> int:
     ids = arms.selected_ids(policy, data_dir)
     cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
 
-    server_card = None
+    served, cand_llm = None, None
     if args.server:
-        candidate, server_card = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir)
-        cand_llm, prompts = None, server_card.pop("tier2_prompts")
+        candidate, prompts, served = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir)
     else:
         candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
                                            kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
@@ -127,7 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     noise_cmp, noise_pooled = gate.compare_arms(policy, baseline.items, noise.items) if noise else ({}, None)
 
     parity, skip_reason = None, None
-    if policy.tier0.enabled and cand_llm is None:
+    if policy.tier0.enabled and served:
         skip_reason = remote.TIER0_SKIP_REASON
     elif policy.tier0.enabled:
         if base_llm is None:
@@ -141,9 +140,7 @@ def _run(args: argparse.Namespace) -> int:
             parity = drift.logit_parity(sequences, base_fn, cand_fn)
     agreement = None
     if prompts and baseline.generations:
-        # A server without exact ids returns text, re-encoded; the baseline's ids take the same round trip.
-        base_generations = (remote.as_served_tokens(baseline.generations, server_card["tokenizer"])
-                            if server_card and not server_card["exact_token_ids"] else baseline.generations)
+        base_generations = served.comparable(baseline.generations) if served else baseline.generations
         agreement = drift.generation_agreement(base_generations, candidate.generations)
 
     checks = gate.decide(policy, comparisons, pooled, noise_pooled=noise_pooled, parity=parity,
@@ -157,10 +154,8 @@ def _run(args: argparse.Namespace) -> int:
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
                          cached, time.perf_counter() - started, noise)
-    if server_card:
-        manifest["candidate_server"] = {"url": args.server, "model": server_card["card"],
-                                        "serves_candidate": server_card["serves_candidate"],
-                                        "exact_token_ids": server_card["exact_token_ids"]}
+    if served:
+        manifest["candidate_server"] = served.manifest()
     items = {arm_name: arm.to_json()["items"] for arm_name, arm in (("baseline", baseline), ("candidate", candidate))}
     full = report.build_report(result, manifest, items)
     report_dir = Path(args.report_dir) if args.report_dir else candidate_dir / "gate-report"
@@ -178,9 +173,7 @@ def _run(args: argparse.Namespace) -> int:
 def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) -> tuple:
     """The candidate arm from a live server: Tier 1 via lm-eval's HTTP client, Tier 2 via completions.
 
-    Returns the arm and a dict of what the rest of the run needs: the server's model card,
-    the candidate's tokenizer, the Tier 2 prompts, and whether the server is known to serve
-    the --candidate folder (None: it does not say).
+    Returns (the arm, its Tier 2 prompts, a `remote.ServedCandidate`).
     """
     from engine.tokenizer import load_tokenizer
 
@@ -199,6 +192,7 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) 
                                         api_key=args.server_api_key)
         tokenizer = load_tokenizer(candidate_dir)
         prompts: list[list[int]] = []
+        exact = True
         if policy.tier2.enabled:
             prompts = arms.prompt_room(arms.tier2_prompts(tokenizer, data_dir, policy.tier2.num_prompts),
                                        policy.engine.max_model_len, policy.tier2.max_new_tokens)
@@ -207,8 +201,7 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) 
                 args.server, card["id"], prompts, policy.tier2.max_new_tokens, tokenizer, api_key=args.server_api_key)
     except remote.ServerError as exc:
         raise GateInputError(str(exc)) from exc
-    return candidate, {"card": card, "tokenizer": tokenizer, "tier2_prompts": prompts,
-                       "exact_token_ids": not prompts or exact, "serves_candidate": serves_candidate}
+    return candidate, prompts, remote.ServedCandidate(args.server, card, tokenizer, exact, serves_candidate)
 
 
 def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_dir, baseline_hashes, data_hashes,

@@ -9,6 +9,8 @@ OpenAI-style endpoint returns, so it is skipped in this mode and the report says
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from lm_eval.api.registry import register_model
@@ -104,7 +106,7 @@ def greedy_generations(base_url: str, model: str, prompts: Sequence[list[int]], 
 
     Exact when the server honors vLLM's `return_tokens_as_token_ids` (ours does); otherwise
     the ids are the returned text re-encoded, and the caller must put the baseline's ids
-    through the same decode/encode round trip (`as_served_tokens`) before comparing.
+    through the same decode/encode round trip (`ServedCandidate.comparable`) before comparing.
     `ignore_eos` (a vLLM extension that llama.cpp's server also takes) keeps lengths equal.
     """
     payload = {"model": model, "prompt": [list(p) for p in prompts], "max_tokens": max_new_tokens,
@@ -125,6 +127,24 @@ def greedy_generations(base_url: str, model: str, prompts: Sequence[list[int]], 
     return [tokenizer.encode(c["text"], add_special_tokens=False) for c in choices], False
 
 
-def as_served_tokens(generations: Sequence[Sequence[int]], tokenizer) -> list[list[int]]:
-    """The decode/encode round trip the server's text goes through, for a like-for-like comparison."""
-    return [tokenizer.encode(tokenizer.decode(list(g)), add_special_tokens=False) for g in generations]
+@dataclass(frozen=True, slots=True)
+class ServedCandidate:
+    """What the rest of a gate run needs to know about the server that produced the candidate arm."""
+
+    url: str
+    card: dict[str, Any]  # the server's /v1/models entry
+    tokenizer: Any  # the candidate's own (Hugging Face) tokenizer
+    exact_token_ids: bool  # False: Tier 2 ids are the served text re-encoded
+    serves_candidate: bool | None  # the card names the --candidate folder; None: the server does not say
+
+    def comparable(self, baseline_generations: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The baseline's Tier 2 ids as the candidate's came back: through the same decode/encode
+        round trip when the server returned text, as they are when it returned ids."""
+        if self.exact_token_ids:
+            return [list(g) for g in baseline_generations]
+        return [self.tokenizer.encode(self.tokenizer.decode(list(g)), add_special_tokens=False)
+                for g in baseline_generations]
+
+    def manifest(self) -> dict[str, Any]:
+        return {"url": self.url, "model": self.card, "serves_candidate": self.serves_candidate,
+                "exact_token_ids": self.exact_token_ids}

@@ -366,8 +366,7 @@ class WeightOnlyIntLinear(_IntWeightLinear):
         group = w.group_size or self.input_size
         if (self.dtype == torch.float32 and self.g_idx is None and not self.qweight.is_cuda
                 and (self.weight_zero_point is None or w.num_bits <= 7)
-                and panel_matmul.int8_available() and self.output_size % panel_matmul.PANEL == 0
-                and self.input_size % self.weight_scale.shape[1] == 0):
+                and panel_matmul.int8_fits(self.output_size, self.input_size, self.weight_scale.shape[1])):
             return "int8panel"
         if self.dtype != torch.bfloat16 or self.g_idx is not None:
             return "dense"

@@ -65,14 +65,18 @@ def int8_available() -> bool:
     return _kernel_int8() is not None
 
 
-def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def int8_fits(n: int, k: int, num_groups: int) -> bool:
+    """Whether an [N, K] weight with `num_groups` equal column groups of scales can run on the kernel."""
+    return int8_available() and n % PANEL == 0 and k % num_groups == 0
+
+
+def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only int8 (any values in int8: int4 and int8 schemes alike), W = qweight · scale
     with scale [N, G] over G equal groups of input columns → (int8 panels [N / 16, K, 16],
-    scale panels [N / 16, G, 16]), or None where the kernel does not apply."""
-    n, k = qweight.shape
-    if (qweight.device.type != "cpu" or qweight.dtype != torch.int8 or n % PANEL or k % scale.shape[1]
-            or _kernel_int8() is None):
-        return None
+    scale panels [N / 16, G, 16]). The caller checks `int8_fits` first."""
+    if qweight.device.type != "cpu" or qweight.dtype != torch.int8 or not int8_fits(*qweight.shape, scale.shape[1]):
+        raise ValueError(f"the int8 panel kernel does not take a {qweight.dtype} {tuple(qweight.shape)} weight "
+                         f"with {scale.shape[1]} scale groups on {qweight.device}")
     return _panels(qweight), _panels(scale.float())
 
 
