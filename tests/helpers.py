@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -125,3 +128,21 @@ def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 
 
     bm = BlockManager(num_blocks, block_size, prefix_caching)
     return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), bm)
+
+
+@contextmanager
+def cpu_kernels_off() -> Iterator[None]:
+    """Run the block with the engine's C kernels disabled (DRIFTGATE_CPU_KERNELS=0): the torch paths."""
+    from engine.layers import cpu_kernels
+
+    before = os.environ.get("DRIFTGATE_CPU_KERNELS")
+    os.environ["DRIFTGATE_CPU_KERNELS"] = "0"
+    cpu_kernels.kernel.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DRIFTGATE_CPU_KERNELS"]
+        else:
+            os.environ["DRIFTGATE_CPU_KERNELS"] = before
+        cpu_kernels.kernel.cache_clear()

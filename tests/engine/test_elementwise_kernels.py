@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.layers import activation, cpu_kernels, rotary
+from engine.layers import activation, rotary
 from engine.layers.activation import silu_and_mul
 from engine.layers.rotary import RotaryEmbedding, _rotate_half
+from tests.helpers import cpu_kernels_off
 
 needs_kernels = pytest.mark.skipif(rotary._kernel() is None or activation._kernel() is None,
                                    reason="no C compiler here")
@@ -50,21 +51,16 @@ def test_silu_and_mul_kernel_equals_the_formula(tokens, inter, seed):
     assert torch.equal(x, before)
 
 
-def test_torch_paths_where_the_kernels_do_not_apply(monkeypatch):
+def test_torch_paths_where_the_kernels_do_not_apply():
     x = torch.randn(3, 2, 64)
     positions = torch.tensor([0, 5, 4095])
     bf16 = x.bfloat16()
     torch.testing.assert_close(ROPE(positions, bf16), _rope_reference(positions, bf16))  # bf16: torch path
     assert silu_and_mul(bf16.view(3, 128)).dtype == torch.bfloat16
-    monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
-    cpu_kernels.kernel.cache_clear()
-    try:
+    with cpu_kernels_off():
         expected = _rope_reference(positions, x)
         out = ROPE(positions, x)
         assert out.data_ptr() != x.data_ptr()  # not in place without the kernel
         torch.testing.assert_close(out, expected)
         flat = x.view(3, 128)
         torch.testing.assert_close(silu_and_mul(flat), F.silu(flat[:, :64]) * flat[:, 64:])
-    finally:
-        monkeypatch.undo()
-        cpu_kernels.kernel.cache_clear()

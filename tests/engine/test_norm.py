@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.layers import cpu_kernels, norm
+from engine.layers import norm
 from engine.layers.norm import RMSNorm
+from tests.helpers import cpu_kernels_off
 
 needs_kernel = pytest.mark.skipif(norm._kernel() is None, reason="no C compiler here")
 
@@ -32,20 +33,15 @@ def test_fused_kernel_equals_the_formula(rows, hidden, seed):
     torch.testing.assert_close(out, _reference(x + residual, layer.weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
-def test_torch_path_where_the_kernel_does_not_apply(monkeypatch):
+def test_torch_path_where_the_kernel_does_not_apply():
     layer = RMSNorm(8, 1e-6, torch.float32)
     x = torch.randn(3, 8)
     strided = torch.randn(8, 3).t()  # not contiguous: torch path
     torch.testing.assert_close(layer(strided), _reference(strided, layer.weight, 1e-6))
-    monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
-    cpu_kernels.kernel.cache_clear()
-    try:
+    with cpu_kernels_off():
         assert layer._fused_cpu(x, None) is None
         out, total = layer(x, x)
         torch.testing.assert_close(out, _reference(2 * x, layer.weight, 1e-6))
-    finally:
-        monkeypatch.undo()
-        cpu_kernels.kernel.cache_clear()
 
 
 def test_bf16_keeps_the_torch_path():

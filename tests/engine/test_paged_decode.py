@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.layers import cpu_kernels, paged_decode
+from tests.helpers import cpu_kernels_off
 
 pytestmark = pytest.mark.skipif(not paged_decode.available(torch.float32, torch.device("cpu")),
                                 reason="no C compiler for the decode kernel")
@@ -87,14 +88,9 @@ def test_bf16_queries_are_accepted():
     torch.testing.assert_close(out, _reference(q.float(), k_cache, v_cache, tables, lens, 4, one, one))
 
 
-def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
-    cpu_kernels.kernel.cache_clear()
-    try:
+def test_disabled_by_environment():
+    with cpu_kernels_off():
         assert not paged_decode.available(torch.float32, torch.device("cpu"))
-    finally:
-        monkeypatch.delenv("DRIFTGATE_CPU_KERNELS")
-        cpu_kernels.kernel.cache_clear()
 
 
 def test_missing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):

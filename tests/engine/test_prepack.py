@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM
-from engine.layers import cpu_kernels, panel_matmul
+from engine.layers import panel_matmul
 from engine.layers.linear import DenseLinear
 from engine.loader import load_model
+from tests.helpers import cpu_kernels_off
 
 needs_kernel = pytest.mark.skipif(panel_matmul.pack(torch.zeros(16, 1)) is None, reason="no C compiler here")
 
@@ -43,21 +44,16 @@ def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed):
     torch.testing.assert_close(layer(x3d), F.linear(x3d, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_weights_the_kernel_cannot_take_stay_plain(monkeypatch):
+def test_weights_the_kernel_cannot_take_stay_plain():
     assert panel_matmul.pack(torch.randn(16, 8, dtype=torch.bfloat16)) is None
     assert panel_matmul.pack(torch.randn(24, 8)) is None  # not whole panels
     if torch.cuda.is_available():
         assert panel_matmul.pack(torch.randn(16, 8, device="cuda")) is None
-    monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
-    cpu_kernels.kernel.cache_clear()
-    try:
+    with cpu_kernels_off():
         layer = _layer(8, [16], True, torch.Generator().manual_seed(0))
         weight = layer.weight.clone()
         layer.prepack()
         assert torch.equal(layer.weight, weight)  # no kernel: the plain layout and F.linear
-    finally:
-        monkeypatch.undo()
-        cpu_kernels.kernel.cache_clear()
 
 
 @needs_kernel
