@@ -35,8 +35,10 @@ def _run(kernel: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tup
     y = torch.empty(x2d.shape[0], n, dtype=torch.float32)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
     if x2d.shape[0]:
-        kernel(y.data_ptr(), x2d.data_ptr(), *(w.data_ptr() for w in weights),
-               None if bias is None else bias.data_ptr(), x2d.shape[0], n, k, *sizes, torch.get_num_threads())
+        failed = kernel(y.data_ptr(), x2d.data_ptr(), *(w.data_ptr() for w in weights),
+                        None if bias is None else bias.data_ptr(), x2d.shape[0], n, k, *sizes, torch.get_num_threads())
+        if failed:  # only kernels that allocate report, and only that
+            raise MemoryError(f"{kernel.__name__}: no memory for {x2d.shape[0]} quantized rows")
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -85,3 +87,36 @@ def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int8(...)`."""
     num_panels, k, _ = panels.shape
     return _run(_kernel_int8(), x, k, num_panels * PANEL, (panels, scales), bias, k // scales.shape[1])
+
+
+_ARGTYPES_W8A8 = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4)
+
+
+def w8a8_available() -> bool:
+    """Whether the exact per-token W8A8 kernel runs here (it needs AVX-512 VNNI)."""
+    probe = cpu_kernels.kernel("panel_matmul", "w8a8_available", (), ctypes.c_int)
+    return probe is not None and probe() == 1
+
+
+def w8a8_fits(n: int, k: int) -> bool:
+    """Whether an int8 [N, K] W8A8 weight can run on the kernel."""
+    return w8a8_available() and n % PANEL == 0 and k % 4 == 0
+
+
+def pack_w8a8(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight [N, K] → (VNNI panels [N / 16, K / 4, 16, 4], 128 · row sums [N] int32).
+    The caller checks `w8a8_fits` first."""
+    n, k = qweight.shape
+    if qweight.device.type != "cpu" or qweight.dtype != torch.int8 or not w8a8_fits(n, k):
+        raise ValueError(f"the W8A8 kernel does not take a {qweight.dtype} {(n, k)} weight on {qweight.device}")
+    panels = qweight.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2).contiguous()
+    return panels, (qweight.to(torch.int32).sum(1) * 128).to(torch.int32)
+
+
+def matmul_w8a8(x: torch.Tensor, panels: torch.Tensor, bias_sums: torch.Tensor, weight_scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``q(x) Wᵀ · scales + b`` for x [..., K], each row quantized to int8 by its absmax / 127,
+    W given as `pack_w8a8(...)` with per-channel `weight_scales` [N] float32."""
+    num_panels, steps, _, _ = panels.shape
+    kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_w8a8", _ARGTYPES_W8A8, ctypes.c_int)
+    return _run(kernel, x, steps * 4, num_panels * PANEL, (panels, bias_sums, weight_scales), bias)
