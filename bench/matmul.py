@@ -5,7 +5,9 @@ model's and the caches are cold, as in a decode step) is multiplied by an activa
 for each R in `--rows`, then the tied/untied lm_head on its own. Contenders, interleaved run by
 run so the machine's noise lands on all of them:
 
-- `panel`:  engine/csrc/panel_matmul.c on 16-column weight panels (what the engine serves with);
+- `panel`:  engine/csrc/panel_matmul.c on 16-column weight panels (what the engine serves with:
+            the weights are bf16 values, as in a BF16 checkpoint, so the panels hold bf16);
+- `panel-f32`: the same kernel on float32 panels (what a checkpoint with fp32 weights gets);
 - `onednn`: torch's oneDNN linear on its blocked prepacked weight (the engine's previous layout);
 - `linear`: `F.linear` on the plain row-major weight.
 
@@ -53,6 +55,7 @@ def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Mat
     out: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Matmul]] = {}
     if panel_matmul.pack(torch.zeros(panel_matmul.PANEL, 1)) is not None:
         out["panel"] = (panel_matmul.pack, panel_matmul.matmul)
+        out["panel-f32"] = (lambda w: panel_matmul.pack(w, narrow=False), panel_matmul.matmul)
     if torch.backends.mkldnn.is_available():
         out["onednn"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32),
                          lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
@@ -65,10 +68,10 @@ def run_matmul(args: argparse.Namespace) -> int:
     shapes = layer_shapes(model_args) * model_args.num_layers
     lm_head = (model_args.vocab_size, model_args.hidden_size)
     g = torch.Generator().manual_seed(0)
-    plain = [torch.randn(n, k, generator=g) * 0.05 for n, k in [*shapes, lm_head]]
+    plain = [(torch.randn(n, k, generator=g) * 0.05).bfloat16().float() for n, k in [*shapes, lm_head]]
     contenders = _contenders()
     weights = {name: [layout(w) for w in plain] for name, (layout, _) in contenders.items()}
-    layer_bytes = sum(n * k for n, k in shapes) * 4
+    layer_bytes = {name: sum(w.numel() * w.element_size() for w in ws[:-1]) for name, ws in weights.items()}
     rows_out = []
     for rows in args.rows:
         x = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in [*shapes, lm_head]}}
@@ -89,7 +92,7 @@ def run_matmul(args: argparse.Namespace) -> int:
             layers_s = statistics.median(r[0] for r in runs)
             rows_out.append({"rows": rows, "kernel": name, "layers_ms": layers_s * 1e3,
                              "lm_head_ms": statistics.median(r[1] for r in runs) * 1e3,
-                             "layers_gb_s": layer_bytes / layers_s / 1e9, "runs": runs})
+                             "layers_gb_s": layer_bytes[name] / layers_s / 1e9, "runs": runs})
             print(f"rows {rows:4d} {name:7s} layers {layers_s * 1e3:7.2f} ms ({rows_out[-1]['layers_gb_s']:5.1f} GB/s)"
                   f"  lm_head {rows_out[-1]['lm_head_ms']:6.2f} ms", flush=True)
     result = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "runs": args.runs,

@@ -1,14 +1,17 @@
-/* y = x Wᵀ + b for CPUs, on a weight laid out in 16-column panels: float32 weights, or int8
- * weights with float32 scales per group of input columns (weight-only W8A16 / W4A16).
+/* y = x Wᵀ + b for CPUs, on a weight laid out in 16-column panels: float32 (or bf16-valued)
+ * weights, int8 weights with float32 scales per group of input columns (weight-only W8A16 /
+ * W4A16), or int8 weights times per-token int8 activations (W8A8, at the end of this file).
  *
  * Decode multiplies a few activation rows by every weight, so the step is bound by how fast the
  * weights stream from memory. oneDNN's blocked layout reached 15–20 GB/s here at 1–8 rows; this
  * layout makes each thread's read one sequential stream (its own run of panels), and one weight
  * load serves up to ROW_TILE activation rows, so the same kernel also holds up at prefill sizes.
  *
- * Layouts (all contiguous, float32):
+ * Layouts (all contiguous, float32 unless said):
  *   x      [M, K]
- *   panels [N / 16, K, 16]: panel p, row k holds W[16p .. 16p + 15][k]  (N a multiple of 16)
+ *   panels [N / 16, K, 16]: panel p, row k holds W[16p .. 16p + 15][k]  (N a multiple of 16);
+ *          float32, or bfloat16 for weights that are bf16 values
+
  *   int8 weights: the same panels of int8, and scales [N / 16, K / group, 16], so that
  *                 W[n][k] = panels[n / 16][k][n % 16] * scales[n / 16][k / group][n % 16]
  *   bias   [N] or NULL
@@ -54,14 +57,34 @@ static inline __attribute__((always_inline)) panel_vec widen_int8(const int8_t *
 /* Bytes ahead in the panel stream to prefetch: 16 rows of k, enough to cover DRAM latency. */
 enum { PREFETCH_BYTES = 1024 };
 
+/* Row k of a float panel: float32, or bfloat16 (the upper half of a float32, so widening is
+ * exact: a model whose weights are bf16 values computes the same fp32 products from half the bytes). */
+static inline __attribute__((always_inline)) panel_vec panel_row(const void *panel, int k, int bf16) {
+    if (!bf16) return *(const panel_vec *)((const float *)panel + (int64_t)k * PANEL);
+    const uint16_t *p = (const uint16_t *)panel + (int64_t)k * PANEL;
+#if defined(__AVX512F__)
+    return (panel_vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    union { panel_vec v; __m256i half[2]; } u;
+    u.half[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    u.half[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16);
+    return u.v;
+#else
+    union { uint32_t bits[PANEL]; panel_vec v; } u;
+    for (int i = 0; i < PANEL; i++) u.bits[i] = (uint32_t)p[i] << 16;
+    return u.v;
+#endif
+}
+
 static inline __attribute__((always_inline)) void row_tile(float *restrict y, const float *restrict x,
-                                                           const float *restrict panel, const float *bias,
-                                                           int rows, int K, int N) {
+                                                           const void *restrict panel, const float *bias,
+                                                           int rows, int K, int N, int bf16) {
+    const int row_bytes = PANEL * (bf16 ? 2 : 4);
     panel_vec acc[ROW_TILE];
     for (int i = 0; i < rows; i++) acc[i] = (panel_vec){0};
-    for (int k = 0; k < K; k++, panel += PANEL) {
-        __builtin_prefetch((const char *)panel + PREFETCH_BYTES);
-        panel_vec w = *(const panel_vec *)panel;
+    for (int k = 0; k < K; k++) {
+        __builtin_prefetch((const char *)panel + (int64_t)k * row_bytes + PREFETCH_BYTES);
+        panel_vec w = panel_row(panel, k, bf16);
         for (int i = 0; i < rows; i++) acc[i] += x[(int64_t)i * K + k] * w;
     }
     panel_vec b = bias ? *(const panel_vec *)bias : (panel_vec){0};
@@ -70,19 +93,20 @@ static inline __attribute__((always_inline)) void row_tile(float *restrict y, co
 
 /* Rows come in tiles of ROW_TILE; the leftover tile gets its own constant size so the
  * accumulators stay in registers. */
-#define TAIL(r) case r: row_tile(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, bias_p, r, K, N); break;
+#define TAIL(r) case r: row_tile(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, bias_p, r, K, N, bf16); break;
 
-void panel_matmul_f32(float *y, const float *x, const float *panels, const float *bias, int M, int N, int K,
-                      int threads) {
+static inline __attribute__((always_inline)) void panel_matmul(float *y, const float *x, const void *panels,
+                                                               const float *bias, int M, int N, int K, int threads,
+                                                               int bf16) {
     int num_panels = N / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int p = 0; p < num_panels; p++) {
-        const float *panel = panels + (int64_t)p * K * PANEL;
+        const char *panel = (const char *)panels + (int64_t)p * K * PANEL * (bf16 ? 2 : 4);
         const float *bias_p = bias ? bias + p * PANEL : 0;
         float *y_p = y + p * PANEL;
         int m = 0;
         for (; m + ROW_TILE <= M; m += ROW_TILE)
-            row_tile(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, bias_p, ROW_TILE, K, N);
+            row_tile(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, bias_p, ROW_TILE, K, N, bf16);
         switch (M - m) {
             TAIL(1) TAIL(2) TAIL(3)
 #if ROW_TILE > 4
@@ -91,6 +115,17 @@ void panel_matmul_f32(float *y, const float *x, const float *panels, const float
             default: break;
         }
     }
+}
+
+void panel_matmul_f32(float *y, const float *x, const float *panels, const float *bias, int M, int N, int K,
+                      int threads) {
+    panel_matmul(y, x, panels, bias, M, N, K, threads, 0);
+}
+
+/* panels hold bfloat16 values; x, bias and y are float32 as above. */
+void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const float *bias, int M, int N, int K,
+                       int threads) {
+    panel_matmul(y, x, panels, bias, M, N, K, threads, 1);
 }
 
 /* The int8 tile: fewer rows than ROW_TILE so that CHAINS independent accumulators per row fit

@@ -18,8 +18,9 @@ PANEL = 16
 _ARGTYPES = (*[ctypes.c_void_p] * 4, *[ctypes.c_int] * 4)
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
-    return cpu_kernels.kernel("panel_matmul", "panel_matmul_f32", _ARGTYPES, None)
+def _kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
+    symbol = "panel_matmul_bf16" if dtype == torch.bfloat16 else "panel_matmul_f32"
+    return cpu_kernels.kernel("panel_matmul", symbol, _ARGTYPES, None)
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:
@@ -42,18 +43,24 @@ def _run(kernel: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tup
     return y.reshape(*x.shape[:-1], n)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack(weight: torch.Tensor, *, narrow: bool = True) -> torch.Tensor | None:
     """weight [N, K] → panels [N / 16, K, 16], or None where the kernel does not apply
-    (not a CPU fp32 weight, N not a multiple of 16, or no kernel on this machine)."""
+    (not a CPU fp32 weight, N not a multiple of 16, or no kernel on this machine).
+
+    The panels are bfloat16 when every weight is a bf16 value (a BF16 checkpoint served in
+    fp32) and `narrow` is set: the kernel widens them exactly, so the products are the same
+    and the weight streams in half the bytes."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[0] % PANEL or _kernel() is None:
         return None
+    if narrow and torch.equal(weight, (bf16 := weight.bfloat16()).float()):
+        return _panels(bf16)
     return _panels(weight)
 
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] float32 and W given as `pack(W)`."""
     num_panels, k, _ = panels.shape
-    return _run(_kernel(), x, k, num_panels * PANEL, (panels,), bias)
+    return _run(_kernel(panels.dtype), x, k, num_panels * PANEL, (panels,), bias)
 
 
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)

@@ -15,10 +15,11 @@ from tests.helpers import cpu_kernels_off
 needs_kernel = pytest.mark.skipif(panel_matmul.pack(torch.zeros(16, 1)) is None, reason="no C compiler here")
 
 
-def _layer(in_features: int, sizes: list[int], bias: bool, g: torch.Generator) -> DenseLinear:
+def _layer(in_features: int, sizes: list[int], bias: bool, g: torch.Generator, bf16_values: bool = False) -> DenseLinear:
     layer = DenseLinear(in_features, sizes, bias, torch.float32)
     for i, n in enumerate(sizes):
-        tensors = {"weight": torch.randn(n, in_features, generator=g)}
+        weight = torch.randn(n, in_features, generator=g)
+        tensors = {"weight": weight.bfloat16().float() if bf16_values else weight}
         if bias:
             tensors["bias"] = torch.randn(n, generator=g)
         layer.load_shard(i, tensors)
@@ -30,16 +31,21 @@ def _layer(in_features: int, sizes: list[int], bias: bool, g: torch.Generator) -
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 40), in_features=st.sampled_from([1, 8, 37, 96]),
        sizes=st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=3), bias=st.booleans(),
-       seed=st.integers(0, 100))
-def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed):
-    """Every row count crosses the kernel's row tiles and their leftovers (tiles of 4 or 8)."""
+       seed=st.integers(0, 100), bf16_values=st.booleans())
+def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed, bf16_values):
+    """Every row count crosses the kernel's row tiles and their leftovers (tiles of 4 or 8).
+    Weights that are all bf16 values (a BF16 checkpoint) pack as bf16 and give the very same
+    floats as fp32 panels."""
     g = torch.Generator().manual_seed(seed)
-    layer = _layer(in_features, sizes, bias, g)
+    layer = _layer(in_features, sizes, bias, g, bf16_values)
     weight, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
     x = torch.randn(rows, in_features, generator=g)
     layer.prepack()
     assert layer.weight.shape == (sum(sizes) // 16, in_features, 16)
+    assert layer.weight.dtype == (torch.bfloat16 if bf16_values else torch.float32)
     torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    if bf16_values:
+        assert torch.equal(layer(x), panel_matmul.matmul(x, panel_matmul.pack(weight, narrow=False), b))
     x3d = torch.randn(2, 3, in_features, generator=g)
     torch.testing.assert_close(layer(x3d), F.linear(x3d, weight, b), rtol=1e-5, atol=1e-5)
 
