@@ -97,7 +97,7 @@ static inline void prefetch_row(const void *cache, int64_t row, int row_bytes) {
  * that KV head: the largest score m[g], the sum l[g] of exp(score - m[g]), and
  * acc[g] = sum over t of exp(score_t - m[g]) * v_t, not yet divided by l[g]. Ranges of one
  * sequence merge exactly (flash-decoding), so a short batch can split its context across threads. */
-static void attend_range(const float *q, const void *k_cache, const void *v_cache, const RowMap *map, int begin,
+static inline __attribute__((always_inline)) void attend_range_body(const float *q, const void *k_cache, const void *v_cache, const RowMap *map, int begin,
                          int end, int group, int head_dim, float scale, int cache_type, const float *k_table,
                          const float *v_table, float *scores, float *upcast, float *m, float *l, float *acc) {
     const int row_bytes = head_dim * ELEMENT_BYTES[cache_type];
@@ -123,18 +123,37 @@ static void attend_range(const float *q, const void *k_cache, const void *v_cach
         m[g] = max;
         l[g] = sum;
     }
-    /* pass 2: acc_g = Σ_t p[g][t] · v_t */
-    memset(acc, 0, sizeof(float) * (size_t)group * head_dim);
+    /* pass 2: acc_g = Σ_t p[g][t] · v_t, summed in a local array (registers when the shape is fixed) */
+    float o[group * head_dim];
+    memset(o, 0, sizeof(o));
     for (int t = begin; t < end; t++) {
         if (t + PREFETCH_DISTANCE < end) prefetch_row(v_cache, row_of(map, t + PREFETCH_DISTANCE), row_bytes);
         const float *v = cache_row(v_cache, row_of(map, t), head_dim, cache_type, v_table, upcast);
         for (int g = 0; g < group; g++) {
             const float p = scores[(int64_t)g * span + (t - begin)];
-            float *o = acc + g * head_dim;
 #pragma omp simd
-            for (int d = 0; d < head_dim; d++) o[d] += p * v[d];
+            for (int d = 0; d < head_dim; d++) o[g * head_dim + d] += p * v[d];
         }
     }
+    memcpy(acc, o, sizeof(o));
+}
+
+/* attend_range_body compiled for common (query heads per KV head, head_dim) pairs as constants:
+ * the dots unroll and pass 2's sums stay in registers (batch 32, context 300, cold caches:
+ * 1.45 -> 1.21 ms per layer for SmolLM2's 3 x 64); other shapes take the general loop. */
+static void attend_range(const float *q, const void *k_cache, const void *v_cache, const RowMap *map, int begin,
+                         int end, int group, int head_dim, float scale, int cache_type, const float *k_table,
+                         const float *v_table, float *scores, float *upcast, float *m, float *l, float *acc) {
+#define FIXED_SHAPE(G, D)                                                                                          \
+    if (group == G && head_dim == D) {                                                                             \
+        attend_range_body(q, k_cache, v_cache, map, begin, end, G, D, scale, cache_type, k_table, v_table, scores, \
+                          upcast, m, l, acc);                                                                      \
+        return;                                                                                                    \
+    }
+    FIXED_SHAPE(1, 64) FIXED_SHAPE(3, 64) FIXED_SHAPE(4, 64) FIXED_SHAPE(1, 128) FIXED_SHAPE(4, 128) FIXED_SHAPE(8, 128)
+#undef FIXED_SHAPE
+    attend_range_body(q, k_cache, v_cache, map, begin, end, group, head_dim, scale, cache_type, k_table, v_table,
+                      scores, upcast, m, l, acc);
 }
 
 /* How many ranges to cut each sequence's context into: enough tasks to keep every thread busy
