@@ -234,9 +234,11 @@ class Fp8Linear(QuantLinearBase):
     (``input_scale``; fused shards use the max, as vLLM does).
 
     Kernels: CUDA runs ``torch._scaled_mm`` with row-wise scales (needs sm89+, in and out
-    multiples of 16). CPU dequantizes the weight once at ``finalize`` (FP8 matmul is 6-48x slower
-    than fp32 on our CPUs) but still rounds activations through FP8, so served numerics match an
-    FP8 GPU kernel up to accumulation order.
+    multiples of 16). CPU (fp32 model) runs ``panel_matmul_fp8`` (engine/csrc/panel_matmul.c):
+    the fp8 bytes stream as they are and widen exactly to fp32 in the kernel (torch's FP8 matmul
+    is 6-48x slower than fp32 here); activations are still rounded through FP8 first, so served
+    numerics match an FP8 GPU kernel up to accumulation order. Elsewhere the weight is
+    dequantized once at ``finalize``.
     """
 
     def expected_tensors(self) -> tuple[set[str], set[str]]:
@@ -270,6 +272,12 @@ class Fp8Linear(QuantLinearBase):
         fp8_gpu = self.weight.is_cuda and torch.cuda.get_device_capability(self.weight.device) >= (8, 9)
         if fp8_gpu and self.scheme.input_activations is not None and dims_ok:
             self.kernel = "scaled_mm"
+        elif (self.dtype == torch.float32 and self.weight.device.type == "cpu"
+              and panel_matmul.int8_fits(self.output_size, self.input_size, 1)):
+            self.kernel = "fp8panel"
+            panels, scales = panel_matmul.pack_fp8(self.weight, self.weight_scale)
+            self.register_buffer("kernel_weight", panels, persistent=False)
+            self.register_buffer("kernel_scales", scales, persistent=False)
         else:
             self.kernel = "dense"
             self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
@@ -302,6 +310,10 @@ class Fp8Linear(QuantLinearBase):
             # Row-wise scaling only produces bf16.
             y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(),
                                  out_dtype=torch.bfloat16)
+        elif self.kernel == "fp8panel":
+            y = panel_matmul.matmul_fp8(self._quantize_input(x2d.float()), self.kernel_weight, self.kernel_scales,
+                                        self.bias)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
         else:
             y = dense_matmul(self._quantize_input(x2d).to(self.dtype), self.weight_dense)
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)

@@ -1,6 +1,7 @@
 /* y = x Wᵀ + b for CPUs, on a weight laid out in 16-column panels: float32 (or bf16-valued)
- * weights, int8 weights with float32 scales per group of input columns (weight-only W8A16 /
- * W4A16), or int8 weights times per-token int8 activations (W8A8, at the end of this file).
+ * weights, int8 or fp8 weights with float32 scales per group of input columns (weight-only
+ * W8A16 / W4A16, and FP8 with its activations already rounded), or int8 weights times per-token
+ * int8 activations (W8A8, at the end of this file).
  *
  * Decode multiplies a few activation rows by every weight, so the step is bound by how fast the
  * weights stream from memory. oneDNN's blocked layout reached 15–20 GB/s here at 1–8 rows; this
@@ -23,6 +24,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
@@ -44,6 +46,43 @@ static inline __attribute__((always_inline)) panel_vec widen_int8(const int8_t *
     for (int i = 0; i < PANEL; i++) v[i] = p[i];
     return v;
 #endif
+}
+
+/* 16 fp8 e4m3 weights as floats, each divided by 256 (exactly): the 7 magnitude bits shifted
+ * into an fp16's exponent and mantissa make an fp16 of value w / 256, subnormals included, and the
+ * hardware fp16 → fp32 conversion does the rest. The caller's scales carry the 256 back. */
+static inline __attribute__((always_inline)) panel_vec widen_fp8(const int8_t *p) {
+#if defined(__AVX512F__)
+    __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7F)), 7),
+                                _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8));
+    return (panel_vec)_mm512_cvtph_ps(h);
+#elif defined(__AVX2__) && defined(__F16C__)
+    union { panel_vec v; __m256 half[2]; } out;
+    for (int i = 0; i < 2; i++) {
+        __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * i)));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8));
+        out.half[i] = _mm256_cvtph_ps(h);
+    }
+    return out.v;
+#else
+    panel_vec v;
+    for (int i = 0; i < PANEL; i++) {
+        uint8_t b = (uint8_t)p[i];
+        int e = (b >> 3) & 15, m = b & 7;
+        float mag = e ? ldexpf(8 + m, e - 18) : ldexpf(m, -17);  /* (1 + m/8)·2^(e-7) / 256, or m·2^-9 / 256 */
+        v[i] = b & 0x80 ? -mag : mag;
+    }
+    return v;
+#endif
+}
+
+/* The weight-only kernel's two integer formats. */
+enum { WEIGHTS_INT8 = 0, WEIGHTS_FP8 = 1 };
+
+static inline __attribute__((always_inline)) panel_vec widen(const int8_t *p, int format) {
+    return format == WEIGHTS_FP8 ? widen_fp8(p) : widen_int8(p);
 }
 
 /* Activation rows per register tile: ROW_TILE accumulators plus the weight vector must fit the
@@ -142,7 +181,8 @@ void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const f
 /* As row_tile, on int8 panels: each group of input columns sums on its own, then is scaled. */
 static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y, const float *restrict x,
                                                               const int8_t *restrict panel, const float *scales,
-                                                              const float *bias, int rows, int K, int N, int group) {
+                                                              const float *bias, int rows, int K, int N, int group,
+                                                              int format) {
     panel_vec total[ROW_TILE_I8];
     for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
     for (int k0 = 0; k0 < K; k0 += group, scales += PANEL) {
@@ -153,12 +193,12 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
         for (; k + CHAINS <= k0 + group; k += CHAINS, panel += CHAINS * PANEL) {
             __builtin_prefetch(panel + PREFETCH_BYTES);
             for (int c = 0; c < CHAINS; c++) {
-                panel_vec w = widen_int8(panel + c * PANEL);
+                panel_vec w = widen(panel + c * PANEL, format);
                 for (int i = 0; i < rows; i++) acc[c][i] += x[(int64_t)i * K + k + c] * w;
             }
         }
         for (; k < k0 + group; k++, panel += PANEL) {
-            panel_vec w = widen_int8(panel);
+            panel_vec w = widen(panel, format);
             for (int i = 0; i < rows; i++) acc[0][i] += x[(int64_t)i * K + k] * w;
         }
         panel_vec scale = *(const panel_vec *)scales;
@@ -173,11 +213,11 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
 }
 
 #define TAIL_I8(r) case r: row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, r, K, N, \
-                                       group); break;
+                                       group, format); break;
 
-/* group must divide K (group = K: one scale per output channel). */
-void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
-                     int M, int N, int K, int group, int threads) {
+static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, const float *x, const int8_t *panels,
+                                                                    const float *scales, const float *bias, int M,
+                                                                    int N, int K, int group, int threads, int format) {
     int num_panels = N / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int p = 0; p < num_panels; p++) {
@@ -187,7 +227,8 @@ void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float
         float *y_p = y + p * PANEL;
         int m = 0;
         for (; m + ROW_TILE_I8 <= M; m += ROW_TILE_I8)
-            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, ROW_TILE_I8, K, N, group);
+            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, ROW_TILE_I8, K, N, group,
+                        format);
         switch (M - m) {
             TAIL_I8(1)
 #if ROW_TILE_I8 > 2
@@ -196,6 +237,18 @@ void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float
             default: break;
         }
     }
+}
+
+/* group must divide K (group = K: one scale per output channel). */
+void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
+                     int M, int N, int K, int group, int threads) {
+    panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_INT8);
+}
+
+/* The same on fp8 e4m3 weight bytes; the scales must be 256 times the weights' own (see widen_fp8). */
+void panel_matmul_fp8(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
+                      int M, int N, int K, int group, int threads) {
+    panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_FP8);
 }
 
 /* W8A8: int8 weights per output channel, activations quantized per row (token) to int8 here, an
@@ -213,7 +266,6 @@ void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <float.h>
-#include <math.h>
 #include <stdlib.h>
 
 int w8a8_available(void) { return 1; }

@@ -66,8 +66,8 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = No
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)
 
 
-def _kernel_int8() -> ctypes._CFuncPtr | None:
-    return cpu_kernels.kernel("panel_matmul", "panel_matmul_i8", _ARGTYPES_INT8, None)
+def _kernel_int8(symbol: str = "panel_matmul_i8") -> ctypes._CFuncPtr | None:
+    return cpu_kernels.kernel("panel_matmul", symbol, _ARGTYPES_INT8, None)
 
 
 def int8_available() -> bool:
@@ -94,6 +94,20 @@ def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int8(...)`."""
     num_panels, k, _ = panels.shape
     return _run(_kernel_int8(), x, k, num_panels * PANEL, (panels, scales), bias, k // scales.shape[1])
+
+
+def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 weight [N, K] with scale [N, G] → (byte panels, scale panels). The kernel widens
+    each byte to w / 256 exactly, so the scales are stored times 256. Check `int8_fits` first."""
+    return pack_int8(weight.view(torch.int8), scale * 256)
+
+
+def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_fp8(...)`."""
+    num_panels, k, _ = panels.shape
+    return _run(_kernel_int8("panel_matmul_fp8"), x, k, num_panels * PANEL, (panels, scales), bias,
+                k // scales.shape[1])
 
 
 _ARGTYPES_W8A8 = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4)

@@ -109,6 +109,32 @@ def test_kernel_choice_follows_dtype():
     assert build(preset("w8a16"), 64, [16], torch.bfloat16)[0].kernel == "int8pack"
     assert build(preset("w4a16", group_size=48), 96, [16], torch.bfloat16)[0].kernel == "dense"  # 48 not a kernel group
     assert build(preset("w4a16", group_size=32), 64, [8], torch.bfloat16)[0].kernel == "dense"  # out not a multiple of 16
+    assert build(preset("fp8-dynamic"), 64, [16], torch.float32)[0].kernel == "fp8panel"
+    assert build(preset("fp8-dynamic"), 64, [16], torch.bfloat16)[0].kernel == "dense"
+    assert build(preset("fp8-dynamic"), 64, [8], torch.float32)[0].kernel == "dense"
+
+
+@needs_int8_panel
+@quick
+@given(k=st.sampled_from([1, 7, 64, 576]), sizes=st.lists(st.sampled_from([16, 32]), min_size=1, max_size=3),
+       m=st.integers(1, 12), static=st.booleans(), seed=st.integers(0, 1000))
+def test_fp8_panel_kernel_matches_reference(k, sizes, m, static, seed):
+    """Rows 1-12 cross the int8 tiles (4 rows) and their tails; K = 1 and 7 end inside the 4-column chains."""
+    name = "fp8-static" if static else "fp8-dynamic"
+    module, _ = build(preset(name), k, sizes, seed=seed, input_scale=0.02 if static else None)
+    assert module.kernel == "fp8panel"
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[torch.float32]
+
+
+def test_fp8_panel_kernel_widens_every_fp8_value_exactly():
+    values = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)  # 0x7F/0xFF: NaN
+    weight = values.view(torch.float8_e4m3fn).reshape(1, -1).expand(16, -1).contiguous()
+    if not panel_matmul.int8_fits(*weight.shape, 1):
+        pytest.skip("no C compiler here")
+    panels, scales = panel_matmul.pack_fp8(weight, torch.ones(16, 1))
+    eye = torch.eye(weight.shape[1])  # row i of the product is column i of the weight
+    assert torch.equal(panel_matmul.matmul_fp8(eye, panels, scales), weight.float().t())
 
 
 @pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w8a16"])
