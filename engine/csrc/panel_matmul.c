@@ -173,26 +173,32 @@ void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const f
 #ifdef __AVX512F__
 #define ROW_TILE_I8 4
 #define CHAINS 4
+/* From 8 rows up, tiles of 8 rows with 2 chains: each widened weight vector then serves twice
+ * the rows, which is what limits the int8 and fp8 kernels at batch sizes where FMAs, not memory, bound. */
+#define WIDE_ROW_TILE_I8 8
+#define WIDE_CHAINS 2
 #else
 #define ROW_TILE_I8 2
 #define CHAINS 2
+#define WIDE_ROW_TILE_I8 ROW_TILE_I8
+#define WIDE_CHAINS CHAINS
 #endif
 
 /* As row_tile, on int8 panels: each group of input columns sums on its own, then is scaled. */
 static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y, const float *restrict x,
                                                               const int8_t *restrict panel, const float *scales,
                                                               const float *bias, int rows, int K, int N, int group,
-                                                              int format) {
-    panel_vec total[ROW_TILE_I8];
+                                                              int format, int chains) {
+    panel_vec total[WIDE_ROW_TILE_I8];
     for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
     for (int k0 = 0; k0 < K; k0 += group, scales += PANEL) {
-        panel_vec acc[CHAINS][ROW_TILE_I8];
-        for (int c = 0; c < CHAINS; c++)
+        panel_vec acc[CHAINS][WIDE_ROW_TILE_I8];
+        for (int c = 0; c < chains; c++)
             for (int i = 0; i < rows; i++) acc[c][i] = (panel_vec){0};
         int k = k0;
-        for (; k + CHAINS <= k0 + group; k += CHAINS, panel += CHAINS * PANEL) {
+        for (; k + chains <= k0 + group; k += chains, panel += chains * PANEL) {
             __builtin_prefetch(panel + PREFETCH_BYTES);
-            for (int c = 0; c < CHAINS; c++) {
+            for (int c = 0; c < chains; c++) {
                 panel_vec w = widen(panel + c * PANEL, format);
                 for (int i = 0; i < rows; i++) acc[c][i] += x[(int64_t)i * K + k + c] * w;
             }
@@ -204,7 +210,7 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
         panel_vec scale = *(const panel_vec *)scales;
         for (int i = 0; i < rows; i++) {
             panel_vec sum = acc[0][i];
-            for (int c = 1; c < CHAINS; c++) sum += acc[c][i];
+            for (int c = 1; c < chains; c++) sum += acc[c][i];
             total[i] += sum * scale;
         }
     }
@@ -213,7 +219,7 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
 }
 
 #define TAIL_I8(r) case r: row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, r, K, N, \
-                                       group, format); break;
+                                       group, format, CHAINS); break;
 
 static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, const float *x, const int8_t *panels,
                                                                     const float *scales, const float *bias, int M,
@@ -226,9 +232,12 @@ static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, co
         const float *bias_p = bias ? bias + p * PANEL : 0;
         float *y_p = y + p * PANEL;
         int m = 0;
+        for (; m + WIDE_ROW_TILE_I8 <= M; m += WIDE_ROW_TILE_I8)
+            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, WIDE_ROW_TILE_I8, K, N,
+                        group, format, WIDE_CHAINS);
         for (; m + ROW_TILE_I8 <= M; m += ROW_TILE_I8)
             row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, ROW_TILE_I8, K, N, group,
-                        format);
+                        format, CHAINS);
         switch (M - m) {
             TAIL_I8(1)
 #if ROW_TILE_I8 > 2
