@@ -48,6 +48,8 @@ def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed, bf16_v
         assert torch.equal(layer(x), panel_matmul.matmul(x, panel_matmul.pack(weight, narrow=False), b))
     x3d = torch.randn(2, 3, in_features, generator=g)
     torch.testing.assert_close(layer(x3d), F.linear(x3d, weight, b), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(in_features, rows, generator=g).t()  # not contiguous: copied for the kernel
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight, b), rtol=1e-5, atol=1e-5)
 
 
 def test_weights_the_kernel_cannot_take_stay_plain():
