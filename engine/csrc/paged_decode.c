@@ -97,9 +97,10 @@ static inline void prefetch_row(const void *cache, int64_t row, int row_bytes) {
  * that KV head: the largest score m[g], the sum l[g] of exp(score - m[g]), and
  * acc[g] = sum over t of exp(score_t - m[g]) * v_t, not yet divided by l[g]. Ranges of one
  * sequence merge exactly (flash-decoding), so a short batch can split its context across threads. */
-static inline __attribute__((always_inline)) void attend_range_body(const float *q, const void *k_cache, const void *v_cache, const RowMap *map, int begin,
-                         int end, int group, int head_dim, float scale, int cache_type, const float *k_table,
-                         const float *v_table, float *scores, float *upcast, float *m, float *l, float *acc) {
+static inline __attribute__((always_inline)) void attend_range_body(
+    const float *q, const void *k_cache, const void *v_cache, const RowMap *map, int begin, int end, int group,
+    int head_dim, float scale, int cache_type, const float *k_table, const float *v_table, float *scores,
+    float *upcast, float *m, float *l, float *acc) {
     const int row_bytes = head_dim * ELEMENT_BYTES[cache_type];
     const int span = end - begin;
     /* pass 1: scores[g][t] = q_g · k_t * scale */

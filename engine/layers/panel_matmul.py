@@ -76,12 +76,12 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = No
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)
 
 
-def _kernel_int8(symbol: str = "panel_matmul_i8") -> ctypes._CFuncPtr | None:
+def _kernel_8bit(symbol: str = "panel_matmul_i8") -> ctypes._CFuncPtr | None:
     return cpu_kernels.kernel("panel_matmul", symbol, _ARGTYPES_INT8, None)
 
 
 def int8_available() -> bool:
-    return _kernel_int8() is not None
+    return _kernel_8bit() is not None
 
 
 def int8_fits(n: int, k: int, num_groups: int) -> bool:
@@ -103,7 +103,7 @@ def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int8(...)`."""
     num_panels, k, _ = panels.shape
-    return _run(_kernel_int8(), x, k, num_panels * PANEL, (panels, scales), bias, k // scales.shape[1])
+    return _run(_kernel_8bit(), x, k, num_panels * PANEL, (panels, scales), bias, k // scales.shape[1])
 
 
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +116,7 @@ def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_fp8(...)`."""
     num_panels, k, _ = panels.shape
-    return _run(_kernel_int8("panel_matmul_fp8"), x, k, num_panels * PANEL, (panels, scales), bias,
+    return _run(_kernel_8bit("panel_matmul_fp8"), x, k, num_panels * PANEL, (panels, scales), bias,
                 k // scales.shape[1])
 
 

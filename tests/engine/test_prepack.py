@@ -15,7 +15,8 @@ from tests.helpers import cpu_kernels_off
 needs_kernel = pytest.mark.skipif(panel_matmul.pack(torch.zeros(16, 1)) is None, reason="no C compiler here")
 
 
-def _layer(in_features: int, sizes: list[int], bias: bool, g: torch.Generator, bf16_values: bool = False) -> DenseLinear:
+def _layer(in_features: int, sizes: list[int], bias: bool, g: torch.Generator,
+           bf16_values: bool = False) -> DenseLinear:
     layer = DenseLinear(in_features, sizes, bias, torch.float32)
     for i, n in enumerate(sizes):
         weight = torch.randn(n, in_features, generator=g)
