@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) panel_vec widen_fp8(const int8_t *p
 #endif
 }
 
-/* The weight-only kernel's two integer formats. */
+/* The weight-only kernel's two byte formats. */
 enum { WEIGHTS_INT8 = 0, WEIGHTS_FP8 = 1 };
 
 static inline __attribute__((always_inline)) panel_vec widen(const int8_t *p, int format) {
