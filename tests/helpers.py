@@ -130,6 +130,33 @@ def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 
     return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), bm)
 
 
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def quantized_tensors(source_dir: Path, scheme, scale_dtype: torch.dtype | None = None, kv: bool = True) -> dict:
+    """A tiny model folder's tensors with every Linear quantized by `scheme` (None: left as is),
+    plus made-up KV-cache scales when `kv`; for `quant.checkpoint.write_checkpoint`."""
+    from safetensors.torch import load_file
+
+    from quant.checkpoint import WEIGHTS_NAME, quantize_weight
+
+    tensors = load_file(str(source_dir / WEIGHTS_NAME))
+    num_layers = json.loads((source_dir / "config.json").read_text())["num_hidden_layers"]
+    for i in range(num_layers):
+        for linear in LINEARS:
+            prefix = f"model.layers.{i}.{linear}"
+            if scheme is not None:
+                w = tensors.pop(f"{prefix}.weight")
+                static = scheme.input_activations is not None and not scheme.input_activations.dynamic
+                q = quantize_weight(w, scheme, input_scale=0.01 if static else None, scale_dtype=scale_dtype)
+                tensors.update({f"{prefix}.{k}": v for k, v in q.items()})
+        if kv:
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([0.02 * (i + 1)])
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.01 * (i + 1)])
+    return tensors
+
+
 @contextmanager
 def cpu_kernels_off() -> Iterator[None]:
     """Run the block with the engine's C kernels disabled (DRIFTGATE_CPU_KERNELS=0): the torch paths."""

@@ -48,7 +48,10 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str, source: Path) -> Path:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join([compiler, *_flags()]).encode(), _cpu_signature().encode()):
+    # every source, not just this one: a kernel may #include another (decode_step.c does)
+    sources = [path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]"))]
+    for part in (source.name.encode(), *sources, " ".join([compiler, *_flags()]).encode(),
+                 _cpu_signature().encode()):
         digest.update(part)
     target = driftgate_home() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():

@@ -17,6 +17,7 @@ from torch import nn
 from engine.layers import panel_matmul
 from engine.layers.activation import silu_and_mul
 from engine.layers.attention import Attention, ForwardContext
+from engine.layers.fused_decode import FusedDecode
 from engine.layers.linear import dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -171,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = make_linear(args.hidden_size, [args.vocab_size], bias=False, prefixes=["lm_head"],
                                        quant_config=quant_config, dtype=dtype)
         self.packed_embedding: torch.Tensor | None = None  # the tied lm_head, CPU-packed
+        self.fused_decode: FusedDecode | None = None  # decode-only steps in one C call, once packed
 
     def prepack_for_cpu(self) -> None:
         """Serving-time weight layout for CPU matmuls; the embedding keeps its dense copy for lookups."""
@@ -179,9 +181,12 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack()
         if self.lm_head is None:
             self.packed_embedding = panel_matmul.pack(self.model.embed_tokens.weight)
+        self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm, self.model.rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
+        if self.fused_decode is not None and self.fused_decode.accepts(ctx):
+            return self.fused_decode(self.model.embed_tokens(input_ids), positions, ctx)
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

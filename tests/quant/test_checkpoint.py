@@ -21,9 +21,8 @@ from quant.checkpoint import (
 from quant.config import QuantizationConfig
 from quant.linear import make_quantized_linear
 from quant.schemes import QuantArgs, QuantScheme, preset
+from tests.helpers import LINEARS, quantized_tensors
 
-LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 NUM_LAYERS, NUM_KV_HEADS = 2, 2
 W4A16_ASYM = QuantScheme(QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), None,
                          "pack-quantized")
@@ -36,22 +35,6 @@ def source_dir(tmp_path_factory) -> Path:
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("src") / "model", num_layers=NUM_LAYERS,
                                num_kv_heads=NUM_KV_HEADS)
-
-
-def quantized_tensors(source_dir: Path, scheme: QuantScheme | None, scale_dtype=None, kv=True) -> dict:
-    tensors = load_file(str(source_dir / WEIGHTS_NAME))
-    for i in range(NUM_LAYERS):
-        for linear in LINEARS:
-            prefix = f"model.layers.{i}.{linear}"
-            if scheme is not None:
-                w = tensors.pop(f"{prefix}.weight")
-                static = scheme.input_activations is not None and not scheme.input_activations.dynamic
-                q = quantize_weight(w, scheme, input_scale=0.01 if static else None, scale_dtype=scale_dtype)
-                tensors.update({f"{prefix}.{k}": v for k, v in q.items()})
-        if kv:
-            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([0.02 * (i + 1)])
-            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.01 * (i + 1)])
-    return tensors
 
 
 def our_dequantized(out: Path, scheme: QuantScheme, prefix: str) -> torch.Tensor:

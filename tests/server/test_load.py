@@ -75,9 +75,14 @@ def test_non_streaming_disconnect_aborts(engine, base_url):
 def test_health_stays_fast_while_saturated(engine, base_url):
     async def probe() -> list[float]:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as http:
-            load = [asyncio.create_task(http.post(base_url + "/v1/completions", json=LONG)) for _ in range(8)]
-            await asyncio.sleep(0.5)  # let the batch fill up
-            assert engine.stats().num_running > 0
+            # near the tiny model's context: the batch must outlast the probes (decode is fast now)
+            body = {**LONG, "max_tokens": 480}
+            load = [asyncio.create_task(http.post(base_url + "/v1/completions", json=body)) for _ in range(8)]
+            for _ in range(50):  # let the batch fill up
+                await asyncio.sleep(0.05)
+                if engine.stats().num_running == 8:
+                    break
+            assert engine.stats().num_running == 8
             timings = []
             for _ in range(10):
                 start = time.perf_counter()
@@ -85,6 +90,7 @@ def test_health_stays_fast_while_saturated(engine, base_url):
                 timings.append(time.perf_counter() - start)
                 assert r.status_code == 200
                 await asyncio.sleep(0.05)
+            assert engine.stats().num_running > 0  # still saturated when the last probe returned
             for task in load:
                 task.cancel()
             await asyncio.gather(*load, return_exceptions=True)

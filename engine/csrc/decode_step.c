@@ -1,0 +1,113 @@
+/* A decode step's whole Llama block stack in one call, for CPUs.
+ *
+ * Through the modules, a batch-1 decode step of a small model spends about a third of its time
+ * in Python between kernels: per layer some twelve module calls and eight kernel calls, each
+ * with its checks, output allocations and ctypes conversions. Here the same kernels run in the
+ * same order from C, so the hidden states are bit for bit those of the module path, which stays
+ * the oracle and serves every step this does not cover (engine/layers/fused_decode.py decides).
+ *
+ *   hidden [rows, hidden] float32: in, the token embeddings; out, the final norm's output
+ *   positions, slots int64 [rows]: each token's position and the flat KV slot it writes
+ *   block_tables int32 [rows, max_blocks], context_lens int32 [rows]: as for paged_decode
+ *   KV caches float32 [slots, num_kv_heads, head_dim]
+ *
+ * One translation unit with the kernels it calls (they stay separate libraries for the modules).
+ */
+#include "activation.c"
+#include "paged_decode.c"
+#include "panel_matmul.c"
+#include "rms_norm.c"
+#include "rotary.c"
+
+/* A Linear's kernel and operands, as engine/layers/fused_decode.py describes them. */
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3 };
+
+typedef struct {
+    int32_t kind, n, k, group_size;
+    const void *weight;   /* panels in the kernel's layout */
+    const void *scales;   /* int8: scale panels; w8a8: per-channel scales */
+    const int32_t *sums;  /* w8a8: 128 · row sums */
+    const float *bias;    /* or NULL */
+} Linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    Linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} Layer;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps, attn_scale;
+    const float *cos, *sin, *final_norm;
+    const Layer *layers;
+} Model;
+
+enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_BLOCK_SIZE = -2, STEP_BAD_LINEAR = -3 };
+
+static int linear(const Linear *l, float *y, const float *x, int rows, int threads) {
+    switch (l->kind) {
+    case LINEAR_F32:
+        panel_matmul_f32(y, x, l->weight, l->bias, rows, l->n, l->k, threads);
+        return STEP_OK;
+    case LINEAR_BF16:
+        panel_matmul_bf16(y, x, l->weight, l->bias, rows, l->n, l->k, threads);
+        return STEP_OK;
+    case LINEAR_INT8:
+        panel_matmul_i8(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
+        return STEP_OK;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case LINEAR_W8A8:
+        return panel_matmul_w8a8(y, x, l->weight, l->sums, l->scales, l->bias, rows, l->n, l->k, threads);
+#endif
+    default:
+        return STEP_BAD_LINEAR;
+    }
+}
+
+/* Returns STEP_OK, or the first failure (no memory, a block size that is not a power of two, a
+ * Linear kind this build lacks); hidden is then undefined. */
+int decode_step(const Model *m, float *hidden, const int64_t *positions, const int64_t *slots,
+                const int32_t *block_tables, const int32_t *context_lens, int rows, int max_blocks, int block_size,
+                int threads) {
+    const int width = m->hidden, q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
+    const int qkv_size = q_size + 2 * kv_size;
+    const size_t row_floats = (size_t)2 * width + qkv_size + 2 * q_size + 3 * (size_t)m->inter;
+    float *scratch = malloc(sizeof(float) * row_floats * rows);
+    if (scratch == NULL) return STEP_NO_MEMORY;
+    float *residual = scratch, *normed = residual + (size_t)rows * width, *qkv = normed + (size_t)rows * width;
+    float *q = qkv + (size_t)rows * qkv_size, *attn = q + (size_t)rows * q_size;
+    float *gate_up = attn + (size_t)rows * q_size, *act = gate_up + (size_t)rows * 2 * m->inter;
+    const size_t row_bytes = sizeof(float) * width;
+    int status = STEP_OK;
+    for (int i = 0; i < m->num_layers && status == STEP_OK; i++) {
+        const Layer *layer = m->layers + i;
+        if (i == 0) { /* the embeddings are the first residual */
+            memcpy(residual, hidden, row_bytes * rows);
+            rms_norm_f32(normed, NULL, hidden, NULL, layer->input_norm, rows, width, m->eps, threads);
+        } else {
+            rms_norm_f32(normed, residual, hidden, residual, layer->input_norm, rows, width, m->eps, threads);
+        }
+        if ((status = linear(&layer->qkv, qkv, normed, rows, threads))) break;
+        rotary_f32(qkv, positions, m->cos, m->sin, rows, qkv_size, m->num_heads + m->num_kv_heads, m->head_dim,
+                   threads);
+        for (int t = 0; t < rows; t++) {
+            const float *row = qkv + (size_t)t * qkv_size;
+            memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);
+            memcpy(layer->k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * kv_size);
+            memcpy(layer->v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+        }
+        status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,
+                                        max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
+                                        m->attn_scale, CACHE_F32, NULL, NULL, threads);
+        if (status || (status = linear(&layer->o, hidden, attn, rows, threads))) break;
+        rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
+        if ((status = linear(&layer->gate_up, gate_up, normed, rows, threads))) break;
+        silu_mul_f32(act, gate_up, rows, m->inter, threads);
+        status = linear(&layer->down, hidden, act, rows, threads);
+    }
+    if (status == STEP_OK)
+        rms_norm_f32(hidden, residual, hidden, residual, m->final_norm, rows, width, m->eps, threads);
+    free(scratch);
+    return status;
+}

@@ -1,0 +1,141 @@
+"""A decode step's whole block stack in one C call (engine/csrc/decode_step.c), for CPUs.
+
+At batch 1 a small model's decode step spends about a third of its time in Python between
+kernels. When a step holds only decode tokens and every layer runs on a C kernel (fp32
+activations, panel-packed dense, int8 weight-only or W8A8 weights, an fp32 KV cache), the
+layers run in one call instead: the same kernels in the same order, so the same floats. Every
+other step, and every model this does not describe, goes through the modules, which stay the
+oracle. `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+from torch import nn
+
+from engine.layers import cpu_kernels
+from engine.layers.attention import ForwardContext
+
+LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8 = range(4)
+_STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
+           -3: "a Linear kernel this build lacks"}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("group_size", ctypes.c_int32), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("sums", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
+                ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
+
+
+_ARGTYPES = (ctypes.POINTER(_Model), *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4)
+
+
+def _kernel() -> ctypes._CFuncPtr | None:
+    return cpu_kernels.kernel("decode_step", "decode_step", _ARGTYPES, ctypes.c_int)
+
+
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
+    """The C view of one Linear, or None where its kernel is not one decode_step.c calls.
+    Tensors the view points into are appended to `keep` (they must outlive it)."""
+    kernel = getattr(linear, "kernel", None)
+    weight = getattr(linear, "kernel_weight", None) if kernel else getattr(linear, "weight", None)
+    if weight is None or weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    bias = _float32(linear.bias)
+    n, k = sum(linear.output_sizes), linear.input_size
+    scales = sums = None
+    if kernel is None and weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16):
+        kind = LINEAR_F32 if weight.dtype == torch.float32 else LINEAR_BF16
+    elif kernel == "int8panel":
+        kind, scales = LINEAR_INT8, linear.kernel_scales
+    elif kernel == "w8a8panel":
+        kind, scales, sums = LINEAR_W8A8, linear.kernel_scales, linear.kernel_sums
+    else:
+        return None
+    group = k // scales.shape[1] if kind == LINEAR_INT8 else k
+    keep.extend(t for t in (weight, scales, sums, bias) if t is not None)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return _Linear(kind, n, k, group, weight.data_ptr(), ptr(scales), ptr(sums), ptr(bias))
+
+
+class FusedDecode:
+    """The C description of a Llama model's layers, built once after `prepack_for_cpu`."""
+
+    def __init__(self, model_args, layers: nn.ModuleList, final_norm: nn.Module, rotary: nn.Module,
+                 descriptions: list[tuple[_Linear, ...]], keep: list[torch.Tensor]):
+        self._keep = keep
+        self._layers = (_Layer * len(layers))()
+        for layer, c_layer, linears in zip(layers, self._layers, descriptions, strict=True):
+            c_layer.input_norm = layer.input_layernorm.weight.data_ptr()
+            c_layer.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
+        attn = layers[0].self_attn.attn
+        self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
+                             model_args.head_dim, model_args.intermediate_size, final_norm.eps, attn.scale,
+                             rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
+                             self._layers)
+        self._cache_bound: object | None = None
+
+    @classmethod
+    def build(cls, model_args, layers: nn.ModuleList, final_norm: nn.Module, rotary: nn.Module) -> FusedDecode | None:
+        """The fused step for these layers, or None where some part has no C kernel here."""
+        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
+            return None
+        tensors = [final_norm.weight, rotary.cos, rotary.sin]
+        for layer in layers:
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            return None
+        keep: list[torch.Tensor] = []
+        descriptions = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = tuple(_describe(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            if any(d is None for d in linears):
+                return None
+            descriptions.append(linears)
+        return cls(model_args, layers, final_norm, rotary, descriptions, keep)
+
+    def accepts(self, ctx: ForwardContext | None) -> bool:
+        """Whether this step is one the C path runs: decode tokens only, on an fp32 cache."""
+        if ctx is None:
+            return False
+        meta = ctx.metadata
+        return (meta.paged_decode is not None and not meta.prefills and not meta.decode_groups
+                and ctx.kv_cache.dtype == torch.float32 and ctx.kv_cache.k[0].device.type == "cpu")
+
+    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """embeddings [T, hidden] → the final norm's output [T, hidden], the KV cache written."""
+        cache, meta = ctx.kv_cache, ctx.metadata
+        if self._cache_bound is not cache:
+            for c_layer, k, v in zip(self._layers, cache.k, cache.v, strict=True):
+                c_layer.k_cache, c_layer.v_cache = k.data_ptr(), v.data_ptr()
+            self._cache_bound = cache
+        decode = meta.paged_decode
+        hidden = embeddings.float().contiguous()  # a fresh lookup: the C call writes it in place
+        positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()
+        status = _kernel()(ctypes.byref(self._model), hidden.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                           decode.block_tables.data_ptr(), decode.context_lens.data_ptr(), hidden.shape[0],
+                           decode.block_tables.shape[1], decode.block_size, torch.get_num_threads())
+        if status:
+            raise RuntimeError(f"fused decode step failed: {_STATUS.get(status, status)}")
+        return hidden

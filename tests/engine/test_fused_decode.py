@@ -1,0 +1,107 @@
+"""The one-call decode step (engine/csrc/decode_step.c) gives the module path's floats exactly."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.layers import fused_decode, panel_matmul
+from engine.layers.fused_decode import FusedDecode
+from quant.checkpoint import write_checkpoint
+from quant.config import QuantizationConfig
+from quant.schemes import preset
+from tests.helpers import make_tiny_model_dir, quantized_tensors
+
+needs_kernel = pytest.mark.skipif(fused_decode._kernel() is None, reason="no C compiler here")
+needs_vnni = pytest.mark.skipif(not panel_matmul.w8a8_available(), reason="the W8A8 kernel needs AVX-512 VNNI")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 6, 19, 40)]
+
+
+@contextmanager
+def _fused(enabled: bool):
+    before = os.environ.get("DRIFTGATE_FUSED_DECODE")
+    os.environ["DRIFTGATE_FUSED_DECODE"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DRIFTGATE_FUSED_DECODE"]
+        else:
+            os.environ["DRIFTGATE_FUSED_DECODE"] = before
+
+
+def _run(model_dir: Path, enabled: bool, monkeypatch, **engine_kwargs) -> tuple[list, int]:
+    """Greedy outputs (tokens and top logprobs) and the number of steps the C path ran."""
+    calls = []
+    original = FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    with _fused(enabled):
+        llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
+    assert (llm.engine.model.fused_decode is not None) == enabled
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
+
+
+def _quantized_dir(tmp_path: Path, source: Path, scheme_name: str) -> Path:
+    scheme = preset(scheme_name)
+    return write_checkpoint(tmp_path / scheme_name, source_dir=source, quant_config=QuantizationConfig.for_scheme(scheme),
+                            tensors=quantized_tensors(source, scheme, kv=False))
+
+
+MODELS = {
+    "llama-gqa": {},
+    "bf16-valued": {"dtype": torch.bfloat16},  # served in fp32 from bf16 panels
+    "qwen2-qkv-bias": {"architecture": "Qwen2ForCausalLM"},
+    "mha-untied": {"num_kv_heads": 4, "tie_word_embeddings": False},
+}
+
+
+CASES = [(name, {}) for name in MODELS] + [
+    ("llama-gqa", {"block_size": 1}),
+    ("llama-gqa", {"block_size": 4, "num_kv_blocks": 20}),  # preempts: recomputed prompts, then decode again
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,engine_kwargs", CASES, ids=[f"{n}-{k}" for n, k in CASES])
+def test_fused_step_equals_module_path(tmp_path, monkeypatch, name, engine_kwargs):
+    model_dir = make_tiny_model_dir(tmp_path / name, **MODELS[name])
+    fused, fused_calls = _run(model_dir, True, monkeypatch, **engine_kwargs)
+    modules, module_calls = _run(model_dir, False, monkeypatch, **engine_kwargs)
+    assert fused_calls > 0 and module_calls == 0
+    assert fused == modules  # tokens and logprobs, bit for bit
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", pytest.param("w8a8-int8", marks=needs_vnni)])
+def test_fused_step_equals_module_path_on_quantized_weights(tmp_path, monkeypatch, scheme):
+    model_dir = _quantized_dir(tmp_path, make_tiny_model_dir(tmp_path / "source"), scheme)
+    fused, fused_calls = _run(model_dir, True, monkeypatch)
+    modules, _ = _run(model_dir, False, monkeypatch)
+    assert fused_calls > 0
+    assert fused == modules
+
+
+@needs_kernel
+def test_steps_the_c_path_does_not_cover_go_through_the_modules(tiny_model_dir, tmp_path, monkeypatch):
+    """An fp8 KV cache and fp8 weights have no fused form: every step runs the modules."""
+    with _fused(True):
+        fp8_cache = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="fp8", kv_scales="dynamic")
+        assert not fp8_cache.engine.model.fused_decode.accepts(None)
+        fp8_weights = LLM(str(_quantized_dir(tmp_path, tiny_model_dir, "fp8-dynamic")), dtype="float32")
+    assert fp8_weights.engine.model.fused_decode is None
+    calls = []
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1))
+    outs = fp8_cache.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert calls == [] and all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
