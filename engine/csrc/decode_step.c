@@ -19,13 +19,18 @@
 #include "rms_norm.c"
 #include "rotary.c"
 
+#include <float.h>
+
 /* A Linear's kernel and operands, as engine/layers/fused_decode.py describes them. */
-enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3 };
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_FP8 = 4 };
+/* FP8 Linears' inputs: as they are, or rounded through fp8 with a scale per token, per tensor, or fixed. */
+enum { ACT_NONE = 0, ACT_FP8_TOKEN = 1, ACT_FP8_TENSOR = 2, ACT_FP8_STATIC = 3 };
 
 typedef struct {
-    int32_t kind, n, k, group_size;
+    int32_t kind, n, k, group_size, act;
+    float input_scale;    /* ACT_FP8_STATIC */
     const void *weight;   /* panels in the kernel's layout */
-    const void *scales;   /* int8: scale panels; w8a8: per-channel scales */
+    const void *scales;   /* int8 and fp8: scale panels; w8a8: per-channel scales */
     const int32_t *sums;  /* w8a8: 128 · row sums */
     const float *bias;    /* or NULL */
 } Linear;
@@ -45,7 +50,39 @@ typedef struct {
 
 enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_BLOCK_SIZE = -2, STEP_BAD_LINEAR = -3 };
 
-static int linear(const Linear *l, float *y, const float *x, int rows, int threads) {
+enum { FP8_SUBNORMAL_STEPS = 512 }; /* e4m3's subnormals are multiples of 2^-9, below 2^-6 */
+
+/* v (|v| <= 448) to the nearest e4m3 value, ties to even, as torch's cast does. */
+static inline float round_to_e4m3(float v) {
+    if (fabsf(v) < 0x1p-6f) return rintf(v * FP8_SUBNORMAL_STEPS) / FP8_SUBNORMAL_STEPS;
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits += 0x7FFFFu + ((bits >> 20) & 1u); /* keep 3 of 23 mantissa bits */
+    bits &= 0xFFF00000u;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline float fp8_scale_of(const float *x, int64_t n) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    return fmaxf(amax / 448.0f, FLT_EPSILON);
+}
+
+/* What an FP8 kernel sees of x [rows, k]: x / scale saturated to ±448, rounded to e4m3, times scale
+ * (quant.fp8.fake_quantize_fp8, operation for operation). */
+static void fake_quantize_fp8(float *out, const float *x, int rows, int k, int act, float static_scale) {
+    float scale = act == ACT_FP8_STATIC ? static_scale : fp8_scale_of(x, (int64_t)rows * k);
+    for (int r = 0; r < rows; r++) {
+        const float *src = x + (int64_t)r * k;
+        float *dst = out + (int64_t)r * k;
+        if (act == ACT_FP8_TOKEN) scale = fp8_scale_of(src, k);
+        for (int i = 0; i < k; i++) dst[i] = round_to_e4m3(fminf(fmaxf(src[i] / scale, -448.0f), 448.0f)) * scale;
+    }
+}
+
+/* y = x Wᵀ + b; `staging` holds rows × k floats for the FP8 kinds' rounded inputs. */
+static int linear(const Linear *l, float *y, const float *x, float *staging, int rows, int threads) {
     switch (l->kind) {
     case LINEAR_F32:
         panel_matmul_f32(y, x, l->weight, l->bias, rows, l->n, l->k, threads);
@@ -60,6 +97,13 @@ static int linear(const Linear *l, float *y, const float *x, int rows, int threa
     case LINEAR_W8A8:
         return panel_matmul_w8a8(y, x, l->weight, l->sums, l->scales, l->bias, rows, l->n, l->k, threads);
 #endif
+    case LINEAR_FP8:
+        if (l->act != ACT_NONE) {
+            fake_quantize_fp8(staging, x, rows, l->k, l->act, l->input_scale);
+            x = staging;
+        }
+        panel_matmul_fp8(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
+        return STEP_OK;
     default:
         return STEP_BAD_LINEAR;
     }
@@ -72,12 +116,14 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                 int threads) {
     const int width = m->hidden, q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
     const int qkv_size = q_size + 2 * kv_size;
-    const size_t row_floats = (size_t)2 * width + qkv_size + 2 * q_size + 3 * (size_t)m->inter;
+    const int widest_input = m->inter > width ? (m->inter > q_size ? m->inter : q_size) : (width > q_size ? width : q_size);
+    const size_t row_floats = (size_t)2 * width + qkv_size + 2 * q_size + 3 * (size_t)m->inter + widest_input;
     float *scratch = malloc(sizeof(float) * row_floats * rows);
     if (scratch == NULL) return STEP_NO_MEMORY;
     float *residual = scratch, *normed = residual + (size_t)rows * width, *qkv = normed + (size_t)rows * width;
     float *q = qkv + (size_t)rows * qkv_size, *attn = q + (size_t)rows * q_size;
     float *gate_up = attn + (size_t)rows * q_size, *act = gate_up + (size_t)rows * 2 * m->inter;
+    float *staging = act + (size_t)rows * m->inter;
     const size_t row_bytes = sizeof(float) * width;
     int status = STEP_OK;
     for (int i = 0; i < m->num_layers && status == STEP_OK; i++) {
@@ -88,7 +134,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         } else {
             rms_norm_f32(normed, residual, hidden, residual, layer->input_norm, rows, width, m->eps, threads);
         }
-        if ((status = linear(&layer->qkv, qkv, normed, rows, threads))) break;
+        if ((status = linear(&layer->qkv, qkv, normed, staging, rows, threads))) break;
         rotary_f32(qkv, positions, m->cos, m->sin, rows, qkv_size, m->num_heads + m->num_kv_heads, m->head_dim,
                    threads);
         for (int t = 0; t < rows; t++) {
@@ -100,11 +146,11 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
                                         m->attn_scale, CACHE_F32, NULL, NULL, threads);
-        if (status || (status = linear(&layer->o, hidden, attn, rows, threads))) break;
+        if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
         rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
-        if ((status = linear(&layer->gate_up, gate_up, normed, rows, threads))) break;
+        if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;
         silu_mul_f32(act, gate_up, rows, m->inter, threads);
-        status = linear(&layer->down, hidden, act, rows, threads);
+        status = linear(&layer->down, hidden, act, staging, rows, threads);
     }
     if (status == STEP_OK)
         rms_norm_f32(hidden, residual, hidden, residual, m->final_norm, rows, width, m->eps, threads);

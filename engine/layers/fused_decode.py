@@ -2,7 +2,7 @@
 
 At batch 1 a small model's decode step spends about a third of its time in Python between
 kernels. When a step holds only decode tokens and every layer runs on a C kernel (fp32
-activations, panel-packed dense, int8 weight-only or W8A8 weights, an fp32 KV cache), the
+activations, panel-packed dense, int8 weight-only, W8A8 or FP8 weights, an fp32 KV cache), the
 layers run in one call instead: the same kernels in the same order, so the same floats. Every
 other step, and every model this does not describe, goes through the modules, which stay the
 oracle. `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
@@ -19,14 +19,16 @@ from torch import nn
 from engine.layers import cpu_kernels
 from engine.layers.attention import ForwardContext
 
-LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8 = range(4)
+LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8 = range(5)
+ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("group_size", ctypes.c_int32), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("group_size", ctypes.c_int32), ("act", ctypes.c_int32), ("input_scale", ctypes.c_float),
+                ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("sums", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
@@ -69,12 +71,25 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         kind, scales = LINEAR_INT8, linear.kernel_scales
     elif kernel == "w8a8panel":
         kind, scales, sums = LINEAR_W8A8, linear.kernel_scales, linear.kernel_sums
+    elif kernel == "fp8panel":
+        kind, scales = LINEAR_FP8, linear.kernel_scales
     else:
         return None
-    group = k // scales.shape[1] if kind == LINEAR_INT8 else k
+    group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_FP8) else k
+    act, input_scale = _fp8_inputs(linear) if kind == LINEAR_FP8 else (ACT_NONE, 0.0)
     keep.extend(t for t in (weight, scales, sums, bias) if t is not None)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return _Linear(kind, n, k, group, weight.data_ptr(), ptr(scales), ptr(sums), ptr(bias))
+    return _Linear(kind, n, k, group, act, input_scale, weight.data_ptr(), ptr(scales), ptr(sums), ptr(bias))
+
+
+def _fp8_inputs(linear: nn.Module) -> tuple[int, float]:
+    """How an FP8 Linear rounds its inputs (quant.linear.Fp8Linear._quantize_input): (mode, static scale)."""
+    acts = linear.scheme.input_activations
+    if acts is None:
+        return ACT_NONE, 0.0
+    if not acts.dynamic:
+        return ACT_FP8_STATIC, float(linear.input_scale)
+    return (ACT_FP8_TENSOR, 0.0) if acts.strategy == "tensor" else (ACT_FP8_TOKEN, 0.0)
 
 
 class FusedDecode:

@@ -14,7 +14,7 @@ from engine.layers import fused_decode, panel_matmul
 from engine.layers.fused_decode import FusedDecode
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
-from quant.schemes import preset
+from quant.schemes import QuantArgs, QuantScheme, preset
 from tests.helpers import make_tiny_model_dir, quantized_tensors
 
 needs_kernel = pytest.mark.skipif(fused_decode._kernel() is None, reason="no C compiler here")
@@ -53,9 +53,19 @@ def _run(model_dir: Path, enabled: bool, monkeypatch, **engine_kwargs) -> tuple[
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
 
 
-def _quantized_dir(tmp_path: Path, source: Path, scheme_name: str) -> Path:
-    scheme = preset(scheme_name)
-    return write_checkpoint(tmp_path / scheme_name, source_dir=source, quant_config=QuantizationConfig.for_scheme(scheme),
+def _fp8(strategy: str, **kw) -> QuantArgs:
+    return QuantArgs(type="float", num_bits=8, strategy=strategy, **kw)
+
+
+SCHEMES = {name: preset(name) for name in ("w8a16", "w4a16", "w8a8-int8", "fp8-dynamic", "fp8-static")} | {
+    "fp8-tensor-dynamic": QuantScheme(_fp8("channel"), _fp8("tensor", dynamic=True), "float-quantized"),
+    "fp8-weight-only": QuantScheme(_fp8("channel"), None, "naive-quantized"),
+}
+
+
+def _quantized_dir(tmp_path: Path, source: Path, name: str) -> Path:
+    scheme = SCHEMES[name]
+    return write_checkpoint(tmp_path / name, source_dir=source, quant_config=QuantizationConfig.for_scheme(scheme),
                             tensors=quantized_tensors(source, scheme, kv=False))
 
 
@@ -84,8 +94,9 @@ def test_fused_step_equals_module_path(tmp_path, monkeypatch, name, engine_kwarg
 
 
 @needs_kernel
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", pytest.param("w8a8-int8", marks=needs_vnni)])
+@pytest.mark.parametrize("scheme", [pytest.param(n, marks=needs_vnni) if n == "w8a8-int8" else n for n in SCHEMES])
 def test_fused_step_equals_module_path_on_quantized_weights(tmp_path, monkeypatch, scheme):
+    """FP8 inputs are rounded in C exactly as quant.fp8 does: per token, per tensor, static, or not at all."""
     model_dir = _quantized_dir(tmp_path, make_tiny_model_dir(tmp_path / "source"), scheme)
     fused, fused_calls = _run(model_dir, True, monkeypatch)
     modules, _ = _run(model_dir, False, monkeypatch)
@@ -95,12 +106,10 @@ def test_fused_step_equals_module_path_on_quantized_weights(tmp_path, monkeypatc
 
 @needs_kernel
 def test_steps_the_c_path_does_not_cover_go_through_the_modules(tiny_model_dir, tmp_path, monkeypatch):
-    """An fp8 KV cache and fp8 weights have no fused form: every step runs the modules."""
+    """An fp8 KV cache has no fused form: every step runs the modules."""
     with _fused(True):
         fp8_cache = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="fp8", kv_scales="dynamic")
-        assert not fp8_cache.engine.model.fused_decode.accepts(None)
-        fp8_weights = LLM(str(_quantized_dir(tmp_path, tiny_model_dir, "fp8-dynamic")), dtype="float32")
-    assert fp8_weights.engine.model.fused_decode is None
+    assert fp8_cache.engine.model.fused_decode is not None
     calls = []
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1))
     outs = fp8_cache.generate(_prompts(), GREEDY, use_tqdm=False)
