@@ -24,6 +24,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # while any sequence decodes, prompt chunks take at most this many tokens per step (0: no cap)
+    max_prefill_tokens_with_decodes: int = 0
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     enable_prefix_caching: bool = True

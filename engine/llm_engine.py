@@ -82,7 +82,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           record_events=config.record_kv_events)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.max_prefill_tokens_with_decodes),
             self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed)
         self.eos_token_ids = self._eos_token_ids()

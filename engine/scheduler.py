@@ -5,6 +5,10 @@ each taking the tokens it still lacks up to the remaining budget; then, if nothi
 preempted, waiting requests in order, their prompts chunked to fit. When a running request
 cannot get a block, the newest running request is preempted by recompute: its blocks are
 freed (their hashes stay cached) and it goes to the front of the waiting queue.
+
+With `max_prefill_tokens_with_decodes` set, a step that decodes any sequence gives prompt
+chunks at most that many tokens in all (Sarathi-Serve's stall-free batching): a long prompt
+then costs every running stream a bounded stall per step instead of one long one.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    max_prefill_tokens_with_decodes: int = 0  # 0: prompt chunks are bounded by the step budget alone
 
     def __post_init__(self) -> None:
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError("max_prefill_tokens_with_decodes must be 0 (no cap) or positive, "
+                             f"got {self.max_prefill_tokens_with_decodes}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -76,10 +84,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1:  # a prompt chunk
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -92,7 +107,7 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = self.block_manager.get_computed_blocks(request)
             if request.params.prompt_logprobs is not None:
@@ -100,7 +115,7 @@ class Scheduler:
                 limit = max(request.params.prompt_logprobs_start - 1, 0) // self.block_manager.block_size
                 hits = hits[:limit]
             num_hit = len(hits) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = min(request.num_tokens - num_hit, budget, prefill_budget)
             if not self.block_manager.allocate(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -113,7 +128,15 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_hit, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         return out
+
+    def _prefill_budget(self) -> int:
+        """Tokens prompt chunks may take this step: capped only while some sequence decodes."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return cap
+        return self.config.max_num_batched_tokens
 
     def withdraw(self, requests: list[Request]) -> bool:
         """Take back requests never admitted (all or none), so a router can place them elsewhere.

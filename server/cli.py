@@ -49,6 +49,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=0,
+                        help="while any stream decodes, prompt chunks take at most this many tokens per step, "
+                             "bounding the stall a long prompt adds to every stream's next token (0: no cap)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -110,7 +113,8 @@ def _build_engine(args: argparse.Namespace) -> ServingEngine:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
     )

@@ -122,12 +122,14 @@ def make_requests(num: int, num_tokens: int | list[int], *, max_tokens: int = 4,
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, *, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, max_model_len: int = 256, prefix_caching: bool = True):
+                   max_num_batched_tokens: int = 64, max_model_len: int = 256, prefix_caching: bool = True,
+                   max_prefill_tokens_with_decodes: int = 0):
     from engine.block_manager import BlockManager
     from engine.scheduler import Scheduler, SchedulerConfig
 
     bm = BlockManager(num_blocks, block_size, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), bm)
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, max_prefill_tokens_with_decodes)
+    return Scheduler(config, bm)
 
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -118,6 +118,7 @@ class NodeConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_with_decodes: int = 0  # as in SchedulerConfig: 0 is no cap
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -156,7 +157,9 @@ class SimNode:
         self.node_id = node_id
         self.block_manager = BlockManager(config.num_blocks, config.block_size, record_events=True)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   max_model_len=1 << 20), self.block_manager)
+                                                   max_model_len=1 << 20,
+                                                   max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes),
+                                   self.block_manager)
         self.step: SchedulerOutput | None = None  # the step in progress, None when idle
         self.last_event_seq = 0
 
@@ -402,6 +405,8 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=node.block_size)
     parser.add_argument("--max-num-seqs", type=int, default=node.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=node.max_num_batched_tokens)
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=node.max_prefill_tokens_with_decodes,
+                        help="cap on prompt-chunk tokens in a step that also decodes (0: none)")
     parser.add_argument("--step-a-ms", type=float, default=cost.a_ms, help="fixed ms per step")
     parser.add_argument("--step-b-ms", type=float, default=cost.b_ms_per_token, help="ms per batched token")
     parser.add_argument("--step-c-ms", type=float, default=cost.c_ms_per_decode_seq, help="ms per decoding sequence")
@@ -415,7 +420,8 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         loads = [float(x) for x in args.load.split(",")]
         policies = [Policy(p) for p in args.policies.split(",")]
-        node = NodeConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+        node = NodeConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+                          args.max_prefill_tokens_with_decodes)
         if args.nodes < 1 or any(x <= 0 for x in loads):
             raise ValueError("--nodes and every --load must be positive")
         if args.calibrate_from is not None:

@@ -19,6 +19,7 @@ from engine.cluster.sim import (
     poisson_arrivals,
     run_sim,
     simulate,
+    summarize,
 )
 
 TINY = NodeConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
@@ -91,6 +92,22 @@ def test_lost_kv_events_are_recovered_by_resync():
     assert clean.num_resyncs == 0 and lossy.num_resyncs > 0
     assert lossy.num_output_tokens == clean.num_output_tokens
     assert lossy.num_prefix_hit_tokens > 0.8 * clean.num_prefix_hit_tokens
+
+
+def test_capping_prompt_chunks_beside_decodes_evens_out_token_gaps():
+    """Long prompts arriving while others decode: with the cap, no gap carries a whole prompt."""
+    rng = random.Random(0)
+    items = [WorkItem([rng.randrange(1000) for _ in range(240)], 24) for _ in range(40)]
+    arrivals = poisson_arrivals(40, 20.0, random.Random(1))
+    capped = NodeConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                        max_prefill_tokens_with_decodes=32)
+    rows = {}
+    for name, node in (("uncapped", TINY), ("capped", capped)):
+        result = simulate(items, arrivals, Policy.LEAST_LOADED, 2, node, CostModel())
+        assert result.num_output_tokens == 40 * 24
+        rows[name] = summarize(result, 2)
+    assert rows["capped"]["itl_p99_ms"] < 0.5 * rows["uncapped"]["itl_p99_ms"]
+    assert rows["capped"]["itl_p99_over_p50"] < rows["uncapped"]["itl_p99_over_p50"]
 
 
 def test_workloads_have_the_documented_shapes():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.sequence import RequestStatus
 from tests.helpers import make_requests, make_scheduler
 
@@ -31,6 +33,33 @@ def test_running_decodes_come_before_new_prefills():
     sched.add_request(b)
     out, _ = _run_step(sched)
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("r0", 1), ("r1", 6)]
+
+
+def test_prefill_cap_bounds_prompt_chunks_only_while_something_decodes():
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=5)
+    a, b, c = make_requests(3, [12, 30, 9], max_tokens=20)
+    sched.add_request(a)
+    out, _ = _run_step(sched)
+    assert out.num_batched_tokens == 12  # nothing decodes yet: the whole prompt in one step
+    sched.add_request(b)
+    sched.add_request(c)
+    steps = []
+    while b.num_output_tokens == 0 or c.num_output_tokens == 0:
+        out, _ = _run_step(sched)
+        # (request, prompt tokens in this chunk): decode chunks start past the prompt
+        steps.append([(ch.request.request_id, max(0, min(ch.num_tokens, ch.request.num_prompt_tokens - ch.start)))
+                      for ch in out.chunks])
+    # every step decodes r0 and gives the two prompts 5 tokens between them, in arrival order
+    assert steps[0] == [("r0", 0), ("r1", 5)]
+    assert all(s[0] == ("r0", 0) and sum(n for _, n in s) <= 5 for s in steps)
+    assert sum(n for s in steps for rid, n in s if rid == "r1") == 30
+    assert sum(n for s in steps for rid, n in s if rid == "r2") == 9
+    assert len(steps) == -(-(30 + 9) // 5)  # the cap is used in full: no step wasted
+
+
+def test_prefill_cap_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        make_scheduler(num_blocks=8, max_prefill_tokens_with_decodes=-1)
 
 
 def test_max_num_seqs_caps_running():
