@@ -1,8 +1,8 @@
 /* A decode step's whole Llama block stack in one call, for CPUs.
  *
- * Through the modules, a batch-1 decode step of a small model spends about a third of its time
- * in Python between kernels: per layer some twelve module calls and eight kernel calls, each
- * with its checks, output allocations and ctypes conversions. Here the same kernels run in the
+ * Through the modules, a batch-1 decode step of a small model spent about half its time in
+ * Python between kernels: per layer some twelve module calls and eight kernel calls, each with
+ * its checks, output allocations and ctypes conversions. Here the same kernels run in the
  * same order from C, so the hidden states are bit for bit those of the module path, which stays
  * the oracle and serves every step this does not cover (engine/layers/fused_decode.py decides).
  *

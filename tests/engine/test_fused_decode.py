@@ -114,3 +114,16 @@ def test_steps_the_c_path_does_not_cover_go_through_the_modules(tiny_model_dir, 
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1))
     outs = fp8_cache.generate(_prompts(), GREEDY, use_tqdm=False)
     assert calls == [] and all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_layer_states_see_every_row_when_a_chunk_is_one_token(tiny_model_dir, num_tokens):
+    """score() feeds a one-token tail chunk (here with an 8-token budget) as a decode row; hooks on
+    the layers must see it, so the C path stands aside while a module is watched."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=8)
+    assert llm.engine.model.fused_decode is not None
+    tokens = list(range(5, 5 + num_tokens))
+    logprobs, states = llm.score_with_layer_states(tokens)
+    assert states.shape[:2] == (2, num_tokens)
+    torch.testing.assert_close(logprobs, llm.score_full_logprobs(tokens), rtol=0, atol=0)
