@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,26 +26,13 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 6, 19, 40)]
 
 
-@contextmanager
-def _fused(enabled: bool):
-    before = os.environ.get("DRIFTGATE_FUSED_DECODE")
-    os.environ["DRIFTGATE_FUSED_DECODE"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["DRIFTGATE_FUSED_DECODE"]
-        else:
-            os.environ["DRIFTGATE_FUSED_DECODE"] = before
-
-
 def _run(model_dir: Path, enabled: bool, monkeypatch, **engine_kwargs) -> tuple[list, int]:
     """Greedy outputs (tokens and top logprobs) and the number of steps the C path ran."""
     calls = []
     original = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
-    with _fused(enabled):
-        llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
+    monkeypatch.setenv("DRIFTGATE_FUSED_DECODE", "1" if enabled else "0")  # read when the engine is built
+    llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
     assert (llm.engine.model.fused_decode is not None) == enabled
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
@@ -107,8 +92,8 @@ def test_fused_step_equals_module_path_on_quantized_weights(tmp_path, monkeypatc
 @needs_kernel
 def test_steps_the_c_path_does_not_cover_go_through_the_modules(tiny_model_dir, tmp_path, monkeypatch):
     """An fp8 KV cache has no fused form: every step runs the modules."""
-    with _fused(True):
-        fp8_cache = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="fp8", kv_scales="dynamic")
+    monkeypatch.setenv("DRIFTGATE_FUSED_DECODE", "1")
+    fp8_cache = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="fp8", kv_scales="dynamic")
     assert fp8_cache.engine.model.fused_decode is not None
     calls = []
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1))
