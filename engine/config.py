@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")  # auto: the model dtype
 KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -38,7 +38,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_scales not in KV_SCALES:
             raise ValueError(f"kv_scales must be one of {', '.join(KV_SCALES)}, got {self.kv_scales!r}")
-        if self.kv_scales == "dynamic" and self.kv_cache_dtype == "auto":
+        if self.kv_scales == "dynamic" and self.kv_cache_dtype in ("auto", "bfloat16"):
             raise ValueError("kv_scales='dynamic' only applies to an fp8 KV cache (kv_cache_dtype='fp8')")
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")

@@ -96,6 +96,8 @@ class LLMEngine:
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
             return next(self.model.parameters()).dtype
+        if self.config.kv_cache_dtype == "bfloat16":  # an fp32 model's KV at half the bytes (no scales)
+            return torch.bfloat16
         if self.config.kv_scales == "dynamic":
             defer_kv_scales(self.model)
             return torch.float8_e4m3fn

@@ -30,7 +30,7 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="default", help="shipped policy name (default, quick) or a TOML path")
     parser.add_argument("--report-dir", default=None, help="where reports go (default: CANDIDATE/gate-report)")
     parser.add_argument("--data-dir", default=None, help="evaluation data (default: $DRIFTGATE_DATA, ../shared/data)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="candidate's KV-cache dtype (auto, fp8)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="candidate's KV-cache dtype (auto, bfloat16, fp8)")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
     parser.add_argument("--cache-dir", default=None, help="baseline result cache (default ~/.cache/driftgate)")

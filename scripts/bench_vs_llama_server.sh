@@ -6,7 +6,8 @@
 # MODEL_DIR is the checkpoint driftgate serves (bf16 folder or a quantized one); llama-server
 # serves $GGUF (default: the Q8_0 GGUF from scripts/build_llama_cpp.sh). Workload as in
 # peers.md: random 256-token prompts, exactly 128 output tokens, closed loop at concurrency 1
-# and 32; then a ShareGPT request-rate sweep on driftgate. Each side runs $RUNS times,
+# and 32; then a ShareGPT request-rate sweep on driftgate. $OURS_ARGS adds `driftgate serve` flags
+# (e.g. OURS_ARGS="--kv-cache-dtype bfloat16"). Each side runs $RUNS times,
 # alternating, so machine noise hits both alike. Results: OUT_DIR/{ours,llama}-c{1,32}-runN.json.
 set -euo pipefail
 
@@ -45,7 +46,7 @@ client() {  # url name concurrency prompts json [extra...]
 
 start_ours() {
   OMP_NUM_THREADS=$THREADS "$BIN/driftgate" serve "$MODEL" --port "$PORT_OURS" --served-model-name smollm2 \
-    --max-num-seqs 32 --log-level warning &
+    --max-num-seqs 32 --log-level warning ${OURS_ARGS:-} &
   SERVER=$!
   wait_healthy "http://127.0.0.1:$PORT_OURS" "$SERVER"
 }

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.config import KV_SCALES
+from engine.config import KV_CACHE_DTYPES, KV_SCALES
 from server.app import build_app
 from server.config import ServerConfig
 from server.state import ServerState
@@ -43,7 +43,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="auto: the model dtype; bfloat16 halves an fp32 model's KV bytes; fp8 needs scales")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -9,7 +9,7 @@
  *   hidden [rows, hidden] float32: in, the token embeddings; out, the final norm's output
  *   positions, slots int64 [rows]: each token's position and the flat KV slot it writes
  *   block_tables int32 [rows, max_blocks], context_lens int32 [rows]: as for paged_decode
- *   KV caches float32 [slots, num_kv_heads, head_dim]
+ *   KV caches float32 or bfloat16 (kv_type, paged_decode.c's CACHE_F32 / CACHE_BF16) [slots, num_kv_heads, head_dim]
  *
  * One translation unit with the kernels it calls (they stay separate libraries for the modules).
  */
@@ -38,11 +38,11 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
 } Layer;
 
 typedef struct {
-    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, kv_type;
     float eps, attn_scale;
     const float *cos, *sin, *final_norm;
     const Layer *layers;
@@ -78,6 +78,20 @@ static void fake_quantize_fp8(float *out, const float *x, int rows, int k, int a
         float *dst = out + (int64_t)r * k;
         if (act == ACT_FP8_TOKEN) scale = fp8_scale_of(src, k);
         for (int i = 0; i < k; i++) dst[i] = round_to_e4m3(fminf(fmaxf(src[i] / scale, -448.0f), 448.0f)) * scale;
+    }
+}
+
+/* n floats into the cache as they are, or rounded to bfloat16 (nearest, ties to even: torch's cast). */
+static inline void store_kv(void *cache, int64_t slot_offset, const float *x, int n, int kv_type) {
+    if (kv_type == CACHE_F32) {
+        memcpy((float *)cache + slot_offset, x, sizeof(float) * n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + slot_offset;
+    for (int i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        dst[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
     }
 }
 
@@ -140,12 +154,12 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         for (int t = 0; t < rows; t++) {
             const float *row = qkv + (size_t)t * qkv_size;
             memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);
-            memcpy(layer->k_cache + slots[t] * kv_size, row + q_size, sizeof(float) * kv_size);
-            memcpy(layer->v_cache + slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+            store_kv(layer->k_cache, slots[t] * kv_size, row + q_size, kv_size, m->kv_type);
+            store_kv(layer->v_cache, slots[t] * kv_size, row + q_size + kv_size, kv_size, m->kv_type);
         }
         status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
-                                        m->attn_scale, CACHE_F32, NULL, NULL, threads);
+                                        m->attn_scale, m->kv_type, NULL, NULL, threads);
         if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
         rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
         if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;

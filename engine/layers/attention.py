@@ -115,7 +115,7 @@ def _load(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, 
     x = cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
     if cache.dtype == torch.float8_e4m3fn:
         return x.to(torch.float32).mul_(scale).to(dtype)
-    return x
+    return x.to(dtype)  # a bfloat16 cache under an fp32 model
 
 
 class Attention(nn.Module):

@@ -3,7 +3,7 @@
 At batch 1 a small model's decode step spent about half its time in Python between kernels
 (SmolLM2-135M: 16.9 → 11.1 ms a token in fp32, 18.0 → 8.5 ms in W8A8). When a step holds only
 decode tokens and every layer runs on a C kernel (fp32 activations, panel-packed dense, int8
-weight-only, W8A8 or FP8 weights, an fp32 KV cache), the layers run in one call instead: the same kernels in the same order, so the same floats. Every
+weight-only, W8A8 or FP8 weights, an fp32 or bf16 KV cache), the layers run in one call instead: the same kernels in the same order, so the same floats. Every
 other step, and every model this does not describe, goes through the modules, which stay the
 oracle. `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
 """
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8 = range(5)
 ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtype → paged_decode.c's cache type
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
@@ -44,7 +45,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
-                ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("cos", ctypes.c_void_p),
+                ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("cos", ctypes.c_void_p),
                 ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -109,7 +110,7 @@ class FusedDecode:
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
         attn = layers[0].self_attn.attn
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
-                             model_args.head_dim, model_args.intermediate_size, final_norm.eps, attn.scale,
+                             model_args.head_dim, model_args.intermediate_size, 0, final_norm.eps, attn.scale,
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None
@@ -136,13 +137,13 @@ class FusedDecode:
         return cls(model_args, layers, final_norm, rotary, descriptions, keep)
 
     def accepts(self, ctx: ForwardContext | None) -> bool:
-        """Whether this step is one the C path runs: decode tokens only, on an fp32 cache, and no
+        """Whether this step is one the C path runs: decode tokens only, on an fp32 or bf16 cache, and no
         hook watching a module (`LLM.score_with_layer_states` reads layer outputs through hooks)."""
         if ctx is None:
             return False
         meta = ctx.metadata
         return (meta.paged_decode is not None and not meta.prefills and not meta.decode_groups
-                and ctx.kv_cache.dtype == torch.float32 and ctx.kv_cache.k[0].device.type == "cpu"
+                and ctx.kv_cache.dtype in KV_TYPES and ctx.kv_cache.k[0].device.type == "cpu"
                 and not any(m._forward_hooks or m._forward_pre_hooks for m in self._observable))
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -151,6 +152,7 @@ class FusedDecode:
         if self._cache_bound is not cache:
             for c_layer, k, v in zip(self._layers, cache.k, cache.v, strict=True):
                 c_layer.k_cache, c_layer.v_cache = k.data_ptr(), v.data_ptr()
+            self._model.kv_type = KV_TYPES[cache.dtype]
             self._cache_bound = cache
         decode = meta.paged_decode
         hidden = embeddings.float().contiguous()  # a fresh lookup: the C call writes it in place

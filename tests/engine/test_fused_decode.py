@@ -65,6 +65,7 @@ MODELS = {
 CASES = [(name, {}) for name in MODELS] + [
     ("llama-gqa", {"block_size": 1}),
     ("llama-gqa", {"block_size": 4, "num_kv_blocks": 20}),  # preempts: recomputed prompts, then decode again
+    ("llama-gqa", {"kv_cache_dtype": "bfloat16"}),  # K/V rounded to bf16 in C exactly as torch's cast
 ]
 
 
@@ -112,3 +113,11 @@ def test_layer_states_see_every_row_when_a_chunk_is_one_token(tiny_model_dir, nu
     logprobs, states = llm.score_with_layer_states(tokens)
     assert states.shape[:2] == (2, num_tokens)
     torch.testing.assert_close(logprobs, llm.score_full_logprobs(tokens), rtol=0, atol=0)
+
+
+def test_a_bf16_cache_stays_near_the_fp32_one(tiny_model_dir):
+    """bfloat16 K/V (half the bytes) move this model's token log-probabilities by little."""
+    prompt = _prompts()[3]
+    fp32 = LLM(str(tiny_model_dir), dtype="float32").score_full_logprobs(prompt)
+    bf16 = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16").score_full_logprobs(prompt)
+    assert 0 < (bf16 - fp32).abs().max().item() < 0.05
