@@ -9,7 +9,8 @@
  *   hidden [rows, hidden] float32: in, the token embeddings; out, the final norm's output
  *   positions, slots int64 [rows]: each token's position and the flat KV slot it writes
  *   block_tables int32 [rows, max_blocks], context_lens int32 [rows]: as for paged_decode
- *   KV caches float32 or bfloat16 (kv_type, paged_decode.c's CACHE_F32 / CACHE_BF16) [slots, num_kv_heads, head_dim]
+ *   KV caches [slots, num_kv_heads, head_dim], float32 or bfloat16 (kv_type: paged_decode.c's
+ *   CACHE_F32 / CACHE_BF16)
  *
  * One translation unit with the kernels it calls (they stay separate libraries for the modules).
  */

@@ -3,9 +3,10 @@
 At batch 1 a small model's decode step spent about half its time in Python between kernels
 (SmolLM2-135M: 16.9 → 11.1 ms a token in fp32, 18.0 → 8.5 ms in W8A8). When a step holds only
 decode tokens and every layer runs on a C kernel (fp32 activations, panel-packed dense, int8
-weight-only, W8A8 or FP8 weights, an fp32 or bf16 KV cache), the layers run in one call instead: the same kernels in the same order, so the same floats. Every
-other step, and every model this does not describe, goes through the modules, which stay the
-oracle. `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
+weight-only, W8A8 or FP8 weights, an fp32 or bf16 KV cache), the layers run in one call
+instead: the same kernels in the same order, so the same floats. Every other step, and every
+model this does not describe, goes through the modules, which stay the oracle.
+`DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
-                ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
+                ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
 
 
 _ARGTYPES = (ctypes.POINTER(_Model), *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4)
@@ -110,7 +111,9 @@ class FusedDecode:
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
         attn = layers[0].self_attn.attn
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
-                             model_args.head_dim, model_args.intermediate_size, 0, final_norm.eps, attn.scale,
+                             model_args.head_dim, model_args.intermediate_size,
+                             KV_TYPES[torch.float32],  # until a cache is bound (__call__)
+                             final_norm.eps, attn.scale,
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None
@@ -137,8 +140,8 @@ class FusedDecode:
         return cls(model_args, layers, final_norm, rotary, descriptions, keep)
 
     def accepts(self, ctx: ForwardContext | None) -> bool:
-        """Whether this step is one the C path runs: decode tokens only, on an fp32 or bf16 cache, and no
-        hook watching a module (`LLM.score_with_layer_states` reads layer outputs through hooks)."""
+        """Whether this step is one the C path runs: decode tokens only, on an fp32 or bf16 cache,
+        and no hook watching a module (`LLM.score_with_layer_states` reads layer outputs through hooks)."""
         if ctx is None:
             return False
         meta = ctx.metadata
