@@ -117,7 +117,8 @@ class FusedDecode:
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None
-        self._observable = [m for layer in layers for m in layer.modules()] + [final_norm]
+        # every module a hook could watch, once each (the rotary table is shared by all layers)
+        self._observable = list(dict.fromkeys([m for layer in layers for m in layer.modules()] + [final_norm]))
 
     @classmethod
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module, rotary: nn.Module) -> FusedDecode | None:

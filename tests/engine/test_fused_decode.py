@@ -18,6 +18,7 @@ from tests.helpers import make_tiny_model_dir, quantized_tensors
 needs_kernel = pytest.mark.skipif(fused_decode._kernel() is None, reason="no C compiler here")
 needs_vnni = pytest.mark.skipif(not panel_matmul.w8a8_available(), reason="the W8A8 kernel needs AVX-512 VNNI")
 
+_FUSED_CALL = FusedDecode.__call__  # the real one: each _run wraps this, never an earlier wrapper
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
 
 
@@ -29,8 +30,7 @@ def _prompts() -> list[list[int]]:
 def _run(model_dir: Path, enabled: bool, monkeypatch, **engine_kwargs) -> tuple[list, int]:
     """Greedy outputs (tokens and top logprobs) and the number of steps the C path ran."""
     calls = []
-    original = FusedDecode.__call__
-    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or _FUSED_CALL(self, *a))
     monkeypatch.setenv("DRIFTGATE_FUSED_DECODE", "1" if enabled else "0")  # read when the engine is built
     llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
     assert (llm.engine.model.fused_decode is not None) == enabled
