@@ -14,7 +14,8 @@
  *   k/v cache    [num_slots, num_kv_heads, head_dim] in float32, bfloat16 or fp8 e4m3
  *                (slot = block_id * block_size + offset)
  *   block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
- * fp8 values decode through 256-entry tables that already hold the dequantization scale.
+ * fp8 values decode through 256-entry tables, one per KV head ([num_kv_heads, 256]), that already
+ * hold that head's dequantization scale.
  *
  * Built at first use by engine/layers/cpu_kernels.py with the system C compiler; OpenMP
  * resolves to the runtime torch already loaded, so both share one thread pool.
@@ -105,7 +106,8 @@ static inline __attribute__((always_inline)) void attend_range_body(
         if (t + PREFETCH_DISTANCE < end) prefetch_slot(k_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
         const int64_t slot = slot_of(table, block_shift, t);
         for (int kv = 0; kv < kv_heads; kv++) {
-            const float *k = cache_row(k_cache, slot * kv_heads + kv, head_dim, cache_type, k_table, upcast);
+            const float *k = cache_row(k_cache, slot * kv_heads + kv, head_dim, cache_type,
+                                       cache_type == CACHE_FP8 ? k_table + (size_t)kv * 256 : NULL, upcast);
             for (int h = kv * group; h < (kv + 1) * group; h++)
                 scores[(int64_t)h * span + (t - begin)] = dot(q + h * head_dim, k, head_dim) * scale;
         }
@@ -130,7 +132,8 @@ static inline __attribute__((always_inline)) void attend_range_body(
         if (t + PREFETCH_DISTANCE < end) prefetch_slot(v_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
         const int64_t slot = slot_of(table, block_shift, t);
         for (int kv = 0; kv < kv_heads; kv++) {
-            const float *v = cache_row(v_cache, slot * kv_heads + kv, head_dim, cache_type, v_table, upcast);
+            const float *v = cache_row(v_cache, slot * kv_heads + kv, head_dim, cache_type,
+                                       cache_type == CACHE_FP8 ? v_table + (size_t)kv * 256 : NULL, upcast);
             for (int h = kv * group; h < (kv + 1) * group; h++) {
                 const float p = scores[(int64_t)h * span + (t - begin)];
                 float *o = acc + (int64_t)h * head_dim;

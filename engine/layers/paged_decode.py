@@ -31,6 +31,12 @@ def available(cache_dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and cache_dtype in CACHE_TYPES and _kernel() is not None
 
 
+def fp8_table(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[num_kv_heads, 256]: the e4m3 values times each KV head's scale (one scale for every head,
+    or one per head as [num_kv_heads, 1]), the kernel's decoding of an fp8 byte."""
+    return (_FP8_VALUES * scale.float().reshape(-1, 1)).expand(num_kv_heads, -1).contiguous()
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
@@ -46,8 +52,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     cache_type = CACHE_TYPES[k_cache.dtype]
-    k_table = (_FP8_VALUES * k_scale.float()).contiguous() if cache_type == 2 else None
-    v_table = (_FP8_VALUES * v_scale.float()).contiguous() if cache_type == 2 else None
+    k_table = fp8_table(k_scale, k_cache.shape[1]) if cache_type == 2 else None
+    v_table = fp8_table(v_scale, v_cache.shape[1]) if cache_type == 2 else None
     status = kernel(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, block_tables.shape[1],

@@ -37,11 +37,13 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale):
     cache_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), head_dim=st.sampled_from([8, 64]),
     block_size=st.sampled_from([1, 4, 16]), lens=st.lists(st.integers(1, 300), min_size=1, max_size=5),
-    seed=st.integers(0, 1000),
+    seed=st.integers(0, 1000), per_head_scales=st.booleans(),
 )
-def test_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed):
-    """Contexts past 128 with few (sequence, KV head) pairs take the kernel's split-context path."""
-    _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed)
+def test_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed,
+                                          per_head_scales):
+    """Contexts past 128 in batches of fewer sequences than twice the threads take the split-context
+    path; fp8 caches have one scale, or one per KV head (compressed-tensors' ``attn_head``)."""
+    _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales)
 
 
 @pytest.mark.parametrize("lens", [[1, 257], [300], [129, 64, 2]])
@@ -55,12 +57,15 @@ def test_split_contexts_merge_to_the_reference(lens):
         torch.set_num_threads(threads)
 
 
-def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed):
+def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales=False):
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + 3
     k_scale, v_scale = (torch.tensor(0.02), torch.tensor(0.05)) if cache_dtype == torch.float8_e4m3fn else (
         torch.tensor(1.0), torch.tensor(1.0))
+    if per_head_scales and cache_dtype == torch.float8_e4m3fn:  # [KV, 1], as the loader hands them over
+        k_scale = k_scale * torch.arange(1, kv_heads + 1, dtype=torch.float32).reshape(kv_heads, 1)
+        v_scale = v_scale * torch.arange(kv_heads, 0, -1, dtype=torch.float32).reshape(kv_heads, 1)
     shape = (num_blocks * block_size, kv_heads, head_dim)
     k_cache = (torch.randn(shape, generator=g) / k_scale).clamp(-448, 448).to(cache_dtype)
     v_cache = (torch.randn(shape, generator=g) / v_scale).clamp(-448, 448).to(cache_dtype)
