@@ -9,8 +9,8 @@
  *   hidden [rows, hidden] float32: in, the token embeddings; out, the final norm's output
  *   positions, slots int64 [rows]: each token's position and the flat KV slot it writes
  *   block_tables int32 [rows, max_blocks], context_lens int32 [rows]: as for paged_decode
- *   KV caches [slots, num_kv_heads, head_dim], float32 or bfloat16 (kv_type: paged_decode.c's
- *   CACHE_F32 / CACHE_BF16)
+ *   KV caches [slots, num_kv_heads, head_dim], float32, bfloat16 or fp8 e4m3 (kv_type: paged_decode.c's
+ *   CACHE_F32 / CACHE_BF16 / CACHE_FP8; fp8 with each layer's K and V scales and their decode tables)
  *
  * One translation unit with the kernels it calls (they stay separate libraries for the modules).
  */
@@ -40,6 +40,8 @@ typedef struct {
     const float *input_norm, *post_norm;
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
+    const float *k_scale, *v_scale; /* fp8 caches, [num_kv_heads]: a head's stored value = x / its scale */
+    const float *k_table, *v_table; /* fp8 caches, [num_kv_heads, 256]: the e4m3 values times each scale */
 } Layer;
 
 typedef struct {
@@ -82,10 +84,29 @@ static void fake_quantize_fp8(float *out, const float *x, int rows, int k, int a
     }
 }
 
-/* n floats into the cache as they are, or rounded to bfloat16 (nearest, ties to even: torch's cast). */
-static inline void store_kv(void *cache, int64_t slot_offset, const float *x, int n, int kv_type) {
+/* The e4m3 byte of v, a value round_to_e4m3 returned. */
+static inline uint8_t e4m3_bits(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    if (fabsf(v) < 0x1p-6f) return sign | (uint8_t)(fabsf(v) * FP8_SUBNORMAL_STEPS); /* exponent field 0 */
+    return sign | (uint8_t)((((bits >> 23) & 0xFFu) - 120u) << 3) | (uint8_t)((bits >> 20) & 7u); /* bias 127 → 7 */
+}
+
+/* n floats into the cache as they are; rounded to bfloat16 (nearest, ties to even: torch's cast);
+ * or, for fp8, divided by the KV head's scale, saturated to ±448 and rounded to e4m3 (attention.py's _store). */
+static inline void store_kv(void *cache, int64_t slot_offset, const float *x, int n, int kv_type,
+                            const float *fp8_scales, int head_dim) {
     if (kv_type == CACHE_F32) {
         memcpy((float *)cache + slot_offset, x, sizeof(float) * n);
+        return;
+    }
+    if (kv_type == CACHE_FP8) {
+        uint8_t *dst = (uint8_t *)cache + slot_offset;
+        for (int i = 0; i < n; i++) {
+            const float scaled = x[i] / fp8_scales[i / head_dim];
+            dst[i] = e4m3_bits(round_to_e4m3(fminf(fmaxf(scaled, -448.0f), 448.0f)));
+        }
         return;
     }
     uint16_t *dst = (uint16_t *)cache + slot_offset;
@@ -155,12 +176,13 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         for (int t = 0; t < rows; t++) {
             const float *row = qkv + (size_t)t * qkv_size;
             memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);
-            store_kv(layer->k_cache, slots[t] * kv_size, row + q_size, kv_size, m->kv_type);
-            store_kv(layer->v_cache, slots[t] * kv_size, row + q_size + kv_size, kv_size, m->kv_type);
+            store_kv(layer->k_cache, slots[t] * kv_size, row + q_size, kv_size, m->kv_type, layer->k_scale, m->head_dim);
+            store_kv(layer->v_cache, slots[t] * kv_size, row + q_size + kv_size, kv_size, m->kv_type, layer->v_scale,
+                     m->head_dim);
         }
         status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
-                                        m->attn_scale, m->kv_type, NULL, NULL, threads);
+                                        m->attn_scale, m->kv_type, layer->k_table, layer->v_table, threads);
         if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
         rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
         if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;

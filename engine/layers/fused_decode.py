@@ -3,7 +3,7 @@
 At batch 1 a small model's decode step spent about half its time in Python between kernels
 (SmolLM2-135M: 16.9 → 11.1 ms a token in fp32, 18.0 → 8.5 ms in W8A8). When a step holds only
 decode tokens and every layer runs on a C kernel (fp32 activations, panel-packed dense, int8
-weight-only, W8A8 or FP8 weights, an fp32 or bf16 KV cache), the layers run in one call
+weight-only, W8A8 or FP8 weights, an fp32, bf16 or fp8 KV cache), the layers run in one call
 instead: the same kernels in the same order, so the same floats. Every other step, and every
 model this does not describe, goes through the modules, which stay the oracle.
 `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
@@ -20,13 +20,14 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.attention import ForwardContext
+from engine.layers.paged_decode import fp8_table
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
 
 LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8 = range(5)
 ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
-KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # cache dtype → paged_decode.c's cache type
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # cache dtype → paged_decode.c's cache type
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
@@ -40,7 +41,9 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+                ("k_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -109,7 +112,8 @@ class FusedDecode:
             c_layer.input_norm = layer.input_layernorm.weight.data_ptr()
             c_layer.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
-        attn = layers[0].self_attn.attn
+        self._attention = [layer.self_attn.attn for layer in layers]
+        attn = self._attention[0]
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
                              model_args.head_dim, model_args.intermediate_size,
                              KV_TYPES[torch.float32],  # until a cache is bound (__call__)
@@ -117,6 +121,8 @@ class FusedDecode:
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None
+        self._fp8_scales_bound: list[torch.Tensor] = []  # each layer's K and V scale tensors, as bound
+        self._fp8_keep: list[torch.Tensor] = []
         # every module a hook could watch, once each (the rotary table is shared by all layers)
         self._observable = list(dict.fromkeys([m for layer in layers for m in layer.modules()] + [final_norm]))
 
@@ -141,13 +147,15 @@ class FusedDecode:
         return cls(model_args, layers, final_norm, rotary, descriptions, keep)
 
     def accepts(self, ctx: ForwardContext | None) -> bool:
-        """Whether this step is one the C path runs: decode tokens only, on an fp32 or bf16 cache,
-        and no hook watching a module (`LLM.score_with_layer_states` reads layer outputs through hooks)."""
+        """Whether this step is one the C path runs: decode tokens only, on an fp32, bf16 or fp8
+        cache (fp8 once its scales are known: dynamic ones come from the first prefill), and no
+        hook watching a module (`LLM.score_with_layer_states` reads layer outputs through hooks)."""
         if ctx is None:
             return False
-        meta = ctx.metadata
+        meta, cache = ctx.metadata, ctx.kv_cache
         return (meta.paged_decode is not None and not meta.prefills and not meta.decode_groups
-                and ctx.kv_cache.dtype in KV_TYPES and ctx.kv_cache.k[0].device.type == "cpu"
+                and cache.dtype in KV_TYPES and cache.k[0].device.type == "cpu"
+                and not (cache.is_fp8 and any(a.scales_pending for a in self._attention))
                 and not any(m._forward_hooks or m._forward_pre_hooks for m in self._observable))
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -158,6 +166,8 @@ class FusedDecode:
                 c_layer.k_cache, c_layer.v_cache = k.data_ptr(), v.data_ptr()
             self._model.kv_type = KV_TYPES[cache.dtype]
             self._cache_bound = cache
+        if cache.is_fp8:
+            self._bind_fp8_scales(cache.k[0].shape[1])
         decode = meta.paged_decode
         hidden = embeddings.float().contiguous()  # a fresh lookup: the C call writes it in place
         positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()
@@ -167,3 +177,20 @@ class FusedDecode:
         if status:
             raise RuntimeError(f"fused decode step failed: {_STATUS.get(status, status)}")
         return hidden
+
+    def _bind_fp8_scales(self, num_kv_heads: int) -> None:
+        """Each layer's K/V scales per KV head and their decode tables, rebuilt whenever a layer's
+        scale tensor is replaced (the loader's, or the first prefill's under dynamic scales)."""
+        scales = [s for a in self._attention for s in (a.k_scale, a.v_scale)]
+        bound = self._fp8_scales_bound
+        if len(bound) == len(scales) and all(s is t for s, t in zip(scales, bound)):
+            return
+        keep = []
+        for c_layer, attn in zip(self._layers, self._attention, strict=True):
+            per_head = [s.float().reshape(-1).expand(num_kv_heads).contiguous() for s in (attn.k_scale, attn.v_scale)]
+            tables = [fp8_table(s, num_kv_heads) for s in (attn.k_scale, attn.v_scale)]
+            c_layer.k_scale, c_layer.v_scale = (t.data_ptr() for t in per_head)
+            c_layer.k_table, c_layer.v_table = (t.data_ptr() for t in tables)
+            keep += per_head + tables
+        self._fp8_keep = keep
+        self._fp8_scales_bound = scales

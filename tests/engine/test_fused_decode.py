@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from engine.layers import fused_decode, panel_matmul
 from engine.layers.fused_decode import FusedDecode
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
-from quant.schemes import QuantArgs, QuantScheme, preset
+from quant.schemes import FP8_KV, QuantArgs, QuantScheme, preset
 from tests.helpers import make_tiny_model_dir, quantized_tensors
 
 needs_kernel = pytest.mark.skipif(fused_decode._kernel() is None, reason="no C compiler here")
@@ -66,6 +68,8 @@ CASES = [(name, {}) for name in MODELS] + [
     ("llama-gqa", {"block_size": 1}),
     ("llama-gqa", {"block_size": 4, "num_kv_blocks": 20}),  # preempts: recomputed prompts, then decode again
     ("llama-gqa", {"kv_cache_dtype": "bfloat16"}),  # K/V rounded to bf16 in C exactly as torch's cast
+    # K/V divided by the scales the first prefill set, saturated and rounded to e4m3 in C as torch's cast
+    ("llama-gqa", {"kv_cache_dtype": "fp8", "kv_scales": "dynamic"}),
 ]
 
 
@@ -91,15 +95,39 @@ def test_fused_step_equals_module_path_on_quantized_weights(tmp_path, monkeypatc
 
 
 @needs_kernel
-def test_steps_the_c_path_does_not_cover_go_through_the_modules(tiny_model_dir, tmp_path, monkeypatch):
-    """An fp8 KV cache has no fused form: every step runs the modules."""
+def test_fused_step_equals_module_path_with_a_scale_per_kv_head(tmp_path, monkeypatch):
+    """A checkpoint's fp8 KV scales, one per KV head (compressed-tensors' ``attn_head``, what
+    `quantize --kv-scale-strategy head` writes): each head's K/V stored and decoded with its own scale."""
+    source = make_tiny_model_dir(tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    tensors = quantized_tensors(source, None, kv=False)
+    heads = torch.arange(1, config["num_key_value_heads"] + 1, dtype=torch.float32).reshape(-1, 1, 1)
+    for i in range(config["num_hidden_layers"]):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = 0.004 * heads * (i + 1)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = 0.002 * heads.flip(0)
+    model_dir = write_checkpoint(tmp_path / "kv-head", source_dir=source, tensors=tensors, quant_config=(
+        QuantizationConfig(kv_cache_scheme=replace(FP8_KV, strategy="attn_head"))))
+    fused, fused_calls = _run(model_dir, True, monkeypatch, kv_cache_dtype="fp8")
+    modules, _ = _run(model_dir, False, monkeypatch, kv_cache_dtype="fp8")
+    assert fused_calls > 0
+    assert fused == modules
+
+
+@needs_kernel
+def test_steps_with_a_prompt_chunk_go_through_the_modules(tiny_model_dir, monkeypatch):
+    """Only decode-only steps take the C path: a step that also prefills a new request runs the modules."""
     monkeypatch.setenv("DRIFTGATE_FUSED_DECODE", "1")
-    fp8_cache = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="fp8", kv_scales="dynamic")
-    assert fp8_cache.engine.model.fused_decode is not None
+    llm = LLM(str(tiny_model_dir), dtype="float32")
     calls = []
-    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1))
-    outs = fp8_cache.generate(_prompts(), GREEDY, use_tqdm=False)
-    assert calls == [] and all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or _FUSED_CALL(self, *a))
+    engine, first, second = llm.engine, *_prompts()[2:]
+    engine.add_request(None, first, GREEDY)
+    engine.step()  # the first prompt
+    engine.step()  # its first decode: the C path
+    engine.add_request(None, second, GREEDY)
+    engine.step()  # the second prompt beside the first's decode: modules
+    engine.step()  # both decode: the C path
+    assert calls == [1, 1]
 
 
 @needs_kernel
