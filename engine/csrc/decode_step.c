@@ -10,7 +10,7 @@
  *   positions, slots int64 [rows]: each token's position and the flat KV slot it writes
  *   block_tables int32 [rows, max_blocks], context_lens int32 [rows]: as for paged_decode
  *   KV caches [slots, num_kv_heads, head_dim], float32, bfloat16 or fp8 e4m3 (kv_type: paged_decode.c's
- *   CACHE_F32 / CACHE_BF16 / CACHE_FP8; fp8 with each layer's K and V scales and their decode tables)
+ *   CACHE_F32 / CACHE_BF16 / CACHE_FP8; fp8 also needs each layer's K and V scales and tables)
  *
  * One translation unit with the kernels it calls (they stay separate libraries for the modules).
  */
@@ -176,7 +176,8 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         for (int t = 0; t < rows; t++) {
             const float *row = qkv + (size_t)t * qkv_size;
             memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);
-            store_kv(layer->k_cache, slots[t] * kv_size, row + q_size, kv_size, m->kv_type, layer->k_scale, m->head_dim);
+            store_kv(layer->k_cache, slots[t] * kv_size, row + q_size, kv_size, m->kv_type, layer->k_scale,
+                     m->head_dim);
             store_kv(layer->v_cache, slots[t] * kv_size, row + q_size + kv_size, kv_size, m->kv_type, layer->v_scale,
                      m->head_dim);
         }

@@ -103,7 +103,8 @@ static inline __attribute__((always_inline)) void attend_range_body(
     const int span = end - begin;
     /* pass 1: scores[h][t] = q_h · k_t * scale */
     for (int t = begin; t < end; t++) {
-        if (t + PREFETCH_DISTANCE < end) prefetch_slot(k_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
+        if (t + PREFETCH_DISTANCE < end)
+            prefetch_slot(k_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
         const int64_t slot = slot_of(table, block_shift, t);
         for (int kv = 0; kv < kv_heads; kv++) {
             const float *k = cache_row(k_cache, slot * kv_heads + kv, head_dim, cache_type,
@@ -129,7 +130,8 @@ static inline __attribute__((always_inline)) void attend_range_body(
     /* pass 2: acc_h = Σ_t p[h][t] · v_t */
     memset(acc, 0, sizeof(float) * (size_t)heads * head_dim);
     for (int t = begin; t < end; t++) {
-        if (t + PREFETCH_DISTANCE < end) prefetch_slot(v_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
+        if (t + PREFETCH_DISTANCE < end)
+            prefetch_slot(v_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
         const int64_t slot = slot_of(table, block_shift, t);
         for (int kv = 0; kv < kv_heads; kv++) {
             const float *v = cache_row(v_cache, slot * kv_heads + kv, head_dim, cache_type,

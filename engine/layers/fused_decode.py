@@ -183,7 +183,7 @@ class FusedDecode:
         scale tensor is replaced (the loader's, or the first prefill's under dynamic scales)."""
         scales = [s for a in self._attention for s in (a.k_scale, a.v_scale)]
         bound = self._fp8_scales_bound
-        if len(bound) == len(scales) and all(s is t for s, t in zip(scales, bound)):
+        if len(bound) == len(scales) and all(s is t for s, t in zip(scales, bound, strict=True)):
             return
         keep = []
         for c_layer, attn in zip(self._layers, self._attention, strict=True):
