@@ -94,9 +94,21 @@ static inline int64_t slot_of(const int32_t *table, int block_shift, int t) {
     return ((int64_t)table[t >> block_shift] << block_shift) + (t & ((1 << block_shift) - 1));
 }
 
-static inline void prefetch_slot(const void *cache, int64_t slot, int slot_bytes) {
-    const char *p = (const char *)cache + slot * slot_bytes;
-    for (int b = 0; b < slot_bytes; b += 64) __builtin_prefetch(p + b);
+/* The slot of token t, with the slot PREFETCH_DISTANCE tokens on (before `end`) on its way to the core. */
+static inline int64_t slot_prefetching(const void *cache, const int32_t *table, int block_shift, int t, int end,
+                                       int slot_bytes) {
+    if (t + PREFETCH_DISTANCE < end) {
+        const char *p = (const char *)cache + slot_of(table, block_shift, t + PREFETCH_DISTANCE) * slot_bytes;
+        for (int b = 0; b < slot_bytes; b += 64) __builtin_prefetch(p + b);
+    }
+    return slot_of(table, block_shift, t);
+}
+
+/* KV head kv's row in a slot as float32 (fp8_tables: [kv_heads, 256], fp8 caches only). */
+static inline const float *head_row(const void *cache, int64_t slot, int kv, int kv_heads, int head_dim,
+                                    int cache_type, const float *fp8_tables, float *upcast) {
+    return cache_row(cache, slot * kv_heads + kv, head_dim, cache_type,
+                     cache_type == CACHE_FP8 ? fp8_tables + (size_t)kv * 256 : NULL, upcast);
 }
 
 /* One sequence over its tokens [begin, end), for every query head h: the largest score m[h], the
@@ -113,12 +125,9 @@ static inline __attribute__((always_inline)) void attend_range_body(
     const int span = end - begin;
     /* pass 1: scores[h][t] = q_h · k_t * scale */
     for (int t = begin; t < end; t++) {
-        if (t + PREFETCH_DISTANCE < end)
-            prefetch_slot(k_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
-        const int64_t slot = slot_of(table, block_shift, t);
+        const int64_t slot = slot_prefetching(k_cache, table, block_shift, t, end, slot_bytes);
         for (int kv = 0; kv < kv_heads; kv++) {
-            const float *k = cache_row(k_cache, slot * kv_heads + kv, head_dim, cache_type,
-                                       cache_type == CACHE_FP8 ? k_table + (size_t)kv * 256 : NULL, upcast);
+            const float *k = head_row(k_cache, slot, kv, kv_heads, head_dim, cache_type, k_table, upcast);
             for (int h = kv * group; h < (kv + 1) * group; h++)
                 scores[(int64_t)h * span + (t - begin)] = dot(q + h * head_dim, k, head_dim) * scale;
         }
@@ -140,12 +149,9 @@ static inline __attribute__((always_inline)) void attend_range_body(
     /* pass 2: acc_h = Σ_t p[h][t] · v_t */
     memset(acc, 0, sizeof(float) * (size_t)heads * head_dim);
     for (int t = begin; t < end; t++) {
-        if (t + PREFETCH_DISTANCE < end)
-            prefetch_slot(v_cache, slot_of(table, block_shift, t + PREFETCH_DISTANCE), slot_bytes);
-        const int64_t slot = slot_of(table, block_shift, t);
+        const int64_t slot = slot_prefetching(v_cache, table, block_shift, t, end, slot_bytes);
         for (int kv = 0; kv < kv_heads; kv++) {
-            const float *v = cache_row(v_cache, slot * kv_heads + kv, head_dim, cache_type,
-                                       cache_type == CACHE_FP8 ? v_table + (size_t)kv * 256 : NULL, upcast);
+            const float *v = head_row(v_cache, slot, kv, kv_heads, head_dim, cache_type, v_table, upcast);
             for (int h = kv * group; h < (kv + 1) * group; h++) {
                 const float p = scores[(int64_t)h * span + (t - begin)];
                 float *o = acc + (int64_t)h * head_dim;
