@@ -10,7 +10,7 @@
  *   positions, slots int64 [rows]: each token's position and the flat KV slot it writes
  *   block_tables int32 [rows, max_blocks], context_lens int32 [rows]: as for paged_decode
  *   KV caches [slots, num_kv_heads, head_dim], float32, bfloat16 or fp8 e4m3 (kv_type: paged_decode.c's
- *   CACHE_F32 / CACHE_BF16 / CACHE_FP8; fp8 also needs each layer's K and V scales and tables)
+ *   CACHE_F32 / CACHE_BF16 / CACHE_FP8; fp8 also needs each layer's K and V tables)
  *
  * One translation unit with the kernels it calls (they stay separate libraries for the modules).
  */
@@ -40,8 +40,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
-    const float *k_scale, *v_scale; /* fp8 caches, [num_kv_heads]: a head's stored value = x / its scale */
-    const float *k_table, *v_table; /* fp8 caches, [num_kv_heads, 256]: the e4m3 values times each scale */
+    const float *k_table, *v_table; /* fp8 caches, [num_kv_heads, 256]: the e4m3 values times each head's scale */
 } Layer;
 
 typedef struct {
@@ -94,9 +93,10 @@ static inline uint8_t e4m3_bits(float v) {
 }
 
 /* n floats into the cache as they are; rounded to bfloat16 (nearest, ties to even: torch's cast);
- * or, for fp8, divided by the KV head's scale, saturated to ±448 and rounded to e4m3 (attention.py's _store). */
+ * or, for fp8, divided by the KV head's scale (its table's entry for 1.0), saturated to ±448 and
+ * rounded to e4m3 (attention.py's _store). */
 static inline void store_kv(void *cache, int64_t slot_offset, const float *x, int n, int kv_type,
-                            const float *fp8_scales, int head_dim) {
+                            const float *fp8_tables, int head_dim) {
     if (kv_type == CACHE_F32) {
         memcpy((float *)cache + slot_offset, x, sizeof(float) * n);
         return;
@@ -104,7 +104,7 @@ static inline void store_kv(void *cache, int64_t slot_offset, const float *x, in
     if (kv_type == CACHE_FP8) {
         uint8_t *dst = (uint8_t *)cache + slot_offset;
         for (int i = 0; i < n; i++) {
-            const float scaled = x[i] / fp8_scales[i / head_dim];
+            const float scaled = x[i] / fp8_tables[(size_t)(i / head_dim) * 256 + FP8_ONE];
             dst[i] = e4m3_bits(round_to_e4m3(fminf(fmaxf(scaled, -448.0f), 448.0f)));
         }
         return;
@@ -176,9 +176,9 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         for (int t = 0; t < rows; t++) {
             const float *row = qkv + (size_t)t * qkv_size;
             memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);
-            store_kv(layer->k_cache, slots[t] * kv_size, row + q_size, kv_size, m->kv_type, layer->k_scale,
+            store_kv(layer->k_cache, slots[t] * kv_size, row + q_size, kv_size, m->kv_type, layer->k_table,
                      m->head_dim);
-            store_kv(layer->v_cache, slots[t] * kv_size, row + q_size + kv_size, kv_size, m->kv_type, layer->v_scale,
+            store_kv(layer->v_cache, slots[t] * kv_size, row + q_size + kv_size, kv_size, m->kv_type, layer->v_table,
                      m->head_dim);
         }
         status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,

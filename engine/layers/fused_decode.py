@@ -20,14 +20,13 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.attention import ForwardContext
-from engine.layers.paged_decode import fp8_table
+from engine.layers.paged_decode import CACHE_TYPES, fp8_table
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
 
 LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8 = range(5)
 ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
-KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # cache dtype → paged_decode.c's cache type
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
@@ -42,7 +41,6 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
                 ("k_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p)]
 
 
@@ -50,7 +48,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(_Layer))]
 
 
 _ARGTYPES = (ctypes.POINTER(_Model), *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4)
@@ -116,7 +115,7 @@ class FusedDecode:
         attn = self._attention[0]
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
                              model_args.head_dim, model_args.intermediate_size,
-                             KV_TYPES[torch.float32],  # until a cache is bound (__call__)
+                             CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
                              final_norm.eps, attn.scale,
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
@@ -127,7 +126,8 @@ class FusedDecode:
         self._observable = list(dict.fromkeys([m for layer in layers for m in layer.modules()] + [final_norm]))
 
     @classmethod
-    def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module, rotary: nn.Module) -> FusedDecode | None:
+    def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module,
+              rotary: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here."""
         if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
@@ -154,7 +154,7 @@ class FusedDecode:
             return False
         meta, cache = ctx.metadata, ctx.kv_cache
         return (meta.paged_decode is not None and not meta.prefills and not meta.decode_groups
-                and cache.dtype in KV_TYPES and cache.k[0].device.type == "cpu"
+                and cache.dtype in CACHE_TYPES and cache.k[0].device.type == "cpu"
                 and not (cache.is_fp8 and any(a.scales_pending for a in self._attention))
                 and not any(m._forward_hooks or m._forward_pre_hooks for m in self._observable))
 
@@ -164,7 +164,7 @@ class FusedDecode:
         if self._cache_bound is not cache:
             for c_layer, k, v in zip(self._layers, cache.k, cache.v, strict=True):
                 c_layer.k_cache, c_layer.v_cache = k.data_ptr(), v.data_ptr()
-            self._model.kv_type = KV_TYPES[cache.dtype]
+            self._model.kv_type = CACHE_TYPES[cache.dtype]
             self._cache_bound = cache
         if cache.is_fp8:
             self._bind_fp8_scales(cache.k[0].shape[1])
@@ -179,18 +179,17 @@ class FusedDecode:
         return hidden
 
     def _bind_fp8_scales(self, num_kv_heads: int) -> None:
-        """Each layer's K/V scales per KV head and their decode tables, rebuilt whenever a layer's
-        scale tensor is replaced (the loader's, or the first prefill's under dynamic scales)."""
+        """Each layer's K/V decode tables (which hold the scales the C step stores with), rebuilt
+        whenever a layer's scale tensor is replaced (the loader's, or the first prefill's under
+        dynamic scales)."""
         scales = [s for a in self._attention for s in (a.k_scale, a.v_scale)]
         bound = self._fp8_scales_bound
         if len(bound) == len(scales) and all(s is t for s, t in zip(scales, bound, strict=True)):
             return
         keep = []
         for c_layer, attn in zip(self._layers, self._attention, strict=True):
-            per_head = [s.float().reshape(-1).expand(num_kv_heads).contiguous() for s in (attn.k_scale, attn.v_scale)]
             tables = [fp8_table(s, num_kv_heads) for s in (attn.k_scale, attn.v_scale)]
-            c_layer.k_scale, c_layer.v_scale = (t.data_ptr() for t in per_head)
             c_layer.k_table, c_layer.v_table = (t.data_ptr() for t in tables)
-            keep += per_head + tables
+            keep += tables
         self._fp8_keep = keep
         self._fp8_scales_bound = scales
