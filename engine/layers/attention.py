@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import host_memory
 from engine.layers.paged_decode import paged_decode_attention
 
 FP8_MAX = 448.0
@@ -78,8 +79,14 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_slots, num_kv_heads, head_dim)
         self.dtype = dtype
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def zeros() -> torch.Tensor:  # on CPU, huge pages: decode attention reads scattered blocks
+            if torch.device(device).type == "cpu":
+                return host_memory.zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.k = [zeros() for _ in range(num_layers)]
+        self.v = [zeros() for _ in range(num_layers)]
 
     @property
     def is_fp8(self) -> bool:
