@@ -1,33 +1,77 @@
 """Large host tensors on transparent huge pages.
 
-The KV cache is read at random block granularity every decode step; on 4 KB pages each block
-crosses pages whose translations miss the TLB. Anonymous memory advised MADV_HUGEPAGE before its
-first touch is backed by 2 MB pages where the kernel allows it (THP "madvise" or "always");
-elsewhere the advice is refused and the memory is plain, still zeroed.
+Decode streams every prepacked weight and reads the KV cache at random block granularity each
+step; on 4 KB pages those reads keep missing the TLB. Anonymous memory advised MADV_HUGEPAGE
+before its first touch is backed by 2 MB pages where the kernel allows it (THP "madvise" or
+"always"); elsewhere the advice is refused and the memory is plain pages, zeroed all the same.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import threading
 
 import torch
 
 HUGE_PAGE = 2 << 20
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor on fresh anonymous pages, huge pages where available.
-
-    Every page is written here, so the memory is committed now (as torch.zeros would) and not
-    faulted in during serving. The mapping lives as long as the tensor and its views: torch
-    keeps the buffer alive.
-    """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+def _mapped(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] on a fresh anonymous mapping; torch keeps the mapping alive with the tensor."""
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             region.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # THP disabled: plain pages
             pass
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).zero_().view(dtype).view(shape)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor on its own mapping, huge pages where available.
+
+    Every page is written here, so the memory is committed now (as torch.zeros would) and not
+    faulted in during serving.
+    """
+    return _mapped(_nbytes(shape, dtype)).zero_().view(dtype).view(shape)
+
+
+class Arena:
+    """Long-lived tensors (prepacked weights) back to back on huge-page mappings.
+
+    A mapping per weight would leave each one's unaligned head and tail on 4 KB pages, and most
+    of the model's weights are smaller than a huge page. A chunk stays mapped while any tensor
+    carved from it lives.
+    """
+
+    ALIGN = 64  # a cache line: every tensor starts on one, whatever its dtype
+
+    def __init__(self, chunk_bytes: int = 64 << 20):
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None
+        self._offset = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized CPU tensor (contents unspecified) carved from the current chunk."""
+        nbytes = _nbytes(shape, dtype)
+        if nbytes > self.chunk_bytes // 4:  # large enough to fill huge pages of its own
+            return _mapped(nbytes).view(dtype).view(shape)
+        with self._lock:
+            if self._chunk is None or self._offset + nbytes > self.chunk_bytes:
+                self._chunk, self._offset = _mapped(self.chunk_bytes), 0
+            start = self._offset
+            self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
+            return self._chunk[start : start + nbytes].view(dtype).view(shape)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of t (any layout) in the arena."""
+        return self.empty(tuple(t.shape), t.dtype).copy_(t)
+
+
+WEIGHTS = Arena()

@@ -12,6 +12,7 @@ import ctypes
 
 import torch
 
+from engine import host_memory
 from engine.layers import cpu_kernels
 
 PANEL = 16
@@ -26,7 +27,7 @@ def _kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
 def _panels(t: torch.Tensor) -> torch.Tensor:
     """[N, C] → [N / 16, C, 16]: row n of t lands in panel n // 16, lane n % 16."""
     n, c = t.shape
-    return t.detach().reshape(n // PANEL, PANEL, c).transpose(1, 2).contiguous()
+    return host_memory.WEIGHTS.copy(t.detach().reshape(n // PANEL, PANEL, c).transpose(1, 2))
 
 
 def _run(kernel: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[torch.Tensor, ...],
@@ -140,7 +141,7 @@ def pack_w8a8(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = qweight.shape
     if qweight.device.type != "cpu" or qweight.dtype != torch.int8 or not w8a8_fits(n, k):
         raise ValueError(f"the W8A8 kernel does not take a {qweight.dtype} {(n, k)} weight on {qweight.device}")
-    panels = qweight.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2).contiguous()
+    panels = host_memory.WEIGHTS.copy(qweight.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2))
     return panels, (qweight.to(torch.int32).sum(1) * 128).to(torch.int32)
 
 

@@ -1,6 +1,7 @@
 """engine/host_memory.py: KV-cache storage on huge pages behaves like torch.zeros."""
 
 import gc
+from itertools import pairwise
 
 import pytest
 import torch
@@ -32,3 +33,27 @@ def test_kv_cache_layers_are_separate_zeroed_tensors():
     cache.k[0].fill_(1.0)
     assert len({t.data_ptr() for t in cache.k + cache.v}) == 6
     assert all(torch.count_nonzero(t) == 0 for t in cache.k[1:] + cache.v)
+
+
+def test_arena_tensors_are_aligned_disjoint_copies():
+    arena = host_memory.Arena(chunk_bytes=1 << 16)
+    sources = [torch.randn(n, 7).to(dtype) for n, dtype in [(3, torch.float32), (100, torch.bfloat16), (1000, torch.float32),
+                                                            (500, torch.float32), (5, torch.int8)]]
+    copies = [arena.copy(s.t()) for s in sources]  # transposed sources: copy() makes them contiguous
+    for src, out in zip(sources, copies, strict=True):
+        assert out.is_contiguous() and out.data_ptr() % host_memory.Arena.ALIGN == 0
+        assert torch.equal(out, src.t())
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies)
+    assert all(end <= start for (_, end), (start, _) in pairwise(spans))  # no two overlap
+
+
+def test_arena_starts_a_new_chunk_when_full_and_maps_large_tensors_alone():
+    arena = host_memory.Arena(chunk_bytes=8192)
+    chunk = [arena.empty((500,), torch.float32) for _ in range(4)]  # 2000 B each, 2048 apart: one chunk
+    assert len({t.untyped_storage().data_ptr() for t in chunk}) == 1
+    assert [t.data_ptr() - chunk[0].data_ptr() for t in chunk] == [0, 2048, 4096, 6144]
+    after = arena.empty((500,), torch.float32)  # does not fit: a second chunk
+    assert after.untyped_storage().data_ptr() != chunk[0].untyped_storage().data_ptr()
+    big = arena.empty((750,), torch.float32)  # over a quarter chunk: a mapping of its own
+    assert big.untyped_storage().nbytes() == 3000
+    assert arena.empty((16,), torch.float32).untyped_storage().data_ptr() == after.untyped_storage().data_ptr()
