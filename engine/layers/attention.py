@@ -186,8 +186,11 @@ class Attention(nn.Module):
             out[rows] = o.squeeze(2)
         for span in meta.prefills:
             rows = slice(span.token_start, span.token_start + span.num_query_tokens)
-            keys = _load(k_cache, span.context_slots, self.k_scale, q.dtype)  # [L, KV, D]
-            values = _load(v_cache, span.context_slots, self.v_scale, q.dtype)
+            if span.context_slots.shape[0] == span.num_query_tokens and k_cache.dtype == k.dtype:
+                keys, values = k[rows], v[rows]  # a fresh prompt: its cache rows hold exactly these
+            else:
+                keys = _load(k_cache, span.context_slots, self.k_scale, q.dtype)  # [L, KV, D]
+                values = _load(v_cache, span.context_slots, self.v_scale, q.dtype)
             out[rows] = self._sdpa(q[rows], keys, values, mask=span.mask, causal=span.mask is None)
         return out.reshape(num_tokens, -1)
 
