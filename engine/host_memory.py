@@ -19,7 +19,9 @@ HUGE_PAGE = 2 << 20
 
 def _mapped(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] on a fresh anonymous mapping; torch keeps the mapping alive with the tensor."""
-    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes == 0:  # nothing to map (an empty cache, say)
+        return torch.empty(0, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             region.madvise(mmap.MADV_HUGEPAGE)

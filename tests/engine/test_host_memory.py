@@ -11,13 +11,14 @@ from engine.layers.attention import KVCache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("shape", [(1, 1, 1), (5000, 3, 64)])  # below and above one huge page
+@pytest.mark.parametrize("shape", [(0, 3, 64), (1, 1, 1), (5000, 3, 64)])  # empty, below and above a huge page
 def test_zeros_is_zeroed_contiguous_and_writable(shape, dtype):
     t = host_memory.zeros(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert torch.count_nonzero(t.float()) == 0
-    t[-1] = 1.0
-    assert t.float()[-1].eq(1.0).all() and torch.count_nonzero(t.float()) == t[-1].numel()
+    if t.numel():
+        t[-1] = 1.0
+        assert t.float()[-1].eq(1.0).all() and torch.count_nonzero(t.float()) == t[-1].numel()
 
 
 def test_the_mapping_outlives_the_function_that_made_it():
@@ -54,6 +55,7 @@ def test_arena_starts_a_new_chunk_when_full_and_maps_large_tensors_alone():
     assert [t.data_ptr() - chunk[0].data_ptr() for t in chunk] == [0, 2048, 4096, 6144]
     after = arena.empty((500,), torch.float32)  # does not fit: a second chunk
     assert after.untyped_storage().data_ptr() != chunk[0].untyped_storage().data_ptr()
+    assert arena.empty((0, 4), torch.float32).shape == (0, 4)
     big = arena.empty((750,), torch.float32)  # over a quarter chunk: a mapping of its own
     assert big.untyped_storage().nbytes() == 3000
     assert arena.empty((16,), torch.float32).untyped_storage().data_ptr() == after.untyped_storage().data_ptr()
