@@ -48,7 +48,7 @@ class Arena:
 
     A mapping per weight would leave each one's unaligned head and tail on 4 KB pages, and most
     of the model's weights are smaller than a huge page. A chunk stays mapped while any tensor
-    carved from it lives.
+    carved from it lives (and the arena keeps its current one); only touched pages take memory.
     """
 
     ALIGN = 64  # a cache line: every tensor starts on one, whatever its dtype

@@ -1,4 +1,5 @@
-"""engine/host_memory.py: KV-cache storage on huge pages behaves like torch.zeros."""
+"""engine/host_memory.py: the KV cache's zeros() behaves like torch.zeros; the weight arena hands out
+aligned, disjoint, contiguous tensors."""
 
 import gc
 from itertools import pairwise
