@@ -31,15 +31,17 @@ def _mapped(nbytes: int) -> torch.Tensor:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor on its own mapping, huge pages where available.
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros; on CPU, on a mapping of its own with huge pages where available.
 
     Every page is written here, so the memory is committed now (as torch.zeros would) and not
     faulted in during serving.
     """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     return _mapped(_nbytes(shape, dtype)).zero_().view(dtype).view(shape)
 
 

@@ -79,14 +79,9 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_slots, num_kv_heads, head_dim)
         self.dtype = dtype
-
-        def zeros() -> torch.Tensor:  # on CPU, huge pages: decode attention reads scattered blocks
-            if torch.device(device).type == "cpu":
-                return host_memory.zeros(shape, dtype)
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.k = [zeros() for _ in range(num_layers)]
-        self.v = [zeros() for _ in range(num_layers)]
+        # host_memory: huge pages on CPU, where decode attention reads scattered blocks every step
+        self.k = [host_memory.zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [host_memory.zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def is_fp8(self) -> bool:
