@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")  # auto: the model dtype
-KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
+KV_SCALES = ("checkpoint", "dynamic")
+ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C decode kernel on CPU  # where an fp8 KV cache's scales come from
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
@@ -30,12 +31,22 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     enable_prefix_caching: bool = True
     seed: int = 0
-    device: str = "cpu"
+    device: str = "cpu"  # "cuda", "cuda:N", or "auto" (CUDA when torch sees a GPU)
+    attention_backend: str = "auto"  # torch is the reference; triton also runs on CPU with TRITON_INTERPRET=1
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     record_kv_events: bool = False
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.kv_scales not in KV_SCALES:
             raise ValueError(f"kv_scales must be one of {', '.join(KV_SCALES)}, got {self.kv_scales!r}")
         if self.kv_scales == "dynamic" and self.kv_cache_dtype in ("auto", "bfloat16"):

@@ -10,6 +10,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.layers.attention import KVCache
 from engine.loader import apply_kv_scales, defer_kv_scales, load_model
@@ -77,7 +78,9 @@ class LLMEngine:
                 raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len="
                                  f"{config.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
             self.max_model_len = capacity
-        self.kv_cache = KVCache(args.num_layers, num_blocks * config.block_size, args.num_kv_heads,
+        use_graphs = config.device.startswith("cuda") and not config.enforce_eager
+        # CUDA graphs pad decode batches; the padding rows write to one spare slot past the blocks
+        self.kv_cache = KVCache(args.num_layers, capacity + use_graphs, args.num_kv_heads,
                                 args.head_dim, kv_dtype, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           record_events=config.record_kv_events)
@@ -85,7 +88,11 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.max_prefill_tokens_with_decodes),
             self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed,
+                                  config.attention_backend)
+        if use_graphs and self.runner.backend == "triton":
+            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, config.max_num_seqs,
+                                              self.max_model_len, pad_slot=capacity)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[str, _RequestState] = {}  # sequence id → its request

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers import paged_decode
+from engine.cuda_graphs import DecodeGraphs
+from engine.layers import paged_decode, triton_attention
 from engine.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -14,6 +15,7 @@ from engine.layers.attention import (
     KVCache,
     PagedDecode,
     PrefillSpan,
+    TritonBatch,
 )
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import LogprobsDict
@@ -40,13 +42,28 @@ def _length_groups(lengths: list[int], max_ratio: float = 1.5) -> list[tuple[int
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, seed: int = 0):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, seed: int = 0,
+                 backend: str = "auto"):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
-        self.use_decode_kernel = paged_decode.available(kv_cache.dtype, kv_cache.k[0].device)
+        self.device = kv_cache.k[0].device
+        self.backend = self.default_backend(kv_cache) if backend == "auto" else backend
+        if self.backend == "triton" and not triton_attention.available(self.device):
+            raise ValueError("attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+        if self.backend == "c" and not paged_decode.available(kv_cache.dtype, self.device):
+            raise ValueError(f"attention_backend='c' needs a CPU, a C compiler and a {kv_cache.dtype} cache it reads")
+        self.graphs: DecodeGraphs | None = None  # CUDA: set by the engine unless enforce_eager
+
+    @staticmethod
+    def default_backend(kv_cache: KVCache) -> str:
+        """triton (CUDA: every query), c (CPU: decode queries; prompts on torch), or torch (the oracle)."""
+        device = kv_cache.k[0].device
+        if device.type == "cuda" and triton_attention.available(device):
+            return "triton"
+        return "c" if paged_decode.available(kv_cache.dtype, device) else "torch"
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of one request."""
@@ -56,18 +73,43 @@ class ModelRunner:
 
     def build_metadata(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """chunks must have the single-token ones first. → (input_ids, positions, metadata)."""
-        bs = self.block_size
         input_ids, positions = [], []
         for c in chunks:
             input_ids.extend(c.request.all_token_ids[c.start:c.start + c.num_tokens])
             positions.extend(range(c.start, c.start + c.num_tokens))
         input_ids_t = torch.tensor(input_ids, dtype=torch.long)
         positions_t = torch.tensor(positions, dtype=torch.long)
-
         decodes = [c for c in chunks if c.num_tokens == 1]
+        if self.backend == "triton":
+            meta = self._triton_metadata(chunks, positions_t, len(decodes))
+        else:
+            meta = self._torch_metadata(chunks, decodes)
+        return input_ids_t.to(self.device), positions_t.to(self.device), meta
+
+    def _triton_metadata(self, chunks: list[ScheduledChunk], positions: torch.Tensor,
+                         num_decodes: int) -> AttentionMetadata:
+        """One TritonBatch for the whole step, its tensors on the cache's device."""
+        tables = self._block_tables(chunks, torch.int32)
+        lengths = [c.num_tokens for c in chunks]
+        query_start = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        seq_lens = torch.tensor([c.start + c.num_tokens for c in chunks], dtype=torch.int32)
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
+        bs = self.block_size
+        slots = tables[owner, positions // bs].long() * bs + positions % bs
+        splits = 1
+        if num_decodes == len(chunks) and self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count  # cached by torch
+            splits = triton_attention.decode_splits(len(chunks), self.kv_cache.k[0].shape[1], sms)
+        to = self.device
+        batch = TritonBatch(tables.to(to), query_start.to(to), seq_lens.to(to), max(lengths), bs, splits)
+        return AttentionMetadata(slots.to(to), num_decodes, [], [], triton=batch)
+
+    def _torch_metadata(self, chunks: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> AttentionMetadata:
+        """Decode groups (or the C kernel's tables) and one span per prompt chunk, on CPU."""
+        bs = self.block_size
         nd = len(decodes)
         slot_parts, groups, kernel_decode = [], [], None
-        if decodes and self.use_decode_kernel:
+        if decodes and self.backend == "c":
             kernel_decode = self._paged_decode(decodes)
             last = kernel_decode.context_lens.long() - 1
             blocks = kernel_decode.block_tables.long().gather(1, (last // bs).unsqueeze(1)).squeeze(1)
@@ -86,8 +128,11 @@ class ModelRunner:
                 mask = torch.arange(end).unsqueeze(0) <= q_pos
             prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
             row += c.num_tokens
-        meta = AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills, kernel_decode)
-        return input_ids_t, positions_t, meta
+        if self.device.type != "cpu":  # the torch backend on a GPU: the reference for the Triton one
+            groups = [DecodeGroup(g.row_start, g.slots.to(self.device), g.mask.to(self.device)) for g in groups]
+            prefills = [PrefillSpan(p.token_start, p.num_query_tokens, p.context_slots.to(self.device),
+                                    None if p.mask is None else p.mask.to(self.device)) for p in prefills]
+        return AttentionMetadata(torch.cat(slot_parts).to(self.device), nd, groups, prefills, kernel_decode)
 
     def _block_tables(self, chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
         """[n, max_blocks] block ids of each chunk's request, right-padded with block 0."""
@@ -117,6 +162,10 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run the model over `chunks` (single-token ones first); hidden states [num_tokens, hidden]."""
         input_ids, positions, meta = self.build_metadata(chunks)
+        num_tokens = input_ids.shape[0]
+        if (self.graphs is not None and meta.num_decode_tokens == num_tokens
+                and self.graphs.padded_size(num_tokens) is not None):
+            return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_cache))
 
     @torch.inference_mode()

@@ -55,15 +55,22 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _penalized(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            ) -> tuple[list[int], list[LogprobsDict | None]]:
     """logits [N, vocab] fp32 → one token id per row, and top-n logprobs where asked."""
+    if logits.device.type != "cpu" and not all(r.params.is_greedy and not _penalized(r) for r in rows):
+        # sampling parameters and per-request generators live on the CPU; greedy rows stay on the GPU
+        logits = logits.cpu()
     logprobs_out: list[LogprobsDict | None] = [None] * len(rows)
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
 
-    if any(r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
-           for r in rows):
+    if any(_penalized(r) for r in rows):
         logits = apply_penalties(logits.clone(), rows)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -96,7 +103,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) -> list[LogprobsDict]:
     """logits [T, vocab] at prompt positions; entry t holds the logprob of next_tokens[t] (+ top-n)."""
     lp = logits.log_softmax(dim=-1)
-    ids = torch.tensor(next_tokens)
+    ids = torch.tensor(next_tokens, device=logits.device)
     actual = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
     result = [{tok: val} for tok, val in zip(next_tokens, actual, strict=True)]
     if top_n:

@@ -22,13 +22,14 @@ def num_groups(in_features: int, group_size: int | None) -> int:
     return 1 if group_size is None else -(-in_features // group_size)
 
 
-def column_groups(in_features: int, group_size: int | None, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+def column_groups(in_features: int, group_size: int | None, g_idx: torch.Tensor | None = None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
     """Group index of every input column: ``g_idx`` if given, else consecutive groups."""
     if g_idx is not None:
         return g_idx.long()
     if group_size is None:
-        return torch.zeros(in_features, dtype=torch.long)
-    return torch.arange(in_features) // group_size
+        return torch.zeros(in_features, dtype=torch.long, device=device)
+    return torch.arange(in_features, device=device) // group_size
 
 
 def compute_qparams(
@@ -73,7 +74,7 @@ def quantize_int(
     g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q = clamp(round(w / scale + zp)), returned as int8 [out, in]."""
-    groups = column_groups(weight.shape[1], group_size, g_idx)
+    groups = column_groups(weight.shape[1], group_size, g_idx, weight.device)
     q = weight.float() / _per_column(scale.float(), groups)
     if zero_point is not None:
         q = q + _per_column(zero_point.float(), groups)
@@ -91,7 +92,7 @@ def dequantize_int(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """x̂ = (q − zp) · scale, [out, in] in ``dtype`` (computed in fp32)."""
-    groups = column_groups(q.shape[1], group_size, g_idx)
+    groups = column_groups(q.shape[1], group_size, g_idx, q.device)
     w = q.float()
     if zero_point is not None:
         w = w - _per_column(zero_point.float(), groups)
@@ -123,7 +124,7 @@ def pack_int32(q: torch.Tensor, num_bits: int, *, dim: int = 1) -> torch.Tensor:
     words = -(-cols // per_word)
     u = (q.to(torch.int64) + (1 << (num_bits - 1))).clamp(0, (1 << num_bits) - 1)
     u = torch.nn.functional.pad(u, (0, words * per_word - cols)).view(rows, words, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=q.device) * num_bits
     packed = (u << shifts).sum(-1)  # [rows, words], uint32 range in int64
     # Reinterpret the unsigned 32-bit pattern as int32 (top nibble ≥ 8 ⇒ negative word).
     return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
@@ -136,7 +137,7 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], *,
     if dim == 0:
         return unpack_int32(packed.t(), num_bits, (shape[1], shape[0]), dim=1).t().contiguous()
     per_word = 32 // num_bits
-    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=packed.device) * num_bits
     u = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per_word]
     u = u.reshape(packed.shape[0], -1)[: shape[0], : shape[1]]
     return (u - (1 << (num_bits - 1))).to(torch.int8)

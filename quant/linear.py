@@ -23,7 +23,8 @@ from torch import nn
 
 from engine.layers import panel_matmul
 from engine.layers.linear import dense_matmul
-from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale
+from quant import triton_fp8
+from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8
 from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
 from quant.schemes import QuantScheme
 
@@ -272,6 +273,7 @@ class Fp8Linear(QuantLinearBase):
         fp8_gpu = self.weight.is_cuda and torch.cuda.get_device_capability(self.weight.device) >= (8, 9)
         if fp8_gpu and self.scheme.input_activations is not None and dims_ok:
             self.kernel = "scaled_mm"
+            self.register_buffer("scale_b", self.weight_scale.float().t().contiguous(), persistent=False)  # [1, out]
         elif (self.dtype == torch.float32 and self.weight.device.type == "cpu"
               and panel_matmul.int8_fits(self.output_size, self.input_size, 1)):
             self.kernel = "fp8panel"
@@ -304,12 +306,15 @@ class Fp8Linear(QuantLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.input_size)
         if self.kernel == "scaled_mm":
-            sx = self._act_scale(x2d).float().expand(x2d.shape[0], 1).contiguous()  # [M, 1]
-            x8 = (x2d.float() / sx).clamp(-448.0, 448.0).to(FP8_DTYPE)
+            acts = self.scheme.input_activations
+            if acts.dynamic and acts.strategy == "token" and triton_fp8.available(x2d):
+                x8, sx = triton_fp8.quantize_per_token(x2d)  # one fused pass
+            else:
+                sx = self._act_scale(x2d).float().expand(x2d.shape[0], 1).contiguous()  # [M, 1]
+                x8 = quantize_fp8(x2d, sx)
             # mat2 must be column-major: weight is [out, in] row-major, so its transpose is.
             # Row-wise scaling only produces bf16.
-            y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.t(),
-                                 out_dtype=torch.bfloat16)
+            y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.scale_b, out_dtype=torch.bfloat16)
         elif self.kernel == "fp8panel":
             y = panel_matmul.matmul_fp8(self._quantize_input(x2d.float()), self.kernel_weight, self.kernel_scales,
                                         self.bias)

@@ -43,6 +43,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="auto: the model dtype; bfloat16 halves an fp32 model's KV bytes; fp8 needs scales")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
@@ -117,7 +119,8 @@ def _build_engine(args: argparse.Namespace) -> ServingEngine:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, device=args.device,
+        enforce_eager=args.enforce_eager,
     )
     if not _is_cluster(args):
         return AsyncEngine(config)

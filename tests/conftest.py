@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels (the CUDA backend) run on CPU tensors in Triton's interpreter; read when
+    # kernels are defined, so before any test imports engine.layers.triton_attention.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.helpers import make_tiny_model_dir
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

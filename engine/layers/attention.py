@@ -3,7 +3,8 @@
 The KV cache of one layer is two tensors `[num_blocks * block_size, num_kv_heads, head_dim]`
 (flat slots: slot = block_id * block_size + offset). Writes go through `slot_mapping`; reads
 gather a sequence's slots through precomputed flat indices, then call SDPA; on CPUs decode
-queries instead go to a C kernel that reads the blocks in place (engine/layers/paged_decode.py).
+queries instead go to a C kernel that reads the blocks in place (engine/layers/paged_decode.py),
+and on CUDA every query goes to a Triton kernel that does (engine/layers/triton_attention.py).
 FP8 storage keeps `float8_e4m3fn` and a per-layer scale (x ≈ stored · scale); CPUs cannot do
 arithmetic on fp8, so values are upcast right after the gather.
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import host_memory
+from engine.layers import triton_attention
 from engine.layers.paged_decode import paged_decode_attention
 
 FP8_MAX = 448.0
@@ -59,6 +61,18 @@ class PagedDecode:
 
 
 @dataclass(slots=True)
+class TritonBatch:
+    """The whole step for the Triton kernel (CUDA): every sequence's queries attend in one launch."""
+
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1], rows of each sequence's queries
+    seq_lens: torch.Tensor  # int32 [num_seqs], context including this step's tokens
+    max_query_len: int
+    block_size: int
+    num_splits: int  # key-range splits per sequence (decode batches on a big GPU), see triton_attention
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step's flat token batch (shared by all layers).
 
@@ -70,6 +84,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]  # the torch path's decode batches
     prefills: list[PrefillSpan]
     paged_decode: PagedDecode | None = None  # set instead of decode_groups when the kernel is used
+    triton: TritonBatch | None = None  # set instead of all the above on the Triton backend
 
 
 class KVCache:
@@ -102,8 +117,9 @@ class ForwardContext:
 
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None) -> None:
     if cache.dtype == torch.float8_e4m3fn:
-        x = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX)  # saturate: fp8 casts overflow to NaN
-    cache[slots] = x.to(cache.dtype)
+        x = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(cache.dtype)  # saturate: fp8 casts overflow to NaN
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)  # index_copy_ has no fp8 kernel on CPU
+    cache.index_copy_(0, slots, x.to(cache.dtype))  # no host sync, so CUDA graphs can capture it
 
 
 def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +177,12 @@ class Attention(nn.Module):
             self.scales_pending = False
         _store(k_cache, meta.slot_mapping, k, self.k_scale)
         _store(v_cache, meta.slot_mapping, v, self.v_scale)
+        if meta.triton is not None:
+            batch = meta.triton
+            out = triton_attention.paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                batch.max_query_len, batch.block_size, self.scale, self.k_scale, self.v_scale, batch.num_splits)
+            return out.reshape(num_tokens, -1)
         out = torch.empty_like(q)
         if meta.paged_decode is not None:
             decode = meta.paged_decode

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.layers import paged_decode
+from engine.layers import paged_decode, triton_attention
 from engine.layers.attention import Attention, ForwardContext, KVCache
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk
@@ -29,26 +29,32 @@ class _NullModel:
     pass
 
 
-KERNEL_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
-    not paged_decode.available(torch.float32, torch.device("cpu")), reason="no C compiler for the decode kernel"))]
+BACKENDS = [
+    "torch",
+    pytest.param("c", marks=pytest.mark.skipif(
+        not paged_decode.available(torch.float32, torch.device("cpu")), reason="no C compiler for the decode kernel")),
+    # CPU: the Triton kernel under TRITON_INTERPRET=1 (tests/conftest.py sets it when there is no GPU)
+    pytest.param("triton", marks=pytest.mark.skipif(
+        not triton_attention.available(torch.device("cpu")), reason="triton is not installed")),
+]
 
 
-@pytest.mark.parametrize("decode_kernel", KERNEL_PATHS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=40, deadline=None)
 @given(
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([8, 16]),
     block_size=st.sampled_from([1, 2, 4, 16]), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
     split=st.floats(0.0, 1.0), seed=st.integers(0, 1000),
 )
-def test_paged_equals_dense(decode_kernel, kv_heads, group, head_dim, block_size, lengths, split, seed):
-    """Each sequence is fed in up to three steps (a prompt chunk, a middle chunk, a decode), with
-    decode attention on the torch path and on the C kernel."""
+def test_paged_equals_dense(backend, kv_heads, group, head_dim, block_size, lengths, split, seed):
+    """Each sequence is fed in up to three steps (a prompt chunk, a middle chunk, a decode), on
+    each attention backend."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
     cache = KVCache(1, num_blocks * block_size, kv_heads, head_dim, torch.float32)
     runner = ModelRunner(_NullModel(), cache, block_size)
-    runner.use_decode_kernel = decode_kernel
+    runner.backend = backend
     attn = Attention(0, heads, kv_heads, head_dim)
     reqs = make_requests(len(lengths), lengths)
     # hand out blocks in a scrambled order so block tables are not contiguous

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.layers import triton_attention
 from tests.oracle import assert_matches_hf, assert_outputs_match_hf, hf_greedy
 
 MAX_NEW = 24
@@ -34,10 +35,25 @@ CONFIGS = {
     "chunked-prefill": {"max_num_batched_tokens": 7},
     "block-size-1": {"block_size": 1},
     "preemption": {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 64},
+    "torch-attention": {"attention_backend": "torch"},
+    # the CUDA backend's kernel, here under Triton's interpreter (tests/conftest.py)
+    "triton-attention": {"attention_backend": "triton", "max_num_batched_tokens": 7},
+    # on a GPU: Triton attention with decode steps replayed from CUDA graphs, eager, and the torch backend
+    # (a fixed cache: 90% of a big GPU's memory would be millions of blocks for this tiny model)
+    "cuda-graphs": {"device": "cuda", "max_num_batched_tokens": 7, "num_kv_blocks": 256},
+    "cuda-eager": {"device": "cuda", "enforce_eager": True, "num_kv_blocks": 256},
+    "cuda-torch-attention": {"device": "cuda", "attention_backend": "torch", "enforce_eager": True,
+                             "num_kv_blocks": 256},
 }
+NEEDS_TRITON = pytest.mark.skipif(not triton_attention.available(torch.device("cpu")), reason="triton is not installed")
+NEEDS_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+def _marks(name: str) -> list:
+    return NEEDS_CUDA if name.startswith("cuda") else [NEEDS_TRITON] if name.startswith("triton") else []
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CONFIGS])
 def test_greedy_tokens_equal_hf(tiny_model_dir, hf_reference, name):
     llm = LLM(str(tiny_model_dir), dtype="float32", **CONFIGS[name])
     assert_outputs_match_hf(llm.generate(_prompts(), GREEDY, use_tqdm=False), hf_reference, name)
@@ -45,6 +61,8 @@ def test_greedy_tokens_equal_hf(tiny_model_dir, hf_reference, name):
     assert stats.num_blocks_used == 0, "every block must be released once requests finish"
     if name == "preemption":
         assert stats.num_preemptions > 0, "the tiny cache was meant to force preemption"
+    if name == "cuda-graphs":
+        assert llm.engine.runner.graphs.graphs, "decode steps should have replayed CUDA graphs"
     if name == "one-batch":
         assert stats.prefix_cache_hits >= 3 * 16, "prompts sharing 24 tokens should hit the cache"
 

@@ -1,0 +1,258 @@
+"""GPU benchmarks of the CUDA backends: decode against the HBM roofline, FP8 and INT4 weights,
+prefill GEMMs, FP8 KV capacity and long-context latency.
+
+Models are random weights in Llama-3-8B's real shapes (and Llama-3-70B's layer shapes for the
+GEMMs), generated on the device: speed does not depend on the values, and the GPU machine has
+no hub access. Decode runs through the engine's own runner (Triton attention, CUDA graphs,
+greedy sampling with its one host sync per step), one batch of sequences at a fixed context.
+Times are medians; ceilings (copy bandwidth, bf16 matmul rate) are measured in the same run.
+
+    python -m bench.gpu --out bench/results/h200-DATE.json      (bench/gpu_check.sh runs it)
+    python -m bench.gpu --tiny --device cpu --out /tmp/x.json   (a smoke run of the harness)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention import KVCache
+from engine.models.llama import LlamaArgs, LlamaForCausalLM
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.sequence import Request
+from quant.checkpoint import quantize_weight
+from quant.config import QuantizationConfig
+from quant.linear import QuantLinearBase, make_quantized_linear
+from quant.schemes import preset
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+}
+LLAMA3_70B_LAYER = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                    "num_key_value_heads": 8}
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+WEIGHTS = {"bf16": None, "fp8": "fp8-dynamic", "int4": "w4a16"}  # name → quant preset
+PAGE = 16
+
+
+def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms, synchronizing around each call (events would hide host work)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings(device: str, tiny: bool) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate."""
+    n = (1 << 20) if tiny else (1 << 30)  # 2 GiB of bf16 per buffer on a GPU
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    size = 256 if tiny else 8192
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    mm_ms = median_ms(lambda: a @ b)
+    return {"copy_GBps": 2 * src.nbytes / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * size**3 / mm_ms / 1e9}
+
+
+def random_model(hf_config: dict, weights: str, device: str, num_layers: int | None = None) -> LlamaForCausalLM:
+    """A bf16 Llama with N(0, 0.02) weights, quantized by the `weights` preset as a checkpoint would be."""
+    config = {**hf_config, "num_hidden_layers": num_layers or hf_config["num_hidden_layers"]}
+    scheme = preset(WEIGHTS[weights]) if WEIGHTS[weights] else None
+    quant_config = QuantizationConfig.for_scheme(scheme) if scheme else None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaArgs.from_hf_config(config), quant_config, torch.bfloat16)
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+        if hasattr(module, "load_shard"):
+            for i, rows in enumerate(module.output_sizes):
+                w = torch.randn(rows, module.input_size, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+                module.load_shard(i, quantize_weight(w, module.scheme) if isinstance(module, QuantLinearBase)
+                                  else {"weight": w})
+            module.finalize()
+    model.model.embed_tokens.weight.normal_(0, 0.02, generator=g)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+    return model
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes one decode step must read: every Linear's weights as its kernel holds them (plus scales)."""
+    total = 0
+    for module in model.modules():
+        if not hasattr(module, "load_shard"):
+            continue
+        names = {None: ("weight",), "dense": ("weight_dense",), "scaled_mm": ("weight", "scale_b"),
+                 "int4pack_cuda": ("kernel_weight", "kernel_scales")}[getattr(module, "kernel", None)]
+        total += sum(getattr(module, n).nbytes for n in names)
+    return total
+
+
+def decode(model: LlamaForCausalLM, batch: int, context: int, kv_dtype: torch.dtype, steps: int = 30,
+           graphs: bool = True) -> dict:
+    """Median decode step (ms) of `batch` sequences at `context` tokens, and output tokens/s."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    args = model.args
+    blocks_per_seq = -(-(context + 1) // PAGE)
+    slots = batch * blocks_per_seq * PAGE
+    device = next(model.parameters()).device
+    cache = KVCache(args.num_layers, slots + 1, args.num_kv_heads, args.head_dim, kv_dtype, device)
+    for layer in cache.k + cache.v:  # random values: never time on zeros
+        layer.copy_(torch.randn(layer.shape, device=device).to(kv_dtype))
+    runner = ModelRunner(model, cache, PAGE)
+    if graphs and device.type == "cuda":
+        runner.graphs = DecodeGraphs(model, cache, PAGE, batch, blocks_per_seq * PAGE, pad_slot=slots)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    chunks = []
+    for i in range(batch):
+        request = Request(f"r{i}", [(7 * i + t) % 500 for t in range(context + 1)], greedy)
+        request.block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        chunks.append(ScheduledChunk(request, context, 1))  # the same position each step
+    step_ms = median_ms(lambda: runner.execute(SchedulerOutput(chunks)), reps=steps)
+    return {"batch": batch, "context": context, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+            "step_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms, "kv_cache_bytes": 2 * sum(
+                t.nbytes for t in cache.k)}
+
+
+def gemm(out_features: int, in_features: int, tokens: int, device: str) -> dict:
+    """Prefill GEMM TFLOP/s: bf16, raw FP8 _scaled_mm, and the FP8 Linear (its activation quantization included)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, in_features, generator=g, device=device, dtype=torch.bfloat16)
+    w = torch.randn(out_features, in_features, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+    flops = 2 * tokens * in_features * out_features
+    result = {"out": out_features, "in": in_features, "tokens": tokens,
+              "bf16_TFLOPs": flops / median_ms(lambda: F.linear(x, w)) / 1e9}
+    if device != "cuda":
+        return result
+    from quant import triton_fp8
+
+    scheme = preset("fp8-dynamic")
+    module = make_quantized_linear(scheme, in_features, [out_features], bias=False, dtype=torch.bfloat16)
+    module.load_shard(0, quantize_weight(w, scheme))
+    module.finalize()
+    x8, sx = triton_fp8.quantize_per_token(x)
+
+    def raw() -> torch.Tensor:  # the GEMM alone, activations quantized beforehand
+        return torch._scaled_mm(x8, module.weight.t(), scale_a=sx, scale_b=module.scale_b, out_dtype=torch.bfloat16)
+
+    result["fp8_scaled_mm_TFLOPs"] = flops / median_ms(raw) / 1e9
+    result["fp8_linear_TFLOPs"] = flops / median_ms(lambda: module(x)) / 1e9
+    result["fp8_linear_vs_bf16"] = result["fp8_linear_TFLOPs"] / result["bf16_TFLOPs"]
+    return result
+
+
+def kv_capacity(args: LlamaArgs, budget_bytes: int, context: int) -> dict:
+    """Sequences of `context` tokens that fit `budget_bytes` of KV cache, bf16 vs fp8."""
+    fits = {}
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        per_block = KVCache.bytes_per_slot(args.num_layers, args.num_kv_heads, args.head_dim, dtype) * PAGE
+        fits[str(dtype).removeprefix("torch.")] = (budget_bytes // per_block) // -(-context // PAGE)
+    return {"budget_bytes": budget_bytes, "context": context, "sequences": fits}
+
+
+def run(device: str, tiny: bool) -> dict:
+    config = TINY if tiny else LLAMA3_8B
+    long_context = 1024 if tiny else 32768
+    report = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name()
+              if device == "cuda" else "cpu", "torch": torch.__version__, "model": "tiny" if tiny else "llama-3-8b shapes"}
+    print("ceilings ...", flush=True)
+    report["ceilings"] = ceilings(device, tiny)
+    bandwidth = report["ceilings"]["copy_GBps"]
+    report["decode"] = []
+    for weights in WEIGHTS:
+        if weights != "bf16" and device != "cuda":
+            continue  # the FP8/INT4 CUDA kernels; CPU serving is benchmarked by bench.schemes
+        print(f"decode {weights} ...", flush=True)
+        model = random_model(config, weights, device)
+        step_bytes = weight_bytes(model)
+        for batch in (1, 8):
+            row = {"weights": weights, "weight_bytes": step_bytes,
+                   **decode(model, batch, 512, torch.bfloat16)}
+            row["roofline_tokens_per_s"] = batch * bandwidth * 1e9 / step_bytes
+            row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
+            report["decode"].append(row)
+        if weights == "bf16":
+            eager = decode(model, 1, 512, torch.bfloat16, graphs=False)
+            report["decode_bf16_eager_batch1"] = eager
+            args = model.args
+            budget = 4 << 20 if tiny else 32 << 30  # 32 GiB: 8 sequences of 32k tokens in bf16
+            capacity = kv_capacity(args, budget, long_context)
+            report["fp8_kv"] = {"capacity": capacity, "long_context": []}
+            for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                for batch in (1, capacity["sequences"]["bfloat16"]):
+                    report["fp8_kv"]["long_context"].append(decode(model, batch, long_context, dtype, steps=15))
+            fp8_batch = capacity["sequences"]["float8_e4m3fn"]  # twice the sequences in the same bytes
+            report["fp8_kv"]["full_fp8_cache"] = decode(model, fp8_batch, long_context, torch.float8_e4m3fn, steps=10)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = {r["batch"]: r["tokens_per_s"] for r in report["decode"] if r["weights"] == "bf16"}
+    for r in report["decode"]:
+        r["speedup_vs_bf16"] = r["tokens_per_s"] / base[r["batch"]]
+    print("prefill GEMMs ...", flush=True)
+    tokens = 256 if tiny else 8192
+    shapes = {"8b": config, "70b": {**config, **LLAMA3_70B_LAYER}}
+    report["prefill_gemm"] = []
+    for name, c in shapes.items():
+        h, inter, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"]
+        q, kvs = h, kv * h // c["num_attention_heads"]
+        for layer, (n, k) in {"qkv": (q + 2 * kvs, h), "o": (h, q), "gate_up": (2 * inter, h),
+                              "down": (h, inter)}.items():
+            report["prefill_gemm"].append({"model": name, "layer": layer, **gemm(n, k, tokens, device)})
+    return report
+
+
+def summary(report: dict) -> str:
+    lines = [f"{report['device']}  copy {report['ceilings']['copy_GBps']:.0f} GB/s  "
+             f"bf16 mm {report['ceilings']['bf16_matmul_TFLOPs']:.0f} TFLOP/s"]
+    for r in report["decode"]:
+        lines.append(f"decode {r['weights']:5s} b{r['batch']}: {r['tokens_per_s']:8.1f} tok/s  "
+                     f"{r['fraction_of_roofline']:.0%} of roofline  {r['speedup_vs_bf16']:.2f}x bf16")
+    for r in report["fp8_kv"]["long_context"]:
+        lines.append(f"ctx {r['context']} b{r['batch']} kv {r['kv_dtype']:14s}: {r['step_ms']:.2f} ms/step")
+    lines.append(f"kv capacity {report['fp8_kv']['capacity']['sequences']}")
+    for r in report["prefill_gemm"]:
+        fp8 = f"  fp8 linear {r['fp8_linear_TFLOPs']:.0f} ({r['fp8_linear_vs_bf16']:.2f}x), raw " \
+              f"{r['fp8_scaled_mm_TFLOPs']:.0f}" if "fp8_linear_TFLOPs" in r else ""
+        lines.append(f"gemm {r['model']} {r['layer']:7s} bf16 {r['bf16_TFLOPs']:.0f}{fp8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON results")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
+    args = parser.parse_args(argv)
+    report = run(args.device, args.tiny)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(summary(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The fused per-token FP8 activation quantizer equals quant.fp8's torch arithmetic.
+
+On CPU it runs in Triton's interpreter, whose fp32→fp8 cast truncates instead of rounding, so
+there only the scales are compared; on a GPU (`cuda` mark) the fp8 values are too: the cast
+rounds to nearest even as torch's does, and Triton's fast fp32 division may move a value that
+sits on a rounding boundary by one fp8 step (at most 1 in 1000 here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant import triton_fp8
+from quant.fp8 import fp8_scale, quantize_fp8
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not triton_fp8.available(torch.empty(0)),
+                                                 reason="triton is not installed")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available() or triton_fp8.triton is None, reason="needs CUDA and triton")]),
+]
+
+
+def _activations(rows: int, cols: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols, generator=g)
+    x[0] = 0.0  # a zero row gets the smallest scale, not a division by zero
+    x[-1, cols // 2] = 3000.0  # one loud value sets its row's scale
+    return x.to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows, cols", [(2, 16), (7, 300), (33, 4096), (3, 9000)])
+def test_scales_equal_torch(device, rows, cols):
+    x = _activations(rows, cols, device)
+    q, scale = triton_fp8.quantize_per_token(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (rows, 1)
+    torch.testing.assert_close(scale, fp8_scale(x, "token"), rtol=1e-6, atol=0)
+    if device == "cuda":
+        expected = quantize_fp8(x, scale).float()
+        got = q.float()
+        assert (got == expected).float().mean() > 0.999
+        torch.testing.assert_close(got, expected, rtol=0.125, atol=2.0**-9)  # one e4m3 step
