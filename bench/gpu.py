@@ -18,6 +18,7 @@ import datetime
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -174,55 +175,62 @@ def kv_capacity(args: LlamaArgs, budget_bytes: int, context: int) -> dict:
     return {"budget_bytes": budget_bytes, "context": context, "sequences": fits}
 
 
-def run(device: str, tiny: bool) -> dict:
-    config = TINY if tiny else LLAMA3_8B
+def _decode_section(report: dict, config: dict, weights: str, device: str, tiny: bool) -> None:
+    """Decode at batch 1 and 8 against the roofline; with bf16 weights also eager and FP8 KV runs."""
+    model = random_model(config, weights, device)
+    step_bytes = weight_bytes(model)
+    for batch in (1, 8):
+        row = {"weights": weights, "weight_bytes": step_bytes, **decode(model, batch, 512, torch.bfloat16)}
+        row["roofline_tokens_per_s"] = batch * report["ceilings"]["copy_GBps"] * 1e9 / step_bytes
+        row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
+        report["decode"].append(row)
+    if weights != "bf16":
+        return
+    report["decode_bf16_eager_batch1"] = decode(model, 1, 512, torch.bfloat16, graphs=False)
     long_context = 1024 if tiny else 32768
-    report = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name()
-              if device == "cuda" else "cpu", "torch": torch.__version__, "model": "tiny" if tiny else "llama-3-8b shapes"}
-    print("ceilings ...", flush=True)
+    budget = 4 << 20 if tiny else 32 << 30  # 32 GiB: 8 sequences of 32k tokens in bf16
+    capacity = kv_capacity(model.args, budget, long_context)
+    report["fp8_kv"] = {"capacity": capacity, "long_context": []}
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for batch in (1, capacity["sequences"]["bfloat16"]):
+            report["fp8_kv"]["long_context"].append(decode(model, batch, long_context, dtype, steps=15))
+    # twice the sequences in the same bytes, all decoding at once
+    report["fp8_kv"]["full_fp8_cache"] = decode(model, capacity["sequences"]["float8_e4m3fn"], long_context,
+                                                torch.float8_e4m3fn, steps=10)
+
+
+def _gemm_section(report: dict, config: dict, device: str, tiny: bool) -> None:
+    tokens = 256 if tiny else 8192
+    for name, c in {"8b": config, "70b": {**config, **LLAMA3_70B_LAYER}}.items():
+        h, inter = c["hidden_size"], c["intermediate_size"]
+        kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+        for layer, (n, k) in {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h),
+                              "down": (h, inter)}.items():
+            report["prefill_gemm"].append({"model": name, "layer": layer, **gemm(n, k, tokens, device)})
+
+
+def run(device: str, tiny: bool) -> dict:
+    """Every section; one that fails records its error and the rest still run (one GPU lease, one try)."""
+    config = TINY if tiny else LLAMA3_8B
+    report = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if device == "cuda" else device,
+              "model": "tiny" if tiny else "llama-3-8b shapes", "decode": [], "prefill_gemm": [], "errors": {}}
     report["ceilings"] = ceilings(device, tiny)
-    bandwidth = report["ceilings"]["copy_GBps"]
-    report["decode"] = []
-    for weights in WEIGHTS:
-        if weights != "bf16" and device != "cuda":
-            continue  # the FP8/INT4 CUDA kernels; CPU serving is benchmarked by bench.schemes
-        print(f"decode {weights} ...", flush=True)
-        model = random_model(config, weights, device)
-        step_bytes = weight_bytes(model)
-        for batch in (1, 8):
-            row = {"weights": weights, "weight_bytes": step_bytes,
-                   **decode(model, batch, 512, torch.bfloat16)}
-            row["roofline_tokens_per_s"] = batch * bandwidth * 1e9 / step_bytes
-            row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
-            report["decode"].append(row)
-        if weights == "bf16":
-            eager = decode(model, 1, 512, torch.bfloat16, graphs=False)
-            report["decode_bf16_eager_batch1"] = eager
-            args = model.args
-            budget = 4 << 20 if tiny else 32 << 30  # 32 GiB: 8 sequences of 32k tokens in bf16
-            capacity = kv_capacity(args, budget, long_context)
-            report["fp8_kv"] = {"capacity": capacity, "long_context": []}
-            for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-                for batch in (1, capacity["sequences"]["bfloat16"]):
-                    report["fp8_kv"]["long_context"].append(decode(model, batch, long_context, dtype, steps=15))
-            fp8_batch = capacity["sequences"]["float8_e4m3fn"]  # twice the sequences in the same bytes
-            report["fp8_kv"]["full_fp8_cache"] = decode(model, fp8_batch, long_context, torch.float8_e4m3fn, steps=10)
-        del model
+    sections = {f"decode {w}": (lambda w=w: _decode_section(report, config, w, device, tiny))
+                for w in WEIGHTS if w == "bf16" or device == "cuda"}  # FP8/INT4 kernels are CUDA's
+    sections["prefill gemm"] = lambda: _gemm_section(report, config, device, tiny)
+    for name, section in sections.items():
+        print(f"{name} ...", flush=True)
+        try:
+            section()
+        except Exception as e:  # noqa: BLE001 - recorded in the report, which says what failed
+            report["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+            print(report["errors"][name], flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     base = {r["batch"]: r["tokens_per_s"] for r in report["decode"] if r["weights"] == "bf16"}
     for r in report["decode"]:
-        r["speedup_vs_bf16"] = r["tokens_per_s"] / base[r["batch"]]
-    print("prefill GEMMs ...", flush=True)
-    tokens = 256 if tiny else 8192
-    shapes = {"8b": config, "70b": {**config, **LLAMA3_70B_LAYER}}
-    report["prefill_gemm"] = []
-    for name, c in shapes.items():
-        h, inter, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"]
-        q, kvs = h, kv * h // c["num_attention_heads"]
-        for layer, (n, k) in {"qkv": (q + 2 * kvs, h), "o": (h, q), "gate_up": (2 * inter, h),
-                              "down": (h, inter)}.items():
-            report["prefill_gemm"].append({"model": name, "layer": layer, **gemm(n, k, tokens, device)})
+        r["speedup_vs_bf16"] = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else None
     return report
 
 
@@ -231,14 +239,21 @@ def summary(report: dict) -> str:
              f"bf16 mm {report['ceilings']['bf16_matmul_TFLOPs']:.0f} TFLOP/s"]
     for r in report["decode"]:
         lines.append(f"decode {r['weights']:5s} b{r['batch']}: {r['tokens_per_s']:8.1f} tok/s  "
-                     f"{r['fraction_of_roofline']:.0%} of roofline  {r['speedup_vs_bf16']:.2f}x bf16")
-    for r in report["fp8_kv"]["long_context"]:
+                     f"{r['fraction_of_roofline']:.0%} of roofline  {r['speedup_vs_bf16'] or 0:.2f}x bf16")
+    if "decode_bf16_eager_batch1" in report:
+        lines.append(f"decode bf16 b1 eager (no graphs): {report['decode_bf16_eager_batch1']['tokens_per_s']:.1f} tok/s")
+    kv = report.get("fp8_kv", {"long_context": [], "capacity": {"sequences": {}}})
+    for r in kv["long_context"]:
         lines.append(f"ctx {r['context']} b{r['batch']} kv {r['kv_dtype']:14s}: {r['step_ms']:.2f} ms/step")
-    lines.append(f"kv capacity {report['fp8_kv']['capacity']['sequences']}")
+    lines.append(f"kv capacity {kv['capacity']['sequences']}")
+    if "full_fp8_cache" in kv:
+        r = kv["full_fp8_cache"]
+        lines.append(f"full fp8 cache: b{r['batch']} ctx {r['context']}: {r['step_ms']:.2f} ms/step")
     for r in report["prefill_gemm"]:
         fp8 = f"  fp8 linear {r['fp8_linear_TFLOPs']:.0f} ({r['fp8_linear_vs_bf16']:.2f}x), raw " \
               f"{r['fp8_scaled_mm_TFLOPs']:.0f}" if "fp8_linear_TFLOPs" in r else ""
         lines.append(f"gemm {r['model']} {r['layer']:7s} bf16 {r['bf16_TFLOPs']:.0f}{fp8}")
+    lines += [f"ERROR in {name}: {err.splitlines()[0]}" for name, err in report["errors"].items()]
     return "\n".join(lines)
 
 
