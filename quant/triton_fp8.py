@@ -1,23 +1,24 @@
-"""Dynamic per-token FP8 quantization of activations in one Triton kernel (the CUDA W8A8 path).
+"""Triton kernels of the CUDA FP8 W8A8 path: per-token activation quantization, and the GEMM
+for decode-sized batches.
 
 In torch, scale-then-cast is ~7 passes over the activations (abs, amax, divide, clamp, divide,
 clamp, cast); before an FP8 GEMM at prefill sizes that costs a large share of the GEMM itself.
 One program per row reads it twice (absmax, then quantize) and writes the fp8 row and its scale,
 with the same arithmetic as quant.fp8: scale = max(absmax / 448, eps), q = clamp(x / scale).
+
+At decode sizes (a few rows) a GEMM is a pass over the weight, and cuBLASLt's FP8 GEMM measured
+no faster than bf16 there (H200, Llama-3-8B shapes, batch 1). `scaled_mm_small_m` streams the fp8
+weight once across many programs, each a narrow column slab; fp8 → bf16 is exact, so the products
+are those of the W8A8 oracle, accumulated in fp32 and scaled per row and column at the end.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.layers import triton_support
+from engine.layers.triton_support import interpreting, tl, triton
 from quant.fp8 import _EPS, FP8_DTYPE, FP8_MAX
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the `gpu` extra; quant.fp8's torch functions do the same without it
-    triton = None
-
 
 if triton is not None:
 
@@ -41,10 +42,50 @@ if triton is not None:
             tl.store(out_row + offs, q.to(out_ptr.dtype.element_ty), mask=offs < cols)
 
 
+    @triton.jit
+    def _scaled_mm_small_m(out_ptr, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, cols, depth,
+                           stride_x, stride_w, stride_out,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           DOT_FP32: tl.constexpr):
+        m = tl.arange(0, BLOCK_M)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(0, depth, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m < rows)[:, None] & (k < depth)[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+                        mask=(n < cols)[:, None] & (k < depth)[None, :], other=0.0)
+            if DOT_FP32:  # Triton's interpreter (CPU tests) computes 16-bit dots wrongly
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        x_scale = tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)
+        w_scale = tl.load(w_scale_ptr + n, mask=n < cols, other=0.0)
+        y = acc * x_scale[:, None] * w_scale[None, :]
+        tl.store(out_ptr + m[:, None] * stride_out + n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=(m < rows)[:, None] & (n < cols)[None, :])
+
+
+SMALL_M = 16  # rows up to which scaled_mm_small_m serves (one 16-row tile)
+
+
+def scaled_mm_small_m(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(x8 [M ≤ 16, K] fp8 · x_scale [M, 1]) @ (w8 [N, K] fp8 · w_scale [N] per row)ᵀ → [M, N]."""
+    rows, depth = x8.shape
+    cols = w8.shape[0]
+    out = torch.empty(rows, cols, dtype=out_dtype, device=x8.device)
+    block_n = 16
+    _scaled_mm_small_m[(triton.cdiv(cols, block_n),)](
+        out, x8, x_scale, w8, w_scale, rows, cols, depth, x8.stride(0), w8.stride(0), out.stride(0),
+        BLOCK_M=SMALL_M, BLOCK_N=block_n, BLOCK_K=256, DOT_FP32=interpreting(), num_warps=4, num_stages=4)
+    return out
+
+
 def available(x: torch.Tensor) -> bool:
-    """CUDA tensors with triton installed (the interpreter also runs it on CPU, for tests)."""
-    import os
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether these kernels can run on x (CUDA; CPU under the interpreter, for tests)."""
+    return triton_support.available(x.device)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from engine.layers import cpu_kernels
+from engine.layers import cpu_kernels, triton_fused
 
 _ARGTYPES = (*[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 
@@ -62,10 +62,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (queries and keys together) → rotated, same shape.
 
-        On CPU fp32 the C kernel rotates x in place (x may be a row-strided view of the fused
-        qkv output) and returns it; elsewhere the result is a new tensor.
+        On CPU fp32 the C kernel, and on CUDA a Triton kernel, rotate x in place (x may be a
+        row-strided view of the fused qkv output) and return it; elsewhere the result is a new tensor.
         """
         if self._rotate_in_place(positions, x):
+            return x
+        if x.is_cuda and triton_fused.available(x) and x.stride(2) == 1:
+            if self.cos.device != x.device:
+                self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
+            triton_fused.rotary_in_place(x, positions, self.cos, self.sin)
             return x
         cos, sin = self._lookup(positions, x.dtype)
         return x * cos + _rotate_half(x) * sin

@@ -22,27 +22,11 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the `gpu` extra; the torch backend serves without it
-    triton = None
+from engine.layers.triton_support import available, interpreting, tl, triton
+
+__all__ = ["available", "decode_splits", "paged_attention"]
 
 LOG2E = 1.4426950408889634
-
-
-def available(device: torch.device) -> bool:
-    """Whether the kernels can run on tensors of this device (CUDA, or CPU under the interpreter)."""
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and _interpreting()
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -176,7 +160,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_DIM=block_dim, PAGE=page_size, BLOCK_M=block_m,
                  BLOCK_N=64 if head_dim <= 128 else 32,
                  # the interpreter's dot is wrong on 16-bit floats: it gets fp32 tiles (values unchanged)
-                 DOT_FP32=q.dtype == torch.float32 or _interpreting())
+                 DOT_FP32=q.dtype == torch.float32 or interpreting())
     grid = (num_seqs, tiles * num_splits, num_kv_heads)
     if num_splits == 1:
         _attend_tile[grid](out, None, None, *args, out.stride(0), out.stride(1), k_cache.stride(0),

@@ -34,10 +34,11 @@ def build(scheme, input_size, output_sizes, dtype=torch.float32, bias=True, seed
     module = make_quantized_linear(scheme, input_size, output_sizes, bias=bias, dtype=dtype)
     weights = []
     for i, rows in enumerate(output_sizes):
-        w = (torch.randn(rows, input_size, generator=g) * 0.05 * (i + 1)).to(dtype)
+        # drawn on the CPU (the generator's device) even under a `with torch.device("cuda")`
+        w = (torch.randn(rows, input_size, generator=g, device="cpu") * 0.05 * (i + 1)).to(dtype)
         tensors = quantize_weight(w, scheme, input_scale=input_scale)
         if bias:
-            tensors["bias"] = torch.randn(rows, generator=g).to(dtype)
+            tensors["bias"] = torch.randn(rows, generator=g, device="cpu").to(dtype)
         module.load_shard(i, tensors)
         weights.append(w)
     module.finalize()
