@@ -7,9 +7,10 @@ One program per row reads it twice (absmax, then quantize) and writes the fp8 ro
 with the same arithmetic as quant.fp8: scale = max(absmax / 448, eps), q = clamp(x / scale).
 
 At decode sizes (a few rows) a GEMM is a pass over the weight, and cuBLASLt's FP8 GEMM measured
-no faster than bf16 there (H200, Llama-3-8B shapes, batch 1). `scaled_mm_small_m` streams the fp8
-weight once across many programs, each a narrow column slab; fp8 → bf16 is exact, so the products
-are those of the W8A8 oracle, accumulated in fp32 and scaled per row and column at the end.
+no faster than bf16 there (H200, Llama-3-8B shapes, batch 1). `scaled_gemv` streams the fp8
+weight once across many programs, each a narrow slab of output columns, with plain FMAs (a
+16-row matrix-unit tile wasted most of its work and ran at 0.55 TB/s); fp8 widens exactly, so
+the products are the W8A8 oracle's, accumulated in fp32 and scaled per row and column at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers import triton_support
-from engine.layers.triton_support import interpreting, tl, triton
+from engine.layers.triton_support import tl, triton
 from quant.fp8 import _EPS, FP8_DTYPE, FP8_MAX
 
 if triton is not None:
@@ -43,23 +44,20 @@ if triton is not None:
 
 
     @triton.jit
-    def _scaled_mm_small_m(out_ptr, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, cols, depth,
-                           stride_x, stride_w, stride_out,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           DOT_FP32: tl.constexpr):
+    def _scaled_gemv(out_ptr, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, cols, depth,
+                     stride_x, stride_w, stride_out,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         m = tl.arange(0, BLOCK_M)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start in range(0, depth, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m < rows)[:, None] & (k < depth)[None, :],
-                        other=0.0)
             w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
-                        mask=(n < cols)[:, None] & (k < depth)[None, :], other=0.0)
-            if DOT_FP32:  # Triton's interpreter (CPU tests) computes 16-bit dots wrongly
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+                        mask=(n < cols)[:, None] & (k < depth)[None, :], other=0.0).to(tl.float32)
+            for r in tl.static_range(BLOCK_M):  # each row reuses the weight tile from registers
+                row_depth = tl.where(r < rows, depth, 0)  # padding rows read nothing
+                x = tl.load(x_ptr + r * stride_x + k, mask=k < row_depth, other=0.0).to(tl.float32)
+                acc = tl.where(m[:, None] == r, acc + tl.sum(w * x[None, :], 1)[None, :], acc)
         x_scale = tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)
         w_scale = tl.load(w_scale_ptr + n, mask=n < cols, other=0.0)
         y = acc * x_scale[:, None] * w_scale[None, :]
@@ -67,19 +65,24 @@ if triton is not None:
                  mask=(m < rows)[:, None] & (n < cols)[None, :])
 
 
-SMALL_M = 16  # rows up to which scaled_mm_small_m serves (one 16-row tile)
+SMALL_M = 8  # rows up to which scaled_gemv serves; above, the GEMM is no longer a pass over W
 
 
-def scaled_mm_small_m(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """(x8 [M ≤ 16, K] fp8 · x_scale [M, 1]) @ (w8 [N, K] fp8 · w_scale [N] per row)ᵀ → [M, N]."""
+def scaled_gemv(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                out_dtype: torch.dtype = torch.bfloat16, *, block_n: int = 16, block_k: int = 256,
+                num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """(x8 [M ≤ 8, K] fp8 · x_scale [M, 1]) @ (w8 [N, K] fp8 · w_scale [N] per row)ᵀ → [M, N].
+
+    Products of exactly widened fp8 values, summed in fp32: the W8A8 oracle's arithmetic. Tile
+    arguments exist for bench/gpu.py's sweep; the defaults are its choice on an H200.
+    """
     rows, depth = x8.shape
     cols = w8.shape[0]
     out = torch.empty(rows, cols, dtype=out_dtype, device=x8.device)
-    block_n = 16
-    _scaled_mm_small_m[(triton.cdiv(cols, block_n),)](
+    _scaled_gemv[(triton.cdiv(cols, block_n),)](
         out, x8, x_scale, w8, w_scale, rows, cols, depth, x8.stride(0), w8.stride(0), out.stride(0),
-        BLOCK_M=SMALL_M, BLOCK_N=block_n, BLOCK_K=256, DOT_FP32=interpreting(), num_warps=4, num_stages=4)
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 

@@ -130,21 +130,27 @@ if triton is not None:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Key-range splits per sequence for a decode batch: enough programs for ~2 waves of the GPU."""
+    """Key-range splits per sequence for a decode batch: programs for ~2 waves of the GPU.
+
+    Fixed per batch size (a CUDA graph cannot read the context length); at short contexts most
+    splits are empty and return at once.
+    """
     want = math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))
-    return 1 << min(4, max(0, math.ceil(math.log2(want))))  # 1..16, a power of two for tl.arange
+    return 1 << min(6, max(0, math.ceil(math.log2(want))))  # 1..64, a power of two for tl.arange
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, page_size: int,
                     scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int = 1,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *, block_n: int | None = None,
+                    num_warps: int = 4) -> torch.Tensor:
     """q [T, H, D] (each sequence's queries contiguous, in `query_start_loc` order) → out [T, H, D].
 
     k/v_cache [slots, KV, D] (slot = block · page_size + offset); block_tables int32 [S, max_blocks];
     query_start_loc int32 [S + 1]; seq_lens int32 [S] (context including the new tokens);
     k/v_scale fp32 scalars (dequantize by multiplying; ones for a model-dtype cache).
-    `max_query_len` and `num_splits` only size the grid (host ints, no device reads).
+    `max_query_len` and `num_splits` only size the grid (host ints, no device reads); `block_n`
+    (keys per iteration) and `num_warps` exist for bench/gpu.py's sweep.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -158,20 +164,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, k_scale, v_scale, scale * LOG2E,
             q.stride(0), q.stride(1))
     shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_DIM=block_dim, PAGE=page_size, BLOCK_M=block_m,
-                 BLOCK_N=64 if head_dim <= 128 else 32,
+                 BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
                  # the interpreter's dot is wrong on 16-bit floats: it gets fp32 tiles (values unchanged)
                  DOT_FP32=q.dtype == torch.float32 or interpreting())
     grid = (num_seqs, tiles * num_splits, num_kv_heads)
     if num_splits == 1:
         _attend_tile[grid](out, None, None, *args, out.stride(0), out.stride(1), k_cache.stride(0),
-                           k_cache.stride(1), block_tables.stride(0), NUM_SPLITS=1, **shape)
+                           k_cache.stride(1), block_tables.stride(0), NUM_SPLITS=1, num_warps=num_warps, **shape)
         return out
     acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     # partials are dense [T, H, S, D]: their token stride is H · D
     _attend_tile[grid](acc, m, l_sum, *args, num_heads * head_dim, head_dim, k_cache.stride(0),
-                       k_cache.stride(1), block_tables.stride(0), NUM_SPLITS=num_splits, **shape)
+                       k_cache.stride(1), block_tables.stride(0), NUM_SPLITS=num_splits, num_warps=num_warps,
+                       **shape)
     _merge_splits[(num_tokens, num_heads)](out, acc, m, l_sum, v_scale, out.stride(0), out.stride(1),
                                            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_DIM=block_dim,
                                            NUM_SPLITS=num_splits)

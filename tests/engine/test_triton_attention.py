@@ -77,7 +77,7 @@ def test_mixed_batch(device, dtype, cache_dtype, tol):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("num_splits", [2, 16, 64])
 def test_split_decode(device, num_splits):
     """Flash-decoding splits, including splits with no keys (a 1-token context over 16 splits)."""
     assert _run(device, torch.float32, torch.float32, [(1, 1), (1, 33), (1, 300)], num_splits=num_splits) < 1e-5
@@ -94,6 +94,6 @@ def test_shapes(device, kv_heads, group, head_dim, page):
 
 
 def test_decode_splits_fill_the_gpu():
-    assert triton_attention.decode_splits(1, 8, 132) == 16  # one sequence, 8 KV heads: spread its keys
+    assert triton_attention.decode_splits(1, 8, 132) == 64  # one sequence, 8 KV heads: spread its keys
     assert triton_attention.decode_splits(64, 8, 132) == 1  # 512 programs already
     assert triton_attention.decode_splits(8, 8, 132) == 8
