@@ -173,8 +173,8 @@ def gemm(out_features: int, in_features: int, tokens: int, device: str) -> dict:
 
 
 def sweep(device: str) -> dict:
-    """Tile choices of the decode kernels, timed alone: the FP8 GEMV (and bf16 F.linear beside it)
-    in GB/s of weight read, and paged attention at 32k context in GB/s of KV read."""
+    """Tile choices of the decode kernels, timed alone: FP8 GEMV/GEMM kernels beside bf16 F.linear
+    and cuBLASLt's FP8 (GB/s of weight read), and paged attention at 32k context (GB/s of KV read)."""
     from engine.layers import triton_attention
     from quant import triton_fp8
     from quant.fp8 import quantize_fp8
@@ -182,17 +182,25 @@ def sweep(device: str) -> dict:
     result = {"gemv": [], "attention": []}
     for n, k in ((4096, 14336), (28672, 4096)):
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-        result["gemv"].append({"n": n, "k": k, "kernel": "bf16 F.linear",
-                               "GBps": w.nbytes / median_ms(partial(F.linear, x, w)) / 1e6})
         w8, ws = quantize_fp8(w, torch.ones(n, 1, device=device)), torch.ones(1, n, device=device)
-        x8, xs = triton_fp8.quantize_per_token(x)
-        for bn, bk, warps, stages in ((16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (8, 512, 4, 4),
-                                      (64, 128, 8, 4), (32, 512, 8, 3)):
-            ms = median_ms(partial(triton_fp8.scaled_gemv, x8, xs, w8, ws, block_n=bn, block_k=bk,
-                                   num_warps=warps, num_stages=stages))
-            result["gemv"].append({"n": n, "k": k, "kernel": f"fp8 gemv bn{bn} bk{bk} w{warps} s{stages}",
-                                   "GBps": w8.nbytes / ms / 1e6})
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            x8, xs = triton_fp8.quantize_per_token(x)
+            timed = {"bf16 F.linear": (w.nbytes, partial(F.linear, x, w)),
+                     "cublas fp8": (w8.nbytes, partial(torch._scaled_mm, x8, w8.t(), scale_a=xs, scale_b=ws,
+                                                       out_dtype=torch.bfloat16))}
+            variants = [("dot", 16, 256, 4, 4), ("dot", 32, 256, 4, 4), ("dot", 32, 512, 4, 3),
+                        ("dot", 64, 256, 4, 3), ("dot", 64, 512, 8, 3)]
+            if rows == 1:
+                variants += [("fma", 8, 512, 4, 4), ("fma", 16, 256, 4, 4), ("fma", 16, 512, 4, 3),
+                             ("fma", 32, 256, 8, 3)]
+            for kernel, bn, bk, warps, stages in variants:
+                timed[f"{kernel} bn{bn} bk{bk} w{warps} s{stages}"] = (w8.nbytes, partial(
+                    triton_fp8.scaled_gemv, x8, xs, w8, ws, kernel=kernel, block_n=bn, block_k=bk,
+                    num_warps=warps, num_stages=stages))
+            for name, (nbytes, fn) in timed.items():
+                result["gemv"].append({"n": n, "k": k, "rows": rows, "kernel": name,
+                                       "GBps": nbytes / median_ms(fn) / 1e6})
     args = LlamaArgs.from_hf_config(LLAMA3_8B)
     context, heads, kv_heads, dim = 32768, args.num_heads, args.num_kv_heads, args.head_dim
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -204,25 +212,16 @@ def sweep(device: str) -> dict:
         lens = torch.full((batch,), context, device=device, dtype=torch.int32)
         one = torch.ones((), device=device)
         splits = triton_attention.decode_splits(batch, kv_heads, sms)
-        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for dtype, f16 in ((torch.bfloat16, False), (torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True)):
             k_cache, v_cache = (torch.randn(blocks * PAGE, kv_heads, dim, device=device).to(dtype) for _ in range(2))
             for bn, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
                 ms = median_ms(partial(triton_attention.paged_attention, q, k_cache, v_cache, tables, starts,
-                                       lens, 1, PAGE, dim**-0.5, one, one, splits, block_n=bn, num_warps=warps))
+                                       lens, 1, PAGE, dim**-0.5, one, one, splits, block_n=bn, num_warps=warps,
+                                       fp8_dot_f16=f16))
                 result["attention"].append({"batch": batch, "kv_dtype": str(dtype).removeprefix("torch."),
-                                            "splits": splits, "block_n": bn, "warps": warps, "ms": ms,
-                                            "GBps": 2 * k_cache.nbytes / ms / 1e6})
+                                            "fp8_dot_f16": f16, "splits": splits, "block_n": bn, "warps": warps,
+                                            "ms": ms, "GBps": 2 * k_cache.nbytes / ms / 1e6})
     return result
-
-
-def profile_step(device: str, out: Path) -> None:
-    """torch.profiler table of batch-1 bf16 decode steps: where the host's share of a step goes."""
-    model = random_model(LLAMA3_8B, "bf16", device)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        decode(model, 1, 512, torch.bfloat16, steps=5)
-    out.write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 
 
 def kv_capacity(args: LlamaArgs, budget_bytes: int, context: int) -> dict:
@@ -323,13 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
     parser.add_argument("--sweep", action="store_true",
-                        help="instead: time tile choices of the decode kernels, and profile one decode step")
+                        help="instead: time tile choices of the decode kernels")
     args = parser.parse_args(argv)
     if args.sweep:
-        try:
-            profile_step(args.device, args.out.with_suffix(".profile.txt"))
-        except Exception as e:  # noqa: BLE001 - the sweep is worth having without the profile
-            print(f"profile failed: {type(e).__name__}: {e}", flush=True)
         result = sweep(args.device)
         args.out.write_text(json.dumps(result, indent=2))
         for row in result["gemv"] + result["attention"]:

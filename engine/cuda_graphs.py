@@ -49,7 +49,10 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A decode-only step (meta built for the Triton backend) → hidden [num_seqs, hidden]."""
+        """A decode-only step (CPU tensors, meta built for the Triton backend) → hidden [num_seqs, hidden].
+
+        Inputs go straight from the CPU into the fixed buffers: one copy each, no device temporaries.
+        """
         n = input_ids.shape[0]
         size = self.padded_size(n)
         tables = meta.triton.block_tables

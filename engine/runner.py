@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -84,11 +84,23 @@ class ModelRunner:
             meta = self._triton_metadata(chunks, positions_t, len(decodes))
         else:
             meta = self._torch_metadata(chunks, decodes)
-        return input_ids_t.to(self.device), positions_t.to(self.device), meta
+        return input_ids_t, positions_t, meta
+
+    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The step's metadata on the cache's GPU (built on the CPU; graphs copy it themselves)."""
+        to = self.device
+        triton = meta.triton and replace(meta.triton, block_tables=meta.triton.block_tables.to(to),
+                                         query_start_loc=meta.triton.query_start_loc.to(to),
+                                         seq_lens=meta.triton.seq_lens.to(to))
+        groups = [DecodeGroup(g.row_start, g.slots.to(to), g.mask.to(to)) for g in meta.decode_groups]
+        prefills = [PrefillSpan(p.token_start, p.num_query_tokens, p.context_slots.to(to),
+                                None if p.mask is None else p.mask.to(to)) for p in meta.prefills]
+        return AttentionMetadata(meta.slot_mapping.to(to), meta.num_decode_tokens, groups, prefills,
+                                 meta.paged_decode, triton)
 
     def _triton_metadata(self, chunks: list[ScheduledChunk], positions: torch.Tensor,
                          num_decodes: int) -> AttentionMetadata:
-        """One TritonBatch for the whole step, its tensors on the cache's device."""
+        """One TritonBatch for the whole step."""
         tables = self._block_tables(chunks, torch.int32)
         lengths = [c.num_tokens for c in chunks]
         query_start = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -100,12 +112,11 @@ class ModelRunner:
         if num_decodes == len(chunks) and self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count  # cached by torch
             splits = triton_attention.decode_splits(len(chunks), self.kv_cache.k[0].shape[1], sms)
-        to = self.device
-        batch = TritonBatch(tables.to(to), query_start.to(to), seq_lens.to(to), max(lengths), bs, splits)
-        return AttentionMetadata(slots.to(to), num_decodes, [], [], triton=batch)
+        batch = TritonBatch(tables, query_start, seq_lens, max(lengths), bs, splits)
+        return AttentionMetadata(slots, num_decodes, [], [], triton=batch)
 
     def _torch_metadata(self, chunks: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> AttentionMetadata:
-        """Decode groups (or the C kernel's tables) and one span per prompt chunk, on CPU."""
+        """Decode groups (or the C kernel's tables) and one span per prompt chunk."""
         bs = self.block_size
         nd = len(decodes)
         slot_parts, groups, kernel_decode = [], [], None
@@ -128,11 +139,7 @@ class ModelRunner:
                 mask = torch.arange(end).unsqueeze(0) <= q_pos
             prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
             row += c.num_tokens
-        if self.device.type != "cpu":  # the torch backend on a GPU: the reference for the Triton one
-            groups = [DecodeGroup(g.row_start, g.slots.to(self.device), g.mask.to(self.device)) for g in groups]
-            prefills = [PrefillSpan(p.token_start, p.num_query_tokens, p.context_slots.to(self.device),
-                                    None if p.mask is None else p.mask.to(self.device)) for p in prefills]
-        return AttentionMetadata(torch.cat(slot_parts).to(self.device), nd, groups, prefills, kernel_decode)
+        return AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills, kernel_decode)
 
     def _block_tables(self, chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
         """[n, max_blocks] block ids of each chunk's request, right-padded with block 0."""
@@ -166,6 +173,8 @@ class ModelRunner:
         if (self.graphs is not None and meta.num_decode_tokens == num_tokens
                 and self.graphs.padded_size(num_tokens) is not None):
             return self.graphs.run(input_ids, positions, meta)
+        if self.device.type != "cpu":
+            input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), self._to_device(meta)
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_cache))
 
     @torch.inference_mode()
@@ -194,7 +203,8 @@ class ModelRunner:
 
         result = StepResult({}, {}, {})
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
+            # every row (a decode-only step): no gather, no index tensor to send to a GPU
+            logits = self.model.compute_logits(hidden if len(sample_rows) == len(hidden) else hidden[sample_rows])
             tokens, logprobs = sample(logits, rows, self.generator)
             done = [c for c in chunks if c.completes_sequence]
             for c, tok, lp in zip(done, tokens, logprobs, strict=True):

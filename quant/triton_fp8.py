@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers import triton_support
-from engine.layers.triton_support import tl, triton
+from engine.layers.triton_support import interpreting, tl, triton
 from quant.fp8 import _EPS, FP8_DTYPE, FP8_MAX
 
 if triton is not None:
@@ -44,45 +44,64 @@ if triton is not None:
 
 
     @triton.jit
-    def _scaled_gemv(out_ptr, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, cols, depth,
-                     stride_x, stride_w, stride_out,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        m = tl.arange(0, BLOCK_M)
+    def _scaled_gemv(out_ptr, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, cols, depth,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row: products accumulate elementwise across K; one reduction at the end."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for start in range(0, depth, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :],
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * depth + k[None, :],
                         mask=(n < cols)[:, None] & (k < depth)[None, :], other=0.0).to(tl.float32)
-            for r in tl.static_range(BLOCK_M):  # each row reuses the weight tile from registers
-                row_depth = tl.where(r < rows, depth, 0)  # padding rows read nothing
-                x = tl.load(x_ptr + r * stride_x + k, mask=k < row_depth, other=0.0).to(tl.float32)
-                acc = tl.where(m[:, None] == r, acc + tl.sum(w * x[None, :], 1)[None, :], acc)
-        x_scale = tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)
-        w_scale = tl.load(w_scale_ptr + n, mask=n < cols, other=0.0)
-        y = acc * x_scale[:, None] * w_scale[None, :]
-        tl.store(out_ptr + m[:, None] * stride_out + n[None, :], y.to(out_ptr.dtype.element_ty),
+            x = tl.load(x_ptr + k, mask=k < depth, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+        y = tl.sum(acc, 1) * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + n, mask=n < cols, other=0.0)
+        tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < cols)
+
+    @triton.jit
+    def _scaled_mm_fp8_dot(out_ptr, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, cols, depth,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        """Up to 16 rows on the matrix units, fp8 × fp8 → fp32 with no widening of the weight."""
+        m = tl.arange(0, 16)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        for start in range(0, depth, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + m[:, None] * depth + k[None, :], mask=(m < rows)[:, None] & (k < depth)[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * depth + k[None, :],
+                        mask=(n < cols)[:, None] & (k < depth)[None, :], other=0.0)
+            if DOT_FP32:  # Triton's interpreter (CPU tests) has no fp8 dot
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        y = acc * tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
+        y = y * tl.load(w_scale_ptr + n, mask=n < cols, other=0.0)[None, :]
+        tl.store(out_ptr + m[:, None] * cols + n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=(m < rows)[:, None] & (n < cols)[None, :])
 
 
-SMALL_M = 8  # rows up to which scaled_gemv serves; above, the GEMM is no longer a pass over W
+SMALL_M = 16  # rows up to which a GEMM is a pass over the weight, served by the kernels above
 
 
 def scaled_gemv(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                out_dtype: torch.dtype = torch.bfloat16, *, block_n: int = 16, block_k: int = 256,
-                num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """(x8 [M ≤ 8, K] fp8 · x_scale [M, 1]) @ (w8 [N, K] fp8 · w_scale [N] per row)ᵀ → [M, N].
+                out_dtype: torch.dtype = torch.bfloat16, *, kernel: str = "fma", block_n: int = 16,
+                block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """(x8 [M ≤ 16, K] fp8 · x_scale [M, 1]) @ (w8 [N, K] fp8 · w_scale [N] per row)ᵀ → [M, N].
 
-    Products of exactly widened fp8 values, summed in fp32: the W8A8 oracle's arithmetic. Tile
-    arguments exist for bench/gpu.py's sweep; the defaults are its choice on an H200.
+    Products of exact fp8 values summed in fp32: the W8A8 oracle's arithmetic. `kernel` "fma"
+    (one row) or "dot" (matrix units) and the tile arguments exist for bench/gpu.py's sweep.
     """
     rows, depth = x8.shape
     cols = w8.shape[0]
+    x8, w8 = x8.contiguous(), w8.contiguous()
     out = torch.empty(rows, cols, dtype=out_dtype, device=x8.device)
-    _scaled_gemv[(triton.cdiv(cols, block_n),)](
-        out, x8, x_scale, w8, w_scale, rows, cols, depth, x8.stride(0), w8.stride(0), out.stride(0),
-        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages)
+    grid = (triton.cdiv(cols, block_n),)
+    tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    if kernel == "fma" and rows == 1:
+        _scaled_gemv[grid](out, x8, x_scale, w8, w_scale, cols, depth, **tiles)
+    else:
+        _scaled_mm_fp8_dot[grid](out, x8, x_scale, w8, w_scale, rows, cols, depth, DOT_FP32=interpreting(), **tiles)
     return out
 
 

@@ -39,6 +39,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kvh, stride_table,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+        DOT_F16: tl.constexpr,
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1) // NUM_SPLITS
@@ -63,6 +64,8 @@ if triton is not None:
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)  # every tile follows q's dtype into the dots
+        if DOT_F16:  # fp8 widens to fp16 in one instruction (bf16 takes several); q's values fit
+            q = q.to(tl.float16)
         q_pos = first_pos + token  # rows past the tile's tokens see every key: never a fully masked row
 
         # keys this tile needs end at its last query's position; a split takes an aligned share
@@ -143,14 +146,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, page_size: int,
                     scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int = 1,
                     out: torch.Tensor | None = None, *, block_n: int | None = None,
-                    num_warps: int = 4) -> torch.Tensor:
+                    num_warps: int = 4, fp8_dot_f16: bool = True) -> torch.Tensor:
     """q [T, H, D] (each sequence's queries contiguous, in `query_start_loc` order) → out [T, H, D].
 
     k/v_cache [slots, KV, D] (slot = block · page_size + offset); block_tables int32 [S, max_blocks];
     query_start_loc int32 [S + 1]; seq_lens int32 [S] (context including the new tokens);
     k/v_scale fp32 scalars (dequantize by multiplying; ones for a model-dtype cache).
     `max_query_len` and `num_splits` only size the grid (host ints, no device reads); `block_n`
-    (keys per iteration) and `num_warps` exist for bench/gpu.py's sweep.
+    (keys per iteration), `num_warps` and `fp8_dot_f16` (an fp8 cache's tiles meet q in fp16
+    rather than q's bf16) exist for bench/gpu.py's sweep.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -166,7 +170,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_DIM=block_dim, PAGE=page_size, BLOCK_M=block_m,
                  BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
                  # the interpreter's dot is wrong on 16-bit floats: it gets fp32 tiles (values unchanged)
-                 DOT_FP32=q.dtype == torch.float32 or interpreting())
+                 DOT_FP32=q.dtype == torch.float32 or interpreting(),
+                 DOT_F16=fp8_dot_f16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+                 and not interpreting())
     grid = (num_seqs, tiles * num_splits, num_kv_heads)
     if num_splits == 1:
         _attend_tile[grid](out, None, None, *args, out.stride(0), out.stride(1), k_cache.stride(0),
