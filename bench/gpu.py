@@ -173,8 +173,8 @@ def gemm(out_features: int, in_features: int, tokens: int, device: str) -> dict:
 
 
 def sweep(device: str) -> dict:
-    """Tile choices of the decode kernels, timed alone: FP8 GEMV/GEMM kernels beside bf16 F.linear
-    and cuBLASLt's FP8 (GB/s of weight read), and paged attention at 32k context (GB/s of KV read)."""
+    """Tile choices of the decode kernels, timed alone: the FP8 GEMV beside bf16 F.linear and
+    cuBLASLt's FP8 (GB/s of weight read), and paged attention at 32k context (GB/s of KV read)."""
     from engine.layers import triton_attention
     from quant import triton_fp8
     from quant.fp8 import quantize_fp8
@@ -189,14 +189,10 @@ def sweep(device: str) -> dict:
             timed = {"bf16 F.linear": (w.nbytes, partial(F.linear, x, w)),
                      "cublas fp8": (w8.nbytes, partial(torch._scaled_mm, x8, w8.t(), scale_a=xs, scale_b=ws,
                                                        out_dtype=torch.bfloat16))}
-            variants = [("dot", 16, 256, 4, 4), ("dot", 32, 256, 4, 4), ("dot", 32, 512, 4, 3),
-                        ("dot", 64, 256, 4, 3), ("dot", 64, 512, 8, 3)]
-            if rows == 1:
-                variants += [("fma", 8, 512, 4, 4), ("fma", 16, 256, 4, 4), ("fma", 16, 512, 4, 3),
-                             ("fma", 32, 256, 8, 3)]
-            for kernel, bn, bk, warps, stages in variants:
-                timed[f"{kernel} bn{bn} bk{bk} w{warps} s{stages}"] = (w8.nbytes, partial(
-                    triton_fp8.scaled_gemv, x8, xs, w8, ws, kernel=kernel, block_n=bn, block_k=bk,
+            variants = [(8, 512, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 8, 3)] if rows == 1 else []
+            for bn, bk, warps, stages in variants:
+                timed[f"gemv bn{bn} bk{bk} w{warps} s{stages}"] = (w8.nbytes, partial(
+                    triton_fp8.scaled_gemv, x8, xs, w8, ws, block_n=bn, block_k=bk,
                     num_warps=warps, num_stages=stages))
             for name, (nbytes, fn) in timed.items():
                 result["gemv"].append({"n": n, "k": k, "rows": rows, "kernel": name,

@@ -235,7 +235,7 @@ class Fp8Linear(QuantLinearBase):
     (``input_scale``; fused shards use the max, as vLLM does).
 
     Kernels: CUDA runs ``torch._scaled_mm`` with row-wise scales (needs sm89+, in and out
-    multiples of 16), and up to 8 rows a Triton kernel that streams the weight (quant/triton_fp8.py). CPU (fp32 model) runs ``panel_matmul_fp8`` (engine/csrc/panel_matmul.c):
+    multiples of 16), and for one row a Triton GEMV that streams the weight (quant/triton_fp8.py). CPU (fp32 model) runs ``panel_matmul_fp8`` (engine/csrc/panel_matmul.c):
     the fp8 bytes stream as they are and widen exactly to fp32 in the kernel (torch's FP8 matmul
     is 6-48x slower than fp32 here); activations are still rounded through FP8 first, so served
     numerics match an FP8 GPU kernel up to accumulation order. Elsewhere the weight is
@@ -314,8 +314,8 @@ class Fp8Linear(QuantLinearBase):
                 x8 = quantize_fp8(x2d, sx)
             # mat2 must be column-major: weight is [out, in] row-major, so its transpose is.
             # Row-wise scaling only produces bf16.
-            if x8.shape[0] <= triton_fp8.SMALL_M and triton_fp8.available(x8):
-                y = triton_fp8.scaled_gemv(x8, sx, self.weight, self.scale_b)  # decode: a pass over W
+            if x8.shape[0] == 1 and triton_fp8.available(x8):
+                y = triton_fp8.scaled_gemv(x8, sx, self.weight, self.scale_b)  # batch-1 decode: a pass over W
             else:
                 y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.scale_b,
                                      out_dtype=torch.bfloat16)

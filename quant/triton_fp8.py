@@ -6,11 +6,11 @@ clamp, cast); before an FP8 GEMM at prefill sizes that costs a large share of th
 One program per row reads it twice (absmax, then quantize) and writes the fp8 row and its scale,
 with the same arithmetic as quant.fp8: scale = max(absmax / 448, eps), q = clamp(x / scale).
 
-At decode sizes (a few rows) a GEMM is a pass over the weight, and cuBLASLt's FP8 GEMM measured
-no faster than bf16 there (H200, Llama-3-8B shapes, batch 1). `scaled_gemv` streams the fp8
-weight once across many programs, each a narrow slab of output columns, with plain FMAs (a
-16-row matrix-unit tile wasted most of its work and ran at 0.55 TB/s); fp8 widens exactly, so
-the products are the W8A8 oracle's, accumulated in fp32 and scaled per row and column at the end.
+For one row (batch-1 decode) a GEMM is a pass over the weight, where cuBLASLt's FP8 GEMM read
+fp8 bytes at 0.9-1.7 TB/s on the H200 (bf16 F.linear: 2.4-3.2). `scaled_gemv` streams the fp8
+weight across many programs, each a narrow slab of output columns, accumulating products
+elementwise and reducing once (1.2-2.0 TB/s); fp8 widens exactly, so the products are the W8A8
+oracle's. From two rows on, cuBLASLt's GEMM was as fast as the Triton kernels tried.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers import triton_support
-from engine.layers.triton_support import interpreting, tl, triton
+from engine.layers.triton_support import tl, triton
 from quant.fp8 import _EPS, FP8_DTYPE, FP8_MAX
 
 if triton is not None:
@@ -58,50 +58,21 @@ if triton is not None:
         y = tl.sum(acc, 1) * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + n, mask=n < cols, other=0.0)
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n < cols)
 
-    @triton.jit
-    def _scaled_mm_fp8_dot(out_ptr, x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, rows, cols, depth,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-        """Up to 16 rows on the matrix units, fp8 × fp8 → fp32 with no widening of the weight."""
-        m = tl.arange(0, 16)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([16, BLOCK_N], tl.float32)
-        for start in range(0, depth, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + m[:, None] * depth + k[None, :], mask=(m < rows)[:, None] & (k < depth)[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * depth + k[None, :],
-                        mask=(n < cols)[:, None] & (k < depth)[None, :], other=0.0)
-            if DOT_FP32:  # Triton's interpreter (CPU tests) has no fp8 dot
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        y = acc * tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
-        y = y * tl.load(w_scale_ptr + n, mask=n < cols, other=0.0)[None, :]
-        tl.store(out_ptr + m[:, None] * cols + n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=(m < rows)[:, None] & (n < cols)[None, :])
-
-
-SMALL_M = 16  # rows up to which a GEMM is a pass over the weight, served by the kernels above
-
-
 def scaled_gemv(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                out_dtype: torch.dtype = torch.bfloat16, *, kernel: str = "fma", block_n: int = 16,
-                block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """(x8 [M ≤ 16, K] fp8 · x_scale [M, 1]) @ (w8 [N, K] fp8 · w_scale [N] per row)ᵀ → [M, N].
+                out_dtype: torch.dtype = torch.bfloat16, *, block_n: int = 8, block_k: int = 512,
+                num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """(x8 [1, K] fp8 · x_scale [1, 1]) @ (w8 [N, K] fp8 · w_scale [N] per row)ᵀ → [1, N].
 
-    Products of exact fp8 values summed in fp32: the W8A8 oracle's arithmetic. `kernel` "fma"
-    (one row) or "dot" (matrix units) and the tile arguments exist for bench/gpu.py's sweep.
+    Products of exact fp8 values summed in fp32: the W8A8 oracle's arithmetic. The tile defaults
+    are bench/gpu.py's sweep winner on an H200 (Llama-3-8B shapes); its arguments exist for it.
     """
-    rows, depth = x8.shape
-    cols = w8.shape[0]
+    cols, depth = w8.shape
+    if x8.shape != (1, depth):
+        raise ValueError(f"scaled_gemv takes one row of {depth}, got {tuple(x8.shape)}")
     x8, w8 = x8.contiguous(), w8.contiguous()
-    out = torch.empty(rows, cols, dtype=out_dtype, device=x8.device)
-    grid = (triton.cdiv(cols, block_n),)
-    tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    if kernel == "fma" and rows == 1:
-        _scaled_gemv[grid](out, x8, x_scale, w8, w_scale, cols, depth, **tiles)
-    else:
-        _scaled_mm_fp8_dot[grid](out, x8, x_scale, w8, w_scale, rows, cols, depth, DOT_FP32=interpreting(), **tiles)
+    out = torch.empty(1, cols, dtype=out_dtype, device=x8.device)
+    _scaled_gemv[(triton.cdiv(cols, block_n),)](out, x8, x_scale, w8, w_scale, cols, depth, BLOCK_N=block_n,
+                                                BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -146,7 +146,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, page_size: int,
                     scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int = 1,
                     out: torch.Tensor | None = None, *, block_n: int | None = None,
-                    num_warps: int = 4, fp8_dot_f16: bool = True) -> torch.Tensor:
+                    num_warps: int = 4, fp8_dot_f16: bool | None = None) -> torch.Tensor:
     """q [T, H, D] (each sequence's queries contiguous, in `query_start_loc` order) → out [T, H, D].
 
     k/v_cache [slots, KV, D] (slot = block · page_size + offset); block_tables int32 [S, max_blocks];
@@ -154,8 +154,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k/v_scale fp32 scalars (dequantize by multiplying; ones for a model-dtype cache).
     `max_query_len` and `num_splits` only size the grid (host ints, no device reads); `block_n`
     (keys per iteration), `num_warps` and `fp8_dot_f16` (an fp8 cache's tiles meet q in fp16
-    rather than q's bf16) exist for bench/gpu.py's sweep.
+    rather than q's bf16) exist for bench/gpu.py's sweep. Its H200 timings at 32k context chose
+    fp16 for long key ranges per program (8 splits: 0.36 vs 0.42 ms a layer) and bf16 for short
+    ones (64 splits: 0.11 vs 0.14 ms).
     """
+    if fp8_dot_f16 is None:
+        fp8_dot_f16 = num_splits < 16
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
