@@ -6,8 +6,9 @@ import json
 import shutil
 
 import pytest
+import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.loader import load_model
 
 
@@ -88,3 +89,23 @@ def test_unknown_engine_argument(tiny_model_dir):
 def test_fp8_kv_without_scales_says_how_to_calibrate(tiny_model_dir):
     with pytest.raises(ValueError, match="--kv-cache fp8"):
         LLM(str(tiny_model_dir), kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("kwargs,match", [({"device": "gpu"}, "device must be cpu, cuda, cuda:N or auto"),
+                                          ({"attention_backend": "flash"}, "attention_backend must be one of")])
+def test_bad_device_or_backend(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m", **kwargs)
+
+
+def test_auto_device_is_the_cpu_without_a_gpu():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert EngineConfig(model="m", device="auto").device == expected
+
+
+def test_unavailable_attention_backend_is_refused(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # no GPU and no interpreter: no Triton
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the Triton backend")
+    with pytest.raises(ValueError, match="attention_backend='triton' needs triton and a CUDA device"):
+        LLM(str(tiny_model_dir), attention_backend="triton")
