@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")  # auto: the model dtype
-KV_SCALES = ("checkpoint", "dynamic")
-ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C decode kernel on CPU  # where an fp8 KV cache's scales come from
+KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
+ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C decode kernel on CPU
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 

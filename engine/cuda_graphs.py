@@ -59,6 +59,7 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
+        # columns past this step's widest table keep stale ids: the kernel stops at each seq_len
         self.block_tables[:n, :tables.shape[1]].copy_(tables)
         self.seq_lens[:n].copy_(meta.triton.seq_lens)
         if n < size:  # padding rows: token 0 at position 0, written to the spare slot, seeing one key

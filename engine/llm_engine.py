@@ -80,7 +80,7 @@ class LLMEngine:
             self.max_model_len = capacity
         use_graphs = config.device.startswith("cuda") and not config.enforce_eager
         # CUDA graphs pad decode batches; the padding rows write to one spare slot past the blocks
-        self.kv_cache = KVCache(args.num_layers, capacity + use_graphs, args.num_kv_heads,
+        self.kv_cache = KVCache(args.num_layers, capacity + (1 if use_graphs else 0), args.num_kv_heads,
                                 args.head_dim, kv_dtype, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           record_events=config.record_kv_events)

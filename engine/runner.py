@@ -88,10 +88,10 @@ class ModelRunner:
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata on the cache's GPU (built on the CPU; graphs copy it themselves)."""
-        to = self.device
-        triton = meta.triton and replace(meta.triton, block_tables=meta.triton.block_tables.to(to),
-                                         query_start_loc=meta.triton.query_start_loc.to(to),
-                                         seq_lens=meta.triton.seq_lens.to(to))
+        to, triton = self.device, meta.triton
+        if triton is not None:
+            triton = replace(triton, block_tables=triton.block_tables.to(to),
+                             query_start_loc=triton.query_start_loc.to(to), seq_lens=triton.seq_lens.to(to))
         groups = [DecodeGroup(g.row_start, g.slots.to(to), g.mask.to(to)) for g in meta.decode_groups]
         prefills = [PrefillSpan(p.token_start, p.num_query_tokens, p.context_slots.to(to),
                                 None if p.mask is None else p.mask.to(to)) for p in meta.prefills]

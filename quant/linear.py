@@ -235,7 +235,9 @@ class Fp8Linear(QuantLinearBase):
     (``input_scale``; fused shards use the max, as vLLM does).
 
     Kernels: CUDA runs ``torch._scaled_mm`` with row-wise scales (needs sm89+, in and out
-    multiples of 16), and for one row a Triton GEMV that streams the weight (quant/triton_fp8.py). CPU (fp32 model) runs ``panel_matmul_fp8`` (engine/csrc/panel_matmul.c):
+    multiples of 16), activations quantized per token in one Triton pass, and for one row a
+    Triton GEMV that streams the weight (quant/triton_fp8.py). CPU (fp32 model) runs
+    ``panel_matmul_fp8`` (engine/csrc/panel_matmul.c):
     the fp8 bytes stream as they are and widen exactly to fp32 in the kernel (torch's FP8 matmul
     is 6-48x slower than fp32 here); activations are still rounded through FP8 first, so served
     numerics match an FP8 GPU kernel up to accumulation order. Elsewhere the weight is

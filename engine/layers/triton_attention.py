@@ -12,7 +12,7 @@ and a second kernel merges them. Nothing here reads a tensor's values on the hos
 can be captured in a CUDA graph.
 
 fp8 e4m3 caches hold x / scale: K's scale multiplies the scores and V's the output, so the
-tiles go to the matrix units as they are (converted to the query dtype, exact for e4m3).
+tiles go to the matrix units as they are, widened exactly to the query's bf16 or to fp16.
 With TRITON_INTERPRET=1 the same kernels run on CPU tensors, which is how CPU tests check them.
 """
 
