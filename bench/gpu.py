@@ -76,13 +76,12 @@ def ceilings(device: str, tiny: bool) -> dict:
     return {"copy_GBps": 2 * src.nbytes / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * size**3 / mm_ms / 1e9}
 
 
-def random_model(hf_config: dict, weights: str, device: str, num_layers: int | None = None) -> LlamaForCausalLM:
+def random_model(hf_config: dict, weights: str, device: str) -> LlamaForCausalLM:
     """A bf16 Llama with N(0, 0.02) weights, quantized by the `weights` preset as a checkpoint would be."""
-    config = {**hf_config, "num_hidden_layers": num_layers or hf_config["num_hidden_layers"]}
     scheme = preset(WEIGHTS[weights]) if WEIGHTS[weights] else None
     quant_config = QuantizationConfig.for_scheme(scheme) if scheme else None
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaArgs.from_hf_config(config), quant_config, torch.bfloat16)
+        model = LlamaForCausalLM(LlamaArgs.from_hf_config(hf_config), quant_config, torch.bfloat16)
     model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(0)
     for module in model.modules():
