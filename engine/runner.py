@@ -56,6 +56,9 @@ class ModelRunner:
         if self.backend == "c" and not paged_decode.available(kv_cache.dtype, self.device):
             raise ValueError(f"attention_backend='c' needs a CPU, a C compiler and a {kv_cache.dtype} cache it reads")
         self.graphs: DecodeGraphs | None = None  # CUDA: set by the engine unless enforce_eager
+        # sizes the Triton kernel's key-range splits for decode batches
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 0
 
     @staticmethod
     def default_backend(kv_cache: KVCache) -> str:
@@ -109,9 +112,8 @@ class ModelRunner:
         bs = self.block_size
         slots = tables[owner, positions // bs].long() * bs + positions % bs
         splits = 1
-        if num_decodes == len(chunks) and self.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count  # cached by torch
-            splits = triton_attention.decode_splits(len(chunks), self.kv_cache.k[0].shape[1], sms)
+        if num_decodes == len(chunks) and self.num_sms:
+            splits = triton_attention.decode_splits(len(chunks), self.kv_cache.k[0].shape[1], self.num_sms)
         batch = TritonBatch(tables, query_start, seq_lens, max(lengths), bs, splits)
         return AttentionMetadata(slots, num_decodes, [], [], triton=batch)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import panel_matmul
+from engine.layers import panel_matmul, triton_support
 from engine.layers.linear import dense_matmul
 from quant import triton_fp8
 from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8
@@ -309,14 +309,14 @@ class Fp8Linear(QuantLinearBase):
         x2d = x.reshape(-1, self.input_size)
         if self.kernel == "scaled_mm":
             acts = self.scheme.input_activations
-            if acts.dynamic and acts.strategy == "token" and triton_fp8.available(x2d):
+            if acts.dynamic and acts.strategy == "token" and triton_support.available(x2d.device):
                 x8, sx = triton_fp8.quantize_per_token(x2d)  # one fused pass
             else:
                 sx = self._act_scale(x2d).float().expand(x2d.shape[0], 1).contiguous()  # [M, 1]
                 x8 = quantize_fp8(x2d, sx)
             # mat2 must be column-major: weight is [out, in] row-major, so its transpose is.
             # Row-wise scaling only produces bf16.
-            if x8.shape[0] == 1 and triton_fp8.available(x8):
+            if x8.shape[0] == 1 and triton_support.available(x8.device):
                 y = triton_fp8.scaled_gemv(x8, sx, self.weight, self.scale_b)  # batch-1 decode: a pass over W
             else:
                 y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.scale_b,

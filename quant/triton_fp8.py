@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import triton_support
 from engine.layers.triton_support import tl, triton
 from quant.fp8 import _EPS, FP8_DTYPE, FP8_MAX
 
@@ -74,11 +73,6 @@ def scaled_gemv(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_sca
     _scaled_gemv[(triton.cdiv(cols, block_n),)](out, x8, x_scale, w8, w_scale, cols, depth, BLOCK_N=block_n,
                                                 BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
-
-
-def available(x: torch.Tensor) -> bool:
-    """Whether these kernels can run on x (CUDA; CPU under the interpreter, for tests)."""
-    return triton_support.available(x.device)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

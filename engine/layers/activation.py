@@ -7,7 +7,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_kernels, triton_fused
+from engine.layers import cpu_kernels, triton_fused, triton_support
 
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 
@@ -20,7 +20,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2·I] (gate then up) → silu(gate) · up [..., I]; one C pass on CPU fp32, one Triton kernel on CUDA."""
     inter = x.shape[-1] // 2
     kernel = _kernel() if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() else None
-    if kernel is None and x.is_cuda and triton_fused.available(x) and x.is_contiguous():
+    if kernel is None and x.is_cuda and triton_support.available(x.device) and x.is_contiguous():
         return triton_fused.silu_and_mul(x)
     if kernel is None:
         gate, up = x.chunk(2, dim=-1)

@@ -7,7 +7,7 @@ import ctypes
 import torch
 from torch import nn
 
-from engine.layers import cpu_kernels, triton_fused
+from engine.layers import cpu_kernels, triton_fused, triton_support
 
 _ARGTYPES = (*[ctypes.c_void_p] * 5, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int)
 
@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
         fused = self._fused_cpu(x, residual)
         if fused is not None:
             return fused[0] if residual is None else fused
-        if x.is_cuda and triton_fused.available(x) and x.is_contiguous() and (
+        if x.is_cuda and triton_support.available(x.device) and x.is_contiguous() and (
                 residual is None or residual.is_contiguous()):
             return triton_fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

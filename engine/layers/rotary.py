@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from engine.layers import cpu_kernels, triton_fused
+from engine.layers import cpu_kernels, triton_fused, triton_support
 
 _ARGTYPES = (*[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 
@@ -67,9 +67,8 @@ class RotaryEmbedding(nn.Module):
         """
         if self._rotate_in_place(positions, x):
             return x
-        if x.is_cuda and triton_fused.available(x) and x.stride(2) == 1:
-            if self.cos.device != x.device:
-                self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
+        if x.is_cuda and triton_support.available(x.device) and x.stride(2) == 1:
+            self._tables_on(x.device)
             triton_fused.rotary_in_place(x, positions, self.cos, self.sin)
             return x
         cos, sin = self._lookup(positions, x.dtype)
@@ -88,12 +87,15 @@ class RotaryEmbedding(nn.Module):
                x.stride(0), heads, head_dim, torch.get_num_threads())
         return True
 
+    def _tables_on(self, device: torch.device) -> None:
+        if self.cos.device != device:
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows [T, 1, head_dim] of `positions`. One module serves every layer and all layers
         of a forward pass get the same positions tensor, so the table is indexed once per step."""
         if positions is not self._last_positions or dtype != self._last[0].dtype:
-            if self.cos.device != positions.device:
-                self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+            self._tables_on(positions.device)
             self._last = (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
             self._last_positions = positions
         return self._last

@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import triton_support
 from engine.layers.triton_support import tl, triton
-
-
-def available(x: torch.Tensor) -> bool:
-    """Whether these kernels can run on x (CUDA; CPU under the interpreter, for tests)."""
-    return triton_support.available(x.device)
-
 
 if triton is not None:
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import triton_fused
+from engine.layers import triton_fused, triton_support
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, _rotate_half
 
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not triton_fused.available(torch.empty(0)),
+    pytest.param("cpu", marks=pytest.mark.skipif(not triton_support.available(torch.device("cpu")),
                                                  reason="triton is not installed")),
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
         not torch.cuda.is_available() or triton_fused.triton is None, reason="needs CUDA and triton")]),

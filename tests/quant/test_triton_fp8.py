@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.layers import triton_support
 from quant import triton_fp8
 from quant.fp8 import fp8_scale, quantize_fp8
 
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not triton_fp8.available(torch.empty(0)),
+    pytest.param("cpu", marks=pytest.mark.skipif(not triton_support.available(torch.device("cpu")),
                                                  reason="triton is not installed")),
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
         not torch.cuda.is_available() or triton_fp8.triton is None, reason="needs CUDA and triton")]),
