@@ -7,13 +7,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
-from engine.layers import paged_decode, triton_attention
+from engine.layers import cpu_attention, triton_attention
 from engine.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
     ForwardContext,
     KVCache,
     PagedDecode,
+    PagedPrefill,
     PrefillSpan,
     TritonBatch,
 )
@@ -53,8 +54,11 @@ class ModelRunner:
         self.backend = self.default_backend(kv_cache) if backend == "auto" else backend
         if self.backend == "triton" and not triton_attention.available(self.device):
             raise ValueError("attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)")
-        if self.backend == "c" and not paged_decode.available(kv_cache.dtype, self.device):
+        if self.backend == "c" and not cpu_attention.available(kv_cache.dtype, self.device):
             raise ValueError(f"attention_backend='c' needs a CPU, a C compiler and a {kv_cache.dtype} cache it reads")
+        # the c backend's prompt kernel (else its prompts take the torch path)
+        self.prefill_kernel_built = (cpu_attention.available(kv_cache.dtype, self.device, "prefill")
+                                     and kv_cache.k[0].shape[-1] % cpu_attention.PREFILL_HEAD_DIM_MULTIPLE == 0)
         self.graphs: DecodeGraphs | None = None  # CUDA: set by the engine unless enforce_eager
         # sizes the Triton kernel's key-range splits for decode batches
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
@@ -62,11 +66,11 @@ class ModelRunner:
 
     @staticmethod
     def default_backend(kv_cache: KVCache) -> str:
-        """triton (CUDA: every query), c (CPU: decode queries; prompts on torch), or torch (the oracle)."""
+        """triton (CUDA: every query), c (CPU: C kernels for decode and prompt queries), or torch (the oracle)."""
         device = kv_cache.k[0].device
         if device.type == "cuda" and triton_attention.available(device):
             return "triton"
-        return "c" if paged_decode.available(kv_cache.dtype, device) else "torch"
+        return "c" if cpu_attention.available(kv_cache.dtype, device) else "torch"
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of one request."""
@@ -99,7 +103,7 @@ class ModelRunner:
         prefills = [PrefillSpan(p.token_start, p.num_query_tokens, p.context_slots.to(to),
                                 None if p.mask is None else p.mask.to(to)) for p in meta.prefills]
         return AttentionMetadata(meta.slot_mapping.to(to), meta.num_decode_tokens, groups, prefills,
-                                 meta.paged_decode, triton)
+                                 meta.paged_decode, meta.paged_prefill, triton)
 
     def _triton_metadata(self, chunks: list[ScheduledChunk], positions: torch.Tensor,
                          num_decodes: int) -> AttentionMetadata:
@@ -118,7 +122,7 @@ class ModelRunner:
         return AttentionMetadata(slots, num_decodes, [], [], triton=batch)
 
     def _torch_metadata(self, chunks: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> AttentionMetadata:
-        """Decode groups (or the C kernel's tables) and one span per prompt chunk."""
+        """Decode groups and one span per prompt chunk, or the C kernels' tables in their place."""
         bs = self.block_size
         nd = len(decodes)
         slot_parts, groups, kernel_decode = [], [], None
@@ -129,9 +133,19 @@ class ModelRunner:
             slot_parts.append(blocks * bs + last % bs)
         elif decodes:
             groups = self._decode_groups(decodes, slot_parts)
+        prefill_chunks, prefills, kernel_prefill = chunks[nd:], [], None
+        if prefill_chunks and self.backend == "c" and self.prefill_kernel_built:
+            kernel_prefill = self._paged_prefill(prefill_chunks)
+            slot_parts += [self._slots(c.request.block_ids, c.start, c.start + c.num_tokens) for c in prefill_chunks]
+        else:
+            prefills = self._prefill_spans(prefill_chunks, nd, slot_parts)
+        return AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills, kernel_decode, kernel_prefill)
+
+    def _prefill_spans(self, prefill_chunks: list[ScheduledChunk], row: int,
+                       slot_parts: list[torch.Tensor]) -> list[PrefillSpan]:
+        """Torch path: one span (context slots, causal mask) per prompt chunk; appends its tokens' write slots."""
         prefills = []
-        row = nd
-        for c in chunks[nd:]:
+        for c in prefill_chunks:
             end = c.start + c.num_tokens
             context = self._slots(c.request.block_ids, 0, end)
             slot_parts.append(context[c.start:])
@@ -141,7 +155,13 @@ class ModelRunner:
                 mask = torch.arange(end).unsqueeze(0) <= q_pos
             prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
             row += c.num_tokens
-        return AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills, kernel_decode)
+        return prefills
+
+    def _paged_prefill(self, prefill_chunks: list[ScheduledChunk]) -> PagedPrefill:
+        lengths = torch.tensor([0] + [c.num_tokens for c in prefill_chunks], dtype=torch.int32)
+        context_lens = torch.tensor([c.start + c.num_tokens for c in prefill_chunks], dtype=torch.int32)
+        return PagedPrefill(self._block_tables(prefill_chunks, torch.int32), lengths.cumsum(0, dtype=torch.int32),
+                            context_lens, self.block_size)
 
     def _block_tables(self, chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
         """[n, max_blocks] block ids of each chunk's request, right-padded with block 0."""

@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fp8.h"
+#include "paged_cache.h"
 
 /* glibc's vector expf: the softmax runs 16 lanes at a time (batch 32, context 300, cold caches:
  * 1.53 -> 1.28 ms per layer against scalar expf). */
@@ -35,37 +35,6 @@
 extern float expf(float);
 #endif
 
-enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_FP8 = 2 };
-
-static const int ELEMENT_BYTES[] = {4, 2, 1};
-
-enum { FP8_ONE = 0x38 }; /* e4m3's 1.0: its table entry is the head's scale itself */
-
-/* Row `index` of a cache as float32: a pointer into the cache itself for f32, else upcast into dst. */
-static inline const float *cache_row(const void *cache, int64_t index, int head_dim, int cache_type,
-                                     const float *fp8_table, float *dst) {
-    if (cache_type == CACHE_F32) return (const float *)cache + index * head_dim;
-    if (cache_type == CACHE_BF16) {
-        const uint16_t *src = (const uint16_t *)cache + index * head_dim;
-#pragma omp simd
-        for (int d = 0; d < head_dim; d++) {
-            uint32_t bits = (uint32_t)src[d] << 16;
-            memcpy(&dst[d], &bits, sizeof(float));
-        }
-    } else { /* in registers, 16 at a time: 2x faster than table lookups at batch 32 */
-        const uint8_t *src = (const uint8_t *)cache + index * head_dim;
-        const float scale_256 = fp8_table[FP8_ONE] * 256.0f; /* widen_fp8 gives value / 256 */
-        int d = 0;
-        for (; d + 16 <= head_dim; d += 16) {
-            const fp8_vec x = widen_fp8((const int8_t *)src + d) * scale_256;
-            memcpy(dst + d, &x, sizeof x);
-        }
-        for (; d < head_dim; d++) dst[d] = fp8_table[src[d]];
-    }
-    return dst;
-}
-
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
 
@@ -93,11 +62,6 @@ static inline float dot(const float *a, const float *b, int n) {
  * 52 GB/s here). bf16 and fp8 caches, bound by their upcasts, run as before. */
 enum { PREFETCH_DISTANCE = 8, PREFETCH_INTO_L2 = 1 };
 
-/* The cache slot of a sequence's token t (block_size = 1 << block_shift). */
-static inline int64_t slot_of(const int32_t *table, int block_shift, int t) {
-    return ((int64_t)table[t >> block_shift] << block_shift) + (t & ((1 << block_shift) - 1));
-}
-
 /* The slot of token t, with the slot PREFETCH_DISTANCE tokens on (before `end`) on its way to the core. */
 static inline int64_t slot_prefetching(const void *cache, const int32_t *table, int block_shift, int t, int end,
                                        int slot_bytes) {
@@ -106,13 +70,6 @@ static inline int64_t slot_prefetching(const void *cache, const int32_t *table, 
         for (int b = 0; b < slot_bytes; b += 64) __builtin_prefetch(p + b, 0, PREFETCH_INTO_L2);
     }
     return slot_of(table, block_shift, t);
-}
-
-/* KV head kv's row in a slot as float32 (fp8_tables: [kv_heads, 256], fp8 caches only). */
-static inline const float *head_row(const void *cache, int64_t slot, int kv, int kv_heads, int head_dim,
-                                    int cache_type, const float *fp8_tables, float *upcast) {
-    return cache_row(cache, slot * kv_heads + kv, head_dim, cache_type,
-                     cache_type == CACHE_FP8 ? fp8_tables + (size_t)kv * 256 : NULL, upcast);
 }
 
 /* One sequence over its tokens [begin, end), for every query head h: the largest score m[h], the

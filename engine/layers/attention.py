@@ -2,9 +2,10 @@
 
 The KV cache of one layer is two tensors `[num_blocks * block_size, num_kv_heads, head_dim]`
 (flat slots: slot = block_id * block_size + offset). Writes go through `slot_mapping`; reads
-gather a sequence's slots through precomputed flat indices, then call SDPA; on CPUs decode
-queries instead go to a C kernel that reads the blocks in place (engine/layers/paged_decode.py),
-and on CUDA every query goes to a Triton kernel that does (engine/layers/triton_attention.py).
+gather a sequence's slots through precomputed flat indices, then call SDPA; on CPUs queries
+instead go to C kernels that read the blocks in place (engine/layers/cpu_attention.py), one for
+decode tokens and one for prompt chunks, and on CUDA every query goes to a Triton kernel that
+does (engine/layers/triton_attention.py).
 FP8 storage keeps `float8_e4m3fn` and a per-layer scale (x ≈ stored · scale); CPUs cannot do
 arithmetic on fp8, so values are upcast right after the gather.
 """
@@ -19,7 +20,7 @@ from torch import nn
 
 from engine import host_memory
 from engine.layers import triton_attention
-from engine.layers.paged_decode import paged_decode_attention
+from engine.layers.cpu_attention import paged_decode_attention, paged_prefill_attention
 
 FP8_MAX = 448.0
 # Dynamic KV scales map the first batch's absmax to half the fp8 range: later tokens up to twice
@@ -61,6 +62,16 @@ class PagedDecode:
 
 
 @dataclass(slots=True)
+class PagedPrefill:
+    """Prompt chunks for the C kernel, which reads each sequence's blocks in place (causal, after any context)."""
+
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    query_start: torch.Tensor  # int32 [num_seqs + 1], each chunk's rows counted from the first prompt row
+    context_lens: torch.Tensor  # int32 [num_seqs], this step's tokens included
+    block_size: int
+
+
+@dataclass(slots=True)
 class TritonBatch:
     """The whole step for the Triton kernel (CUDA): every sequence's queries attend in one launch."""
 
@@ -84,6 +95,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]  # the torch path's decode batches
     prefills: list[PrefillSpan]
     paged_decode: PagedDecode | None = None  # set instead of decode_groups when the kernel is used
+    paged_prefill: PagedPrefill | None = None  # set instead of prefills when the kernel is used
     triton: TritonBatch | None = None  # set instead of all the above on the Triton backend
 
 
@@ -190,6 +202,13 @@ class Attention(nn.Module):
             out[rows] = paged_decode_attention(
                 q[rows], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size,
                 self.scale, self.k_scale, self.v_scale,
+            )
+        if meta.paged_prefill is not None:
+            prefill = meta.paged_prefill
+            rows = slice(meta.num_decode_tokens, num_tokens)
+            out[rows] = paged_prefill_attention(
+                q[rows], k_cache, v_cache, prefill.block_tables, prefill.query_start, prefill.context_lens,
+                prefill.block_size, self.scale, self.k_scale, self.v_scale,
             )
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.slots.shape[0])

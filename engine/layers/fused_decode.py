@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.layers import cpu_kernels
 from engine.layers.attention import ForwardContext
-from engine.layers.paged_decode import CACHE_TYPES, fp8_table
+from engine.layers.cpu_attention import CACHE_TYPES, fp8_table
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
@@ -153,7 +153,8 @@ class FusedDecode:
         if ctx is None:
             return False
         meta, cache = ctx.metadata, ctx.kv_cache
-        return (meta.paged_decode is not None and not meta.prefills and not meta.decode_groups
+        return (meta.paged_decode is not None and meta.paged_prefill is None and not meta.prefills
+                and not meta.decode_groups
                 and cache.dtype in CACHE_TYPES and cache.k[0].device.type == "cpu"
                 and not (cache.is_fp8 and any(a.scales_pending for a in self._attention))
                 and not any(m._forward_hooks or m._forward_pre_hooks for m in self._observable))

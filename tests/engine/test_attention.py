@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.layers import paged_decode, triton_attention
+from engine.layers import cpu_attention, triton_attention
 from engine.layers.attention import Attention, ForwardContext, KVCache
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk
@@ -32,7 +32,7 @@ class _NullModel:
 BACKENDS = [
     "torch",
     pytest.param("c", marks=pytest.mark.skipif(
-        not paged_decode.available(torch.float32, torch.device("cpu")), reason="no C compiler for the decode kernel")),
+        not cpu_attention.available(torch.float32, torch.device("cpu")), reason="no C compiler for the decode kernel")),
     # CPU: the Triton kernel under TRITON_INTERPRET=1 (tests/conftest.py sets it when there is no GPU)
     pytest.param("triton", marks=pytest.mark.skipif(
         not triton_attention.available(torch.device("cpu")), reason="triton is not installed")),

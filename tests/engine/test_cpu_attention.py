@@ -1,0 +1,192 @@
+"""The C paged-attention kernels (decode, prefill) equal attention over the dequantized, gathered cache (fp32, bf16, fp8)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.layers import cpu_attention, cpu_kernels
+from tests.helpers import cpu_kernels_off
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(torch.float32, torch.device("cpu")),
+                                reason="no C compiler for the attention kernels")
+
+
+def _gathered(cache, table, n, block_size, scale):
+    """The first n tokens of one sequence's cache rows, dequantized: [n, KV, D] float32."""
+    pos = torch.arange(n)
+    slots = table.long()[pos // block_size] * block_size + pos % block_size
+    return cache[slots].float() * scale
+
+
+def _attend(q, k, v, first_pos):
+    """q [n, H, D] at positions first_pos.. over k/v [L, KV, D]: softmax(q·k/√d)·v, causal."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+    visible = torch.arange(k.shape[0]).unsqueeze(0) <= torch.arange(first_pos, first_pos + q.shape[0]).unsqueeze(1)
+    return torch.einsum("hqk,khd->qhd", F.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1), v)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale):
+    """Decode: one query per sequence, at the last of its lens[i] tokens."""
+    out = torch.empty_like(q)
+    for i, n in enumerate(lens.tolist()):
+        k = _gathered(k_cache, tables[i], n, block_size, k_scale)
+        v = _gathered(v_cache, tables[i], n, block_size, v_scale)
+        out[i] = _attend(q[i:i + 1], k, v, n - 1)[0]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cache_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
+    kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), head_dim=st.sampled_from([8, 64]),
+    block_size=st.sampled_from([1, 4, 16]), lens=st.lists(st.integers(1, 300), min_size=1, max_size=5),
+    seed=st.integers(0, 1000), per_head_scales=st.booleans(),
+)
+def test_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed,
+                                          per_head_scales):
+    """Contexts past 128 in batches of fewer sequences than twice the threads take the split-context
+    path; fp8 caches have one scale, or one per KV head (compressed-tensors' ``attn_head``)."""
+    _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales)
+
+
+@pytest.mark.parametrize("lens", [[1, 257], [300], [129, 64, 2]])
+def test_split_contexts_merge_to_the_reference(lens):
+    """Few sequences: each context is cut into ranges across threads (a 1-token one leaves a range empty)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split count depends on the thread count: pin it
+    try:
+        _check_against_reference(torch.float32, 1, 3, 64, 16, lens, 0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _random_cache(cache_dtype, kv_heads, head_dim, block_size, lens, g, per_head_scales):
+    """Caches holding every sequence's tokens, scrambled padded block tables and the KV scales."""
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_scale, v_scale = (torch.tensor(0.02), torch.tensor(0.05)) if cache_dtype == torch.float8_e4m3fn else (
+        torch.tensor(1.0), torch.tensor(1.0))
+    if per_head_scales and cache_dtype == torch.float8_e4m3fn:  # [KV, 1], as the loader hands them over
+        k_scale = k_scale * torch.arange(1, kv_heads + 1, dtype=torch.float32).reshape(kv_heads, 1)
+        v_scale = v_scale * torch.arange(kv_heads, 0, -1, dtype=torch.float32).reshape(kv_heads, 1)
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k_cache = (torch.randn(shape, generator=g) / k_scale).clamp(-448, 448).to(cache_dtype)
+    v_cache = (torch.randn(shape, generator=g) / v_scale).clamp(-448, 448).to(cache_dtype)
+    # padding entries point at real blocks that must be ignored
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.tensor([[free.pop() for _ in range(b)] + [0] * (max(blocks_per_seq) - b) for b in blocks_per_seq],
+                          dtype=torch.int32)
+    return k_cache, v_cache, tables, k_scale, v_scale
+
+
+def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales=False):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables, k_scale, v_scale = _random_cache(cache_dtype, kv_heads, head_dim, block_size, lens, g,
+                                                               per_head_scales)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, block_size,
+                                              head_dim**-0.5, k_scale, v_scale)
+    expected = _reference(q, k_cache, v_cache, tables, context_lens, block_size, k_scale, v_scale)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cache_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
+    kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 8]), head_dim=st.sampled_from([8, 64, 128]),
+    block_size=st.sampled_from([1, 4, 16]),
+    spans=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 120)), min_size=1, max_size=4),
+    seed=st.integers(0, 1000), per_head_scales=st.booleans(),
+)
+def test_prefill_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, spans, seed,
+                                                  per_head_scales):
+    """Prompt chunks of (new tokens, earlier context) attend causally to everything before them:
+    chunks longer and shorter than the kernel's 16-token tiles, contexts that start mid-tile and
+    mid-block; fp8 caches with one scale or one per KV head; the fixed shapes (3, 8 heads per KV
+    head of 64 and 128) and the general code (1 or 4 of 8)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [new + context for new, context in spans]
+    k_cache, v_cache, tables, k_scale, v_scale = _random_cache(cache_dtype, kv_heads, head_dim, block_size, lens, g,
+                                                               per_head_scales)
+    news = [new for new, _ in spans]
+    q = torch.randn(sum(news), kv_heads * group, head_dim, generator=g)
+    query_start = torch.tensor([0, *news], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    out = cpu_attention.paged_prefill_attention(q, k_cache, v_cache, tables, query_start,
+                                               torch.tensor(lens, dtype=torch.int32), block_size, head_dim**-0.5,
+                                               k_scale, v_scale)
+    for i, (_, context) in enumerate(spans):
+        k = _gathered(k_cache, tables[i], lens[i], block_size, k_scale)
+        v = _gathered(v_cache, tables[i], lens[i], block_size, v_scale)
+        rows = slice(int(query_start[i]), int(query_start[i + 1]))
+        torch.testing.assert_close(out[rows], _attend(q[rows], k, v, context), atol=2e-5, rtol=1e-4)
+
+
+def test_prefill_rejects_a_head_dim_its_blocks_cannot_cover():
+    cache = torch.zeros(4, 1, 12)
+    one, lens = torch.tensor(1.0), torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8, got 12"):
+        cpu_attention.paged_prefill_attention(torch.zeros(2, 1, 12), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                              torch.tensor([0, 2], dtype=torch.int32), lens, 4, 1.0, one, one)
+
+
+def test_bf16_queries_are_accepted():
+    """A bf16 model hands bf16 queries; the kernel computes in fp32 and returns fp32."""
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(8, 1, 16, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(1, 2, 16, generator=g).bfloat16()
+    tables, lens = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+    one = torch.tensor(1.0)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 4, 0.25, one, one)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, _reference(q.float(), k_cache, v_cache, tables, lens, 4, one, one))
+
+
+def test_disabled_by_environment():
+    with cpu_kernels_off():
+        assert not cpu_attention.available(torch.float32, torch.device("cpu"))
+
+
+def test_missing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("DRIFTGATE_HOME", str(tmp_path))  # no cached build to reuse
+    monkeypatch.setenv("CC", "no-such-compiler")
+    cpu_kernels.kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert not cpu_attention.available(torch.float32, torch.device("cpu"))
+        assert "no C compiler" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.kernel.cache_clear()
+
+
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRIFTGATE_HOME", str(tmp_path))
+    cpu_kernels.kernel.cache_clear()
+    try:
+        assert cpu_attention.available(torch.float32, torch.device("cpu"))
+        built = list((tmp_path / "kernels").iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        mtime = built[0].stat().st_mtime_ns
+        cpu_kernels.kernel.cache_clear()
+        assert cpu_attention.available(torch.float32, torch.device("cpu"))
+        assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").iterdir()] == [mtime]  # reused, not rebuilt
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.kernel.cache_clear()
+
+
+def test_block_size_must_be_a_power_of_two():
+    cache = torch.zeros(12, 1, 8)
+    one = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        cpu_attention.paged_decode_attention(torch.zeros(1, 1, 8), cache, cache, torch.zeros(1, 2, dtype=torch.int32),
+                                            torch.tensor([4], dtype=torch.int32), 3, 1.0, one, one)
