@@ -32,7 +32,7 @@ class _NullModel:
 BACKENDS = [
     "torch",
     pytest.param("c", marks=pytest.mark.skipif(
-        not cpu_attention.available(torch.float32, torch.device("cpu")), reason="no C compiler for the decode kernel")),
+        not cpu_attention.available(torch.float32, torch.device("cpu")), reason="no C compiler for the attention kernels")),
     # CPU: the Triton kernel under TRITON_INTERPRET=1 (tests/conftest.py sets it when there is no GPU)
     pytest.param("triton", marks=pytest.mark.skipif(
         not triton_attention.available(torch.device("cpu")), reason="triton is not installed")),
@@ -84,6 +84,28 @@ def test_paged_equals_dense(backend, kv_heads, group, head_dim, block_size, leng
         q, k, v = qkv[r.request_id]
         expected = _dense(q, k, v).reshape(r.num_tokens, -1)
         torch.testing.assert_close(outputs[r.request_id], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_attention.available(torch.float32, torch.device("cpu"), "prefill"),
+                    reason="no C compiler for the attention kernels")
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_c_backend_prompts_take_the_prefill_kernel_where_its_blocks_fit(head_dim):
+    """head_dim 16: prompt chunks go to the C kernel (no gathered spans); 12 is no multiple of its
+    8-wide blocks, so they take the torch spans while decode stays on C. Both equal dense."""
+    g = torch.Generator().manual_seed(0)
+    reqs = make_requests(2, [20, 9])
+    cache = KVCache(1, 64, 2, head_dim, torch.float32)
+    runner = ModelRunner(_NullModel(), cache, 4, backend="c")
+    for i, r in enumerate(reqs):
+        r.block_ids = list(range(8 * i, 8 * i + 5))
+    attn = Attention(0, 6, 2, head_dim)
+    chunks = [ScheduledChunk(r, 0, r.num_tokens) for r in reqs]
+    _, _, meta = runner.build_metadata(chunks)
+    assert (meta.paged_prefill is not None, len(meta.prefills)) == ((True, 0) if head_dim == 16 else (False, 2))
+    qkv = [[torch.randn(r.num_tokens, n, head_dim, generator=g) for n in (6, 2, 2)] for r in reqs]
+    out = attn(*(torch.cat([t[i] for t in qkv]) for i in range(3)), ForwardContext(meta, cache))
+    torch.testing.assert_close(out, torch.cat([_dense(*t).reshape(t[0].shape[0], -1) for t in qkv]),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_fp8_cache_matches_dense_on_dequantized_values():
