@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.output import save_result
+from bench.output import plot_kernels, save_result
 from bench.steps import positive_ints
 from engine.layers import panel_matmul
 from engine.models.llama import LlamaArgs
@@ -104,21 +104,6 @@ def run_matmul(args: argparse.Namespace) -> int:
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for kernel in dict.fromkeys(r["kernel"] for r in result["rows"]):
-        points = [(r["rows"], r["layers_ms"] + r["lm_head_ms"]) for r in result["rows"] if r["kernel"] == kernel]
-        ax.plot(*zip(*points, strict=True), marker="o", label=kernel)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("activation rows (decode batch / prefill chunk)")
-    ax.set_ylabel("ms per forward (all Linears + lm_head)")
-    ax.set_title(f"fp32 matmuls, {result['num_layers']} layers, {result['threads']} threads")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_kernels(result["rows"], "rows", lambda r: r["layers_ms"] + r["lm_head_ms"], path, log_y=True,
+                 xlabel="activation rows (decode batch / prefill chunk)", ylabel="ms per forward (all Linears + lm_head)",
+                 title=f"fp32 matmuls, {result['num_layers']} layers, {result['threads']} threads")

@@ -16,3 +16,27 @@ def save_result(result: Any, json_path: Path | None, plot_path: Path | None,
     if plot_path:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot(result, plot_path)
+
+
+def plot_kernels(rows: list[dict], x: str, y: Callable[[dict], float], path: Path, *, xlabel: str, ylabel: str,
+                 title: str, log_y: bool = False) -> None:
+    """One line per `kernel` in rows: y(row) against row[x] (log2 x axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        points = [(r[x], y(r)) for r in rows if r["kernel"] == kernel]
+        ax.plot(*zip(*points, strict=True), marker="o", label=kernel)
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -20,7 +20,7 @@ COMMANDS = {
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps` or `matmul`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps`, `matmul` or `attention`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -80,6 +80,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True)
+    from bench.attention import add_attention_args
     from bench.matmul import add_matmul_args
     from bench.offline import add_offline_args
     from bench.perplexity import add_ppl_args
@@ -95,6 +96,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_steps_args(sub.add_parser("steps", help="engine step time per prefill length and decode batch "
                                                 "(cluster-sim --calibrate-from)"))
     add_matmul_args(sub.add_parser("matmul", help="the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"))
+    add_attention_args(sub.add_parser("attention", help="the CPU prompt-attention kernel vs torch SDPA on the model's "
+                                                        "head shape"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -118,6 +121,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench.matmul import run_matmul
 
         return run_matmul(args)
+    if args.bench_command == "attention":
+        from bench.attention import run_attention
+
+        return run_attention(args)
     from bench.serve import run_bench_serve
 
     return run_bench_serve(args)
