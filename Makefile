@@ -3,11 +3,19 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
-MODEL   ?= $(or $(DRIFTGATE_HOME),$(HOME)/.cache/driftgate)/models/smollm2-135m-instruct
+HOMEDIR := $(or $(DRIFTGATE_HOME),$(HOME)/.cache/driftgate)
+MODEL   ?= $(HOMEDIR)/models/smollm2-135m-instruct
 OUT     ?= out
 DATA    ?= $(or $(DRIFTGATE_DATA),$(abspath ../shared/data))
 
-.PHONY: setup model test test-fast demo bench lint clean
+# `make bench-schemes`: every CPU scheme quantized once (cached here) and llama.cpp built once, then
+# measured side by side with fp32 and llama.cpp's Q8_0/Q4_1 in one run
+CKPTS   ?= $(HOMEDIR)/checkpoints
+SCHEMES := fp8-dynamic w8a8-int8 w8a16 w4a16-rtn
+QUANTIZE_FLAGS := --calib $(DATA)/calib/self_instruct_seed_tasks.jsonl --num-samples 128 --max-seq-len 512
+LLAMA_BENCH := $(HOMEDIR)/llama.cpp/bin/llama-bench
+
+.PHONY: setup model test test-fast demo bench bench-offline bench-schemes lint clean
 
 $(BIN)/driftgate: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -32,9 +40,24 @@ test-fast: setup
 demo: setup model
 	scripts/demo.sh $(MODEL) $(OUT) $(DATA)
 
-bench: setup model
+bench: bench-offline bench-schemes
+
+bench-offline: setup model
 	mkdir -p bench/results
 	$(BIN)/driftgate bench offline $(MODEL) --result-json bench/results/offline.json --plot bench/results/offline.png
+
+# a scheme name ending in -rtn quantizes with --algo rtn; quantize writes the folder atomically
+$(CKPTS)/%/config.json: | $(MODEL)/model.safetensors
+	$(BIN)/quantize $(MODEL) $(QUANTIZE_FLAGS) --scheme $(patsubst %-rtn,%,$*) \
+		$(if $(filter %-rtn,$*),--algo rtn) -o $(CKPTS)/$* --overwrite
+
+$(LLAMA_BENCH): | $(MODEL)/model.safetensors
+	DRIFTGATE_MODEL_DIR=$(MODEL) scripts/build_llama_cpp.sh
+
+bench-schemes: setup model $(foreach s,$(SCHEMES),$(CKPTS)/$(s)/config.json) $(LLAMA_BENCH)
+	mkdir -p bench/results
+	$(BIN)/driftgate bench schemes fp32=$(MODEL) $(foreach s,$(SCHEMES),$(s)=$(CKPTS)/$(s)) \
+		--result-json bench/results/schemes.json --plot bench/results/schemes.png
 
 lint: setup
 	$(BIN)/ruff check engine quant calibration evals server bench tests

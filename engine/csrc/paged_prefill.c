@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void attend_tile_body(
 }
 
 /* attend_tile_body with common (query heads per KV head, head_dim) pairs as constants, so its
- * register blocks have fixed sizes; other shapes take the general code. */
+ * loops over heads and dimensions have fixed trip counts; other shapes take the general code. */
 static void attend_tile(const float *q, float *out, int num_queries, int first_pos, const void *k_cache,
                         const void *v_cache, const int32_t *table, int block_shift, int kv, int kv_heads, int group,
                         int head_dim, float scale, int cache_type, const float *k_tables, const float *v_tables,
