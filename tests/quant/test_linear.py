@@ -72,9 +72,11 @@ needs_w8a8_panel = pytest.mark.skipif(not panel_matmul.w8a8_available(), reason=
 @needs_w8a8_panel
 @quick
 @given(k=st.sampled_from([4, 12, 64, 576]), sizes=st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=3),
-       m=st.integers(1, 20), seed=st.integers(0, 1000), loud=st.sampled_from([1.0, 100.0]))
+       m=st.one_of(st.integers(1, 20), st.sampled_from([256, 263, 530])), seed=st.integers(0, 1000),
+       loud=st.sampled_from([1.0, 100.0]))
 def test_int8_panel_kernel_is_the_per_token_reference(k, sizes, m, seed, loud):
-    # Rows 1-20 cover the 8-row tiles and every tail; K = 4 and 12 end inside the two-step loop.
+    # Rows 1-20 cover the 8-row tiles and every tail, 256+ the 256-row blocks of a prefill (a
+    # tail tile at a block's end); K = 4 and 12 end inside the two-step loop.
     module, _ = build(preset("w8a8-int8"), k, sizes, seed=seed)
     assert module.kernel == "w8a8panel"
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
