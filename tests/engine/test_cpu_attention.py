@@ -139,7 +139,7 @@ def test_prefill_rejects_a_head_dim_its_blocks_cannot_cover():
 
 
 def test_bf16_queries_are_accepted():
-    """A bf16 model hands bf16 queries; the kernel computes in fp32 and returns fp32."""
+    """A bf16 model hands bf16 queries; the kernels compute in fp32 and return fp32."""
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(8, 1, 16, generator=g).bfloat16() for _ in range(2))
     q = torch.randn(1, 2, 16, generator=g).bfloat16()
@@ -148,6 +148,13 @@ def test_bf16_queries_are_accepted():
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 4, 0.25, one, one)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, _reference(q.float(), k_cache, v_cache, tables, lens, 4, one, one))
+    # and a bf16 prompt chunk: the last 3 of those 6 tokens
+    q3 = torch.randn(3, 2, 16, generator=g).bfloat16()
+    out = cpu_attention.paged_prefill_attention(q3, k_cache, v_cache, tables, torch.tensor([0, 3], dtype=torch.int32),
+                                               lens, 4, 16**-0.5, one, one)
+    assert out.dtype == torch.float32
+    k, v = (_gathered(c, tables[0], 6, 4, one) for c in (k_cache, v_cache))
+    torch.testing.assert_close(out, _attend(q3.float(), k, v, 3))
 
 
 def test_disabled_by_environment():
