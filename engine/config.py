@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")  # auto: the model dtype
 KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
-ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C decode kernel on CPU
+ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C kernels on CPU
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 

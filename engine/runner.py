@@ -110,8 +110,7 @@ class ModelRunner:
         """One TritonBatch for the whole step."""
         tables = self._block_tables(chunks, torch.int32)
         lengths = [c.num_tokens for c in chunks]
-        query_start = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        seq_lens = torch.tensor([c.start + c.num_tokens for c in chunks], dtype=torch.int32)
+        query_start, seq_lens = self._query_start(chunks), self._context_lens(chunks)
         owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
         bs = self.block_size
         slots = tables[owner, positions // bs].long() * bs + positions % bs
@@ -158,10 +157,8 @@ class ModelRunner:
         return prefills
 
     def _paged_prefill(self, prefill_chunks: list[ScheduledChunk]) -> PagedPrefill:
-        lengths = torch.tensor([0] + [c.num_tokens for c in prefill_chunks], dtype=torch.int32)
-        context_lens = torch.tensor([c.start + c.num_tokens for c in prefill_chunks], dtype=torch.int32)
-        return PagedPrefill(self._block_tables(prefill_chunks, torch.int32), lengths.cumsum(0, dtype=torch.int32),
-                            context_lens, self.block_size)
+        return PagedPrefill(self._block_tables(prefill_chunks, torch.int32), self._query_start(prefill_chunks),
+                            self._context_lens(prefill_chunks), self.block_size)
 
     def _block_tables(self, chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
         """[n, max_blocks] block ids of each chunk's request, right-padded with block 0."""
@@ -169,9 +166,18 @@ class ModelRunner:
         return torch.tensor([c.request.block_ids + [0] * (width - len(c.request.block_ids)) for c in chunks],
                             dtype=dtype)
 
+    @staticmethod
+    def _context_lens(chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """int32 [n]: each chunk's request length once this step's tokens are in."""
+        return torch.tensor([c.start + c.num_tokens for c in chunks], dtype=torch.int32)
+
+    @staticmethod
+    def _query_start(chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """int32 [n + 1]: where each chunk's rows start in the flat batch of these chunks."""
+        return torch.tensor([0] + [c.num_tokens for c in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
     def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode:
-        context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32)
-        return PagedDecode(self._block_tables(decodes, torch.int32), context_lens, self.block_size)
+        return PagedDecode(self._block_tables(decodes, torch.int32), self._context_lens(decodes), self.block_size)
 
     def _decode_groups(self, decodes: list[ScheduledChunk], slot_parts: list[torch.Tensor]) -> list[DecodeGroup]:
         """Torch path: decode batches of similar context length; appends each token's write slot."""

@@ -48,7 +48,7 @@ def fp8_table(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def _call(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_args: list[torch.Tensor],
           block_size: int, scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
-    """Run a kernel over q [rows, H, D]; seq_args are its int32 per-sequence tensors after the block tables."""
+    """Run a kernel over q [rows, H, D]; seq_args are its int32 per-sequence tensors, block tables first."""
     kernel = _kernel(kind)
     if kernel is None:
         raise RuntimeError(f"the paged-{kind} kernel is not available (check available() first)")
