@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b`` for a plain weight [N, K] or `panel_matmul.pack` panels (3-D)."""
-    if weight.dim() == 3:
+    """``x Wᵀ + b`` for a plain weight [N, K] or CPU panels (`panel_matmul.pack`, `pack_bf16_pairs`)."""
+    if weight.dim() > 2:
         return panel_matmul.matmul(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -73,9 +73,12 @@ class DenseLinear(nn.Module):
         if missing:
             raise ValueError(f"shards {sorted(missing)} were never loaded")
 
-    def prepack(self) -> None:
-        """Swap the weight for its CPU panel layout (fp32 only); the plain copy is freed."""
-        packed = panel_matmul.pack(self.weight)
+    def prepack(self, bf16_activations: bool = False) -> None:
+        """Swap the weight for its CPU panel layout (fp32 only); the plain copy is freed. With
+        `bf16_activations`, a weight of bf16 values multiplies inputs rounded to bf16, where the CPU can."""
+        packed = panel_matmul.pack_bf16_pairs(self.weight) if bf16_activations else None
+        if packed is None:
+            packed = panel_matmul.pack(self.weight)
         if packed is not None:
             del self.weight
             self.register_buffer("weight", packed, persistent=False)

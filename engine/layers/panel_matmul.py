@@ -69,9 +69,30 @@ def pack(weight: torch.Tensor, *, narrow: bool = True) -> torch.Tensor | None:
 
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b`` for x [..., K] float32 and W given as `pack(W)`."""
+    """``x Wᵀ + b`` for x [..., K] float32 and W given as `pack(W)` or `pack_bf16_pairs(W)`."""
+    if panels.dim() == 4:
+        kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_bf16_dot", _ARGTYPES, ctypes.c_int)
+        return _run(kernel, x, x.shape[-1], panels.shape[0] * PANEL, (panels,), bias)
     num_panels, k, _ = panels.shape
     return _run(_kernel(panels.dtype), x, k, num_panels * PANEL, (panels,), bias)
+
+
+def bf16_dot_available() -> bool:
+    """Whether the bf16 × bf16 kernel runs here (it needs AVX-512 BF16)."""
+    probe = cpu_kernels.kernel("panel_matmul", "bf16_dot_available", (), ctypes.c_int)
+    return probe is not None and probe() == 1
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] of bf16 values → panels [N / 16, ceil(K / 2), 16, 2] bf16 for the kernel that
+    rounds activations to bf16 too (twice the fp32 rate), or None where it does not apply (not a
+    CPU fp32 weight of bf16 values, N not a multiple of 16, or no AVX-512 BF16 here)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[0] % PANEL
+            or not bf16_dot_available() or not torch.equal(weight, (bf16 := weight.bfloat16()).float())):
+        return None
+    n, k = bf16.shape
+    bf16 = torch.nn.functional.pad(bf16.detach(), (0, k % 2))
+    return host_memory.WEIGHTS.copy(bf16.reshape(n // PANEL, PANEL, -1, 2).transpose(1, 2))
 
 
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)

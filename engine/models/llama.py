@@ -18,7 +18,7 @@ from engine.layers import panel_matmul
 from engine.layers.activation import silu_and_mul
 from engine.layers.attention import Attention, ForwardContext
 from engine.layers.fused_decode import FusedDecode
-from engine.layers.linear import dense_matmul, make_linear
+from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -165,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: LlamaArgs, quant_config=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.args = args
+        self.quantized_linears = quant_config is not None and bool(quant_config.groups)
         self.model = LlamaModel(args, quant_config, dtype)
         if args.tie_word_embeddings:
             self.lm_head = None
@@ -175,12 +176,23 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode: FusedDecode | None = None  # decode-only steps in one C call, once packed
 
     def prepack_for_cpu(self) -> None:
-        """Serving-time weight layout for CPU matmuls; the embedding keeps its dense copy for lookups."""
+        """Serving-time weight layout for CPU matmuls; the embedding keeps its dense copy for lookups.
+
+        A checkpoint with quantized Linears keeps its lm_head unquantized but, as its dtype (bf16)
+        says and as vLLM serves it, multiplies bf16-rounded inputs by it, at twice the fp32 rate
+        where the CPU has AVX-512 BF16; a model without quantized Linears keeps float32 inputs (the
+        oracle's arithmetic)."""
         for module in self.modules():
-            if module is not self and hasattr(module, "prepack"):
+            if module is self or not hasattr(module, "prepack"):
+                continue
+            if module is self.lm_head and isinstance(module, DenseLinear):
+                module.prepack(bf16_activations=self.quantized_linears)
+            else:
                 module.prepack()
         if self.lm_head is None:
-            self.packed_embedding = panel_matmul.pack(self.model.embed_tokens.weight)
+            weight = self.model.embed_tokens.weight
+            packed = panel_matmul.pack_bf16_pairs(weight) if self.quantized_linears else None
+            self.packed_embedding = packed if packed is not None else panel_matmul.pack(weight)
         self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm, self.model.rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -10,9 +10,14 @@ from engine import LLM
 from engine.layers import panel_matmul
 from engine.layers.linear import DenseLinear
 from engine.loader import load_model
-from tests.helpers import cpu_kernels_off
+from quant.checkpoint import write_checkpoint
+from quant.config import QuantizationConfig
+from quant.schemes import preset
+from tests.helpers import cpu_kernels_off, make_tiny_model_dir, quantized_tensors
 
 needs_kernel = pytest.mark.skipif(panel_matmul.pack(torch.zeros(16, 1)) is None, reason="no C compiler here")
+needs_bf16_dot = pytest.mark.skipif(not panel_matmul.bf16_dot_available(),
+                                    reason="the bf16 × bf16 kernel needs a C compiler and AVX-512 BF16")
 
 
 def _layer(in_features: int, sizes: list[int], bias: bool, g: torch.Generator,
@@ -51,6 +56,52 @@ def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed, bf16_v
     torch.testing.assert_close(layer(x3d), F.linear(x3d, weight, b), rtol=1e-5, atol=1e-5)
     strided = torch.randn(in_features, rows, generator=g).t()  # not contiguous: copied for the kernel
     torch.testing.assert_close(layer(strided), F.linear(strided, weight, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16_dot
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 40), in_features=st.sampled_from([1, 7, 8, 37, 96]),
+       sizes=st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=3), bias=st.booleans(),
+       seed=st.integers(0, 100))
+def test_bf16_pairs_multiply_inputs_rounded_to_bf16(rows, in_features, sizes, bias, seed):
+    """Rows cross the 16-row tile and its leftovers; an odd in_features pads its last pair. The
+    products of bf16 values are exact in float32, so only the order of the sums differs."""
+    g = torch.Generator().manual_seed(seed)
+    layer = _layer(in_features, sizes, bias, g, bf16_values=True)
+    weight, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
+    layer.prepack(bf16_activations=True)
+    assert layer.weight.shape == (sum(sizes) // 16, (in_features + 1) // 2, 16, 2)
+    x = torch.randn(rows, in_features, generator=g)
+    torch.testing.assert_close(layer(x), F.linear(x.bfloat16().float(), weight, b), rtol=1e-5, atol=1e-5)
+    x3d = torch.randn(2, 3, in_features, generator=g)
+    torch.testing.assert_close(layer(x3d), F.linear(x3d.bfloat16().float(), weight, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16_dot
+def test_weights_that_are_not_bf16_values_keep_float32_inputs():
+    layer = _layer(8, [16], False, torch.Generator().manual_seed(0))
+    layer.prepack(bf16_activations=True)
+    assert layer.weight.shape == (1, 8, 16) and layer.weight.dtype == torch.float32
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("tied", [True, False])
+def test_only_a_quantized_checkpoint_rounds_its_lm_head_inputs(tmp_path, tied):
+    """W8A16 Linears, the lm_head left unquantized: its bf16 weights meet bf16-rounded inputs. The
+    same model unquantized keeps float32 inputs (the HF oracle's arithmetic)."""
+    source = make_tiny_model_dir(tmp_path / "source", dtype=torch.bfloat16, tie_word_embeddings=tied)
+    scheme = preset("w8a16")
+    quantized = write_checkpoint(tmp_path / "w8a16", source_dir=source,
+                                 quant_config=QuantizationConfig.for_scheme(scheme),
+                                 tensors=quantized_tensors(source, scheme, kv=False))
+    plain, model = LLM(str(source)).engine.model, LLM(str(quantized)).engine.model
+    head = (lambda m: m.packed_embedding) if tied else (lambda m: m.lm_head.weight)
+    assert head(plain).dim() == 3 and head(model).dim() == 4
+    weight = (plain.model.embed_tokens.weight if tied else plain.lm_head.weight.transpose(1, 2).flatten(0, 1))
+    hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(plain.compute_logits(hidden), hidden @ weight.float().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.compute_logits(hidden), hidden.bfloat16().float() @ weight.float().T,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_weights_the_kernel_cannot_take_stay_plain():

@@ -22,7 +22,7 @@ from compressed_tensors.quantization import QuantizationConfig as CTQuantization
 from safetensors.torch import load_file, save_file
 
 from engine import LLM
-from engine.layers import cpu_kernels
+from engine.layers import cpu_kernels, panel_matmul
 from tests.helpers import make_tiny_model_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -122,8 +122,10 @@ def fake_quantize_tokens_fp8(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
-def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str, tokens: list[int]) -> torch.Tensor:
-    """Log-probs [T, vocab] of HF transformers (fp32) with the dequantized weights swapped in."""
+def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str, tokens: list[int],
+                 bf16_lm_head_inputs: bool = False) -> torch.Tensor:
+    """Log-probs [T, vocab] of HF transformers (fp32) with the dequantized weights swapped in, and
+    the lm_head's inputs rounded to bf16 where the engine's CPU kernel does that."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
@@ -132,6 +134,8 @@ def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str
         linear.weight.data.copy_(weight)
         if scheme == "fp8-dynamic":
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_fp8(args[0]),))
+    if bf16_lm_head_inputs:
+        model.lm_head.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
@@ -159,7 +163,8 @@ def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_
     CTQuantizationConfig.model_validate(config)  # the config is one compressed-tensors itself accepts
 
     ours = LLM(str(ckpt)).score_full_logprobs(TOKENS)
-    reference = hf_reference(source_dir, dequantized, scheme, TOKENS)
+    # the unquantized lm_head of a quantized checkpoint meets bf16 inputs on CPUs with AVX-512 BF16
+    reference = hf_reference(source_dir, dequantized, scheme, TOKENS, panel_matmul.bf16_dot_available())
     diff = (ours - reference).abs().max().item()
     assert diff < TOLERANCE, f"{scheme}: max |Δ logprob| {diff:.2e}"
     # the quantized weights did change the model: the comparison is not dense vs dense
