@@ -70,9 +70,13 @@ def pack(weight: torch.Tensor, *, narrow: bool = True) -> torch.Tensor | None:
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] float32 and W given as `pack(W)` or `pack_bf16_pairs(W)`."""
-    if panels.dim() == 4:
+    if panels.dim() == 4:  # pairs of K: K itself comes from x, and must fill them
+        k = x.shape[-1]
+        if (k + 1) // 2 != panels.shape[1]:
+            raise ValueError(f"x has {k} columns; these bf16 pair panels take {2 * panels.shape[1] - 1} or "
+                             f"{2 * panels.shape[1]}")
         kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_bf16_dot", _ARGTYPES, ctypes.c_int)
-        return _run(kernel, x, x.shape[-1], panels.shape[0] * PANEL, (panels,), bias)
+        return _run(kernel, x, k, panels.shape[0] * PANEL, (panels,), bias)
     num_panels, k, _ = panels.shape
     return _run(_kernel(panels.dtype), x, k, num_panels * PANEL, (panels,), bias)
 

@@ -78,6 +78,13 @@ def test_bf16_pairs_multiply_inputs_rounded_to_bf16(rows, in_features, sizes, bi
 
 
 @needs_bf16_dot
+def test_bf16_pairs_reject_inputs_of_another_width():
+    panels = panel_matmul.pack_bf16_pairs(torch.ones(16, 7))
+    with pytest.raises(ValueError, match="x has 9 columns; these bf16 pair panels take 7 or 8"):
+        panel_matmul.matmul(torch.ones(2, 9), panels)
+
+
+@needs_bf16_dot
 def test_weights_that_are_not_bf16_values_keep_float32_inputs():
     layer = _layer(8, [16], False, torch.Generator().manual_seed(0))
     layer.prepack(bf16_activations=True)
