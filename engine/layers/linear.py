@@ -76,9 +76,7 @@ class DenseLinear(nn.Module):
     def prepack(self, bf16_activations: bool = False) -> None:
         """Swap the weight for its CPU panel layout (fp32 only); the plain copy is freed. With
         `bf16_activations`, a weight of bf16 values multiplies inputs rounded to bf16, where the CPU can."""
-        packed = panel_matmul.pack_bf16_pairs(self.weight) if bf16_activations else None
-        if packed is None:
-            packed = panel_matmul.pack(self.weight)
+        packed = panel_matmul.pack(self.weight, bf16_activations=bf16_activations)
         if packed is not None:
             del self.weight
             self.register_buffer("weight", packed, persistent=False)

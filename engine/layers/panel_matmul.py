@@ -54,16 +54,30 @@ def _float32_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def pack(weight: torch.Tensor, *, narrow: bool = True) -> torch.Tensor | None:
+def _fits(weight: torch.Tensor) -> bool:
+    """A CPU fp32 weight [N, K] of whole 16-column panels."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.shape[0] % PANEL == 0
+
+
+def _bf16_values(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in bf16 when every value is a bf16 value (a BF16 checkpoint served in fp32), else None."""
+    bf16 = weight.detach().bfloat16()
+    return bf16 if torch.equal(weight, bf16.float()) else None
+
+
+def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = False) -> torch.Tensor | None:
     """weight [N, K] → panels [N / 16, K, 16], or None where the kernel does not apply
     (not a CPU fp32 weight, N not a multiple of 16, or no kernel on this machine).
 
     The panels are bfloat16 when every weight is a bf16 value (a BF16 checkpoint served in
     fp32) and `narrow` is set: the kernel widens them exactly, so the products are the same
-    and the weight streams in half the bytes."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[0] % PANEL or _kernel() is None:
+    and the weight streams in half the bytes. With `bf16_activations`, such a weight becomes
+    `pack_bf16_pairs(weight)` where this CPU can multiply bf16 by bf16."""
+    if bf16_activations and (pairs := pack_bf16_pairs(weight)) is not None:
+        return pairs
+    if not _fits(weight) or _kernel() is None:
         return None
-    if narrow and torch.equal(weight, (bf16 := weight.bfloat16()).float()):
+    if narrow and (bf16 := _bf16_values(weight)) is not None:
         return _panels(bf16)
     return _panels(weight)
 
@@ -91,11 +105,10 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] of bf16 values → panels [N / 16, ceil(K / 2), 16, 2] bf16 for the kernel that
     rounds activations to bf16 too (twice the fp32 rate), or None where it does not apply (not a
     CPU fp32 weight of bf16 values, N not a multiple of 16, or no AVX-512 BF16 here)."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[0] % PANEL
-            or not bf16_dot_available() or not torch.equal(weight, (bf16 := weight.bfloat16()).float())):
+    if not _fits(weight) or not bf16_dot_available() or (bf16 := _bf16_values(weight)) is None:
         return None
     n, k = bf16.shape
-    bf16 = torch.nn.functional.pad(bf16.detach(), (0, k % 2))
+    bf16 = torch.nn.functional.pad(bf16, (0, k % 2))
     return host_memory.WEIGHTS.copy(bf16.reshape(n // PANEL, PANEL, -1, 2).transpose(1, 2))
 
 

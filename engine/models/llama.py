@@ -190,9 +190,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 module.prepack()
         if self.lm_head is None:
-            weight = self.model.embed_tokens.weight
-            packed = panel_matmul.pack_bf16_pairs(weight) if self.quantized_linears else None
-            self.packed_embedding = packed if packed is not None else panel_matmul.pack(weight)
+            self.packed_embedding = panel_matmul.pack(self.model.embed_tokens.weight,
+                                                      bf16_activations=self.quantized_linears)
         self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm, self.model.rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
