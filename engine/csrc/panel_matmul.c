@@ -278,22 +278,38 @@ static float quantize_row(uint8_t *restrict out, const float *restrict x, int K)
  * (2048 rows, best of 25, alternated three times on a busy host). */
 enum { ROW_TILE_W8A8 = 8, W8A8_CHAINS = 2, W8A8_ROW_BLOCK = 256 };
 
-/* `ahead` (ahead_lines cache lines from it; none when 0) is part of the next panel, fetched one
- * line per step while this tile computes. */
+/* The W8A8 kernel's next panel, fetched a cache line per k-step by this task's first row tiles, so
+ * it is in cache when its own first tile starts. At 32 decode rows a panel serves four 8-row
+ * tiles: the first had waited on memory at the rate its loads came (two threads asking ~55 GB/s
+ * of a ~28 GB/s machine) and the others found the panel in L1, memory and compute taking turns.
+ * (The bf16 kernel's lm_head, memory-bound at 1-8 rows, got slower with it: not used there.) */
+typedef struct {
+    const char *next;
+    int lines; /* not yet fetched */
+} Lookahead;
+
+static inline Lookahead lookahead(const void *next_panel, int64_t bytes) {
+    return (Lookahead){next_panel, next_panel ? (int)(bytes / 64) : 0};
+}
+
+static inline void lookahead_step(Lookahead *ahead) {
+    if (ahead->lines > 0) {
+        __builtin_prefetch(ahead->next);
+        ahead->next += 64;
+        ahead->lines--;
+    }
+}
+
 static inline __attribute__((always_inline)) void row_tile_w8a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const int8_t *restrict panel,
     const int32_t *bias_sums, const float *weight_scales, const float *bias, int rows, int K, int N,
-    const int8_t *ahead, int ahead_lines) {
+    Lookahead *ahead) {
     __m512i acc[W8A8_CHAINS][ROW_TILE_W8A8];
     for (int c = 0; c < W8A8_CHAINS; c++)
         for (int i = 0; i < rows; i++) acc[c][i] = _mm512_setzero_si512();
     int k = 0;
     for (; k + 4 * W8A8_CHAINS <= K; k += 4 * W8A8_CHAINS, panel += 64 * W8A8_CHAINS) {
-        if (ahead_lines > 0) {
-            __builtin_prefetch(ahead);
-            ahead += 64;
-            ahead_lines--;
-        }
+        lookahead_step(ahead);
         for (int c = 0; c < W8A8_CHAINS; c++) {
             __builtin_prefetch(panel + 2 * PREFETCH_BYTES + 64 * c);  /* each step is one cache line */
             __m512i w = _mm512_loadu_si512((const void *)(panel + 64 * c));
@@ -323,7 +339,7 @@ static inline __attribute__((always_inline)) void row_tile_w8a8(
 }
 
 #define TAIL_W8A8(r) case r: row_tile_w8a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, \
-                                           scales_p, bias_p, r, K, N, ahead, ahead_lines); break;
+                                           scales_p, bias_p, r, K, N, &ahead); break;
 
 /* Returns 0, or -1 when the row buffer could not be allocated. */
 int panel_matmul_w8a8(float *y, const float *x, const int8_t *panels, const int32_t *bias_sums,
@@ -346,19 +362,13 @@ int panel_matmul_w8a8(float *y, const float *x, const int8_t *panels, const int3
             const int32_t *sums_p = bias_sums + p * PANEL;
             const float *scales_p = weight_scales + p * PANEL, *bias_p = bias ? bias + p * PANEL : 0;
             float *y_p = y + p * PANEL;
-            /* the next task's panel streams in while this one's row tiles compute, a share per tile
-             * (at 32 decode rows the first tile would otherwise wait on memory, the other three never) */
-            const int has_next = task + 1 < row_blocks * num_panels, lines_per_tile = K / (4 * W8A8_CHAINS);
-            const int8_t *ahead = has_next ? panels + (int64_t)((task + 1) % num_panels) * K * PANEL : 0;
-            int ahead_lines = has_next ? K * PANEL / 64 : 0;
+            const int64_t panel_bytes = (int64_t)K * PANEL;
+            const int has_next = task + 1 < row_blocks * num_panels;
+            Lookahead ahead = lookahead(has_next ? panels + (task + 1) % num_panels * panel_bytes : 0, panel_bytes);
             int m = first;
-            for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8) {
+            for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8)
                 row_tile_w8a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, scales_p,
-                              bias_p, ROW_TILE_W8A8, K, N, ahead, ahead_lines);
-                const int fetched = ahead_lines < lines_per_tile ? ahead_lines : lines_per_tile;
-                ahead += (int64_t)fetched * 64;
-                ahead_lines -= fetched;
-            }
+                              bias_p, ROW_TILE_W8A8, K, N, &ahead);
             switch (end - m) {
                 TAIL_W8A8(1) TAIL_W8A8(2) TAIL_W8A8(3) TAIL_W8A8(4) TAIL_W8A8(5) TAIL_W8A8(6) TAIL_W8A8(7)
                 default: break;
