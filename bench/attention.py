@@ -1,13 +1,14 @@
 """`driftgate bench attention`: prompt attention, the CPU prefill kernel against torch SDPA.
 
-One layer of causal self-attention over a fresh prompt of each length in `--prompt-lens`, on the
-model's head shape (query heads, KV heads, head dim from config.json). Contenders, interleaved
-run by run so the machine's noise lands on both:
+One layer of causal self-attention over `--prompts` fresh prompts of each length in
+`--prompt-lens` (one call, as a prefill step batches them), on the model's head shape (query
+heads, KV heads, head dim from config.json). Contenders, interleaved run by run so the machine's
+noise lands on both:
 
 - `c-kernel`: engine/csrc/paged_prefill.c reading K/V in place from a paged cache whose blocks
   are scattered, as the engine's are;
-- `sdpa`: torch's `scaled_dot_product_attention` on contiguous K/V (the engine's torch path for
-  a fresh prompt, which skips the gather), GQA through `enable_gqa`.
+- `sdpa`: torch's `scaled_dot_product_attention` on contiguous K/V, prompt by prompt (the
+  engine's torch path for a fresh prompt, which skips the gather), GQA through `enable_gqa`.
 
 Both outputs are checked against each other before timing. GFLOP/s counts the causal half of
 the score and value products (4 · L² / 2 · head_dim · query heads).
@@ -34,6 +35,7 @@ from engine.models.llama import LlamaArgs
 def add_attention_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, help="model folder (only config.json is read: the head shape)")
     parser.add_argument("--prompt-lens", type=positive_ints, default=[128, 256, 512, 1024])
+    parser.add_argument("--prompts", type=int, default=1, help="prompts of each length in one call")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--result-json", type=Path, default=None)
@@ -41,23 +43,29 @@ def add_attention_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _contenders(q, k, v, block_size: int, g: torch.Generator) -> dict:
-    """name → a call computing one layer's prompt attention for q [L, H, D] over k/v [L, KV, D]."""
-    length, _, head_dim = q.shape
-    num_blocks = -(-length // block_size)
-    order = torch.randperm(num_blocks, generator=g).to(torch.int32)  # scattered blocks
-    slots = (order.long().repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(num_blocks))
-    k_cache, v_cache = (torch.zeros(num_blocks * block_size, *k.shape[1:]) for _ in range(2))
-    k_cache[slots[:length]], v_cache[slots[:length]] = k, v
-    tables, one = order.unsqueeze(0), torch.tensor(1.0)
-    query_start = torch.tensor([0, length], dtype=torch.int32)
-    context_lens = torch.tensor([length], dtype=torch.int32)
-    scale = head_dim**-0.5
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    """name → a call computing one layer's prompt attention for n prompts: q [n, L, H, D] over k/v [n, L, KV, D]."""
+    prompts, length, _, head_dim = q.shape
+    blocks_each = -(-length // block_size)
+    order = torch.randperm(prompts * blocks_each, generator=g).to(torch.int32)  # scattered blocks
+    tables = order.reshape(prompts, blocks_each)
+    slots = (tables.long().repeat_interleave(block_size, dim=1) * block_size
+             + torch.arange(block_size).repeat(blocks_each))[:, :length].reshape(-1)
+    k_cache, v_cache = (torch.zeros(prompts * blocks_each * block_size, *k.shape[2:]) for _ in range(2))
+    k_cache[slots], v_cache[slots] = k.flatten(0, 1), v.flatten(0, 1)
+    query_start = torch.arange(prompts + 1, dtype=torch.int32) * length
+    context_lens = torch.full((prompts,), length, dtype=torch.int32)
+    scale, one, rows = head_dim**-0.5, torch.tensor(1.0), q.flatten(0, 1)
+
+    heads_first = [tuple(x[i].transpose(0, 1).unsqueeze(0) for x in (q, k, v)) for i in range(prompts)]
+
+    def sdpa():
+        return torch.cat([F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                          .squeeze(0).transpose(0, 1) for qi, ki, vi in heads_first])
+
     return {
-        "c-kernel": lambda: cpu_attention.paged_prefill_attention(q, k_cache, v_cache, tables, query_start,
+        "c-kernel": lambda: cpu_attention.paged_prefill_attention(rows, k_cache, v_cache, tables, query_start,
                                                                   context_lens, block_size, scale, one, one),
-        "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                                       enable_gqa=True).squeeze(0).transpose(0, 1),
+        "sdpa": sdpa,
     }
 
 
@@ -69,8 +77,8 @@ def run_attention(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(0)
     rows = []
     for length in args.prompt_lens:
-        q = torch.randn(length, heads, head_dim, generator=g)
-        k, v = (torch.randn(length, kv_heads, head_dim, generator=g) for _ in range(2))
+        q = torch.randn(args.prompts, length, heads, head_dim, generator=g)
+        k, v = (torch.randn(args.prompts, length, kv_heads, head_dim, generator=g) for _ in range(2))
         contenders = _contenders(q, k, v, args.block_size, g)
         outputs = [call() for call in contenders.values()]
         torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
@@ -80,14 +88,14 @@ def run_attention(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 call()
                 samples[name].append(time.perf_counter() - t0)
-        flops = 4 * length * length / 2 * head_dim * heads
+        flops = 4 * length * length / 2 * head_dim * heads * args.prompts
         for name, runs in samples.items():
             ms = statistics.median(runs) * 1e3
             rows.append({"prompt_len": length, "kernel": name, "ms": ms, "gflop_s": flops / ms / 1e6, "runs": runs})
             print(f"prompt {length:5d} {name:8s} {ms:7.3f} ms ({rows[-1]['gflop_s']:5.0f} GFLOP/s)", flush=True)
     result = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "runs": args.runs,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "model": str(args.model), "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+              "model": str(args.model), "prompts": args.prompts, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
               "block_size": args.block_size, "rows": rows}
     save_result(result, args.result_json, args.plot, _plot)
     return 0
@@ -96,5 +104,6 @@ def run_attention(args: argparse.Namespace) -> int:
 def _plot(result: dict, path: Path) -> None:
     plot_kernels(result["rows"], "prompt_len", lambda r: r["gflop_s"], path, xlabel="prompt tokens",
                  ylabel="GFLOP/s (causal)",
-                 title=f"prompt attention, one layer: {result['num_heads']} query / {result['num_kv_heads']} KV "
-                       f"heads of {result['head_dim']}, {result['threads']} threads")
+                 title=f"prompt attention, one layer, {result.get('prompts', 1)} prompt(s) a call: "
+                       f"{result['num_heads']} query / {result['num_kv_heads']} KV heads of {result['head_dim']}, "
+                       f"{result['threads']} threads")
