@@ -2,7 +2,7 @@
 
 An arm is: the policy's lm-eval tasks on fixed item ids (per-item results kept), plus
 greedy generations for Tier 2. The baseline arm is cached under a key of everything that
-could change its results, so gating N candidates runs it once.
+could change its results (the engine's own code included), so gating N candidates runs it once.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 import lm_eval
 from lm_eval.api.model import TemplateLM
 
+import engine
+import quant
 from engine import LLM, SamplingParams
 from evals import data
 from evals.drift import FullLogprobsFn, ItemResult, LayerStatesFn, items_from_samples
@@ -26,6 +28,19 @@ from evals.policy import GatePolicy
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "driftgate" / "gate-baselines"
 CACHE_FORMAT = 2  # 2: task prompt/prefill-saved counts replace whole-engine prefix-cache counters
+# The code that computes an arm: its Python modules and C kernels
+ENGINE_SOURCES = [Path(engine.__file__).resolve().parent, Path(quant.__file__).resolve().parent]
+
+
+def source_fingerprint(roots: list[Path]) -> str:
+    """sha256 over the .py/.c/.h files under roots. A baseline computed by other kernels is not
+    reused: their last-bit differences move where greedy generations diverge, and through fp8 or
+    int8 activation rounding they move a candidate's logits by far more than a bit."""
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
+            digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 @dataclass(slots=True)
@@ -227,6 +242,7 @@ class BaselineCache:
             "tier2": asdict(policy.tier2),
             "seed": policy.seed,
             "lm_eval": lm_eval.__version__,
+            "engine_code": source_fingerprint(ENGINE_SOURCES),
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 

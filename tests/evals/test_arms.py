@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine import LLM, SamplingParams
 from evals import arms
 from evals.lm_eval_model import DriftgateLM
+from evals.policy import load_policy
 
 SHARED = [5, 9, 17, 33, 65, 129, 200, 7] * 6  # 48 tokens of "exemplars"
 
@@ -40,3 +41,25 @@ def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir):
     for task, results in items.items():
         for doc_id, item in results.items():
             assert item.correct == (int(item.answer) == gold[task][doc_id]), (task, doc_id, item.choice_scores)
+
+
+def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypatch):
+    """A baseline computed by other kernels is recomputed, not reused: their last-bit differences
+    move greedy divergence points, and fp8/int8 activation rounding amplifies them."""
+    code = tmp_path / "engine"
+    (code / "csrc").mkdir(parents=True)
+    (code / "runner.py").write_text("STEP = 1\n")
+    (code / "csrc" / "kernel.c").write_text("int kernel;\n")
+    (code / "NOTES.md").write_text("not code\n")
+    monkeypatch.setattr(arms, "ENGINE_SOURCES", [code])
+    policy = load_policy("quick")
+
+    def key() -> str:
+        return arms.BaselineCache.key({"model.safetensors": "abc"}, policy, {}, {}, "baseline")
+
+    before = key()
+    assert key() == before
+    (code / "NOTES.md").write_text("edited, still not code\n")
+    assert key() == before
+    (code / "csrc" / "kernel.c").write_text("int kernel = 1;\n")
+    assert key() != before
