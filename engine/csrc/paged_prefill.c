@@ -49,8 +49,9 @@ static inline vec16 select16(vec16i mask, vec16 if_set, vec16 if_clear) {
 
 /* e^x for x <= 0 (softmax exponents), 16 lanes in registers: 2^n · e^r with n = round(x / ln 2),
  * e^r by its Taylor series to r^7 (|r| <= ln 2 / 2, relative error under 1e-8 before rounding).
- * Below -87 (e^-87 is near the smallest normal float) the result is 0, which covers -inf. A
- * call into the vector libm per 16 lanes cost a tenth of the kernel's time. */
+ * Below -87 (e^-87 is near the smallest normal float) the result is 0, which covers -inf; those
+ * lanes are clamped first so none computes with infinities or denormals. A call into the vector
+ * libm per 16 lanes cost a tenth of the kernel's time. */
 static inline vec16 exp16(vec16 x) {
     const vec16i underflow = x < -87.0f;
     x = select16(underflow, (vec16){0} - 87.0f, x);
