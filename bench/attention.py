@@ -95,8 +95,8 @@ def run_attention(args: argparse.Namespace) -> int:
             print(f"prompt {length:5d} {name:8s} {ms:7.3f} ms ({rows[-1]['gflop_s']:5.0f} GFLOP/s)", flush=True)
     result = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "runs": args.runs,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "model": str(args.model), "prompts": args.prompts, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
-              "block_size": args.block_size, "rows": rows}
+              "model": str(args.model), "prompts": args.prompts, "num_heads": heads, "num_kv_heads": kv_heads,
+              "head_dim": head_dim, "block_size": args.block_size, "rows": rows}
     save_result(result, args.result_json, args.plot, _plot)
     return 0
 
@@ -104,6 +104,6 @@ def run_attention(args: argparse.Namespace) -> int:
 def _plot(result: dict, path: Path) -> None:
     plot_kernels(result["rows"], "prompt_len", lambda r: r["gflop_s"], path, xlabel="prompt tokens",
                  ylabel="GFLOP/s (causal)",
-                 title=f"prompt attention, one layer, {result.get('prompts', 1)} prompt(s) a call: "
+                 title=f"prompt attention, one layer, {result['prompts']} prompt(s) a call: "
                        f"{result['num_heads']} query / {result['num_kv_heads']} KV heads of {result['head_dim']}, "
                        f"{result['threads']} threads")

@@ -1,4 +1,4 @@
-"""Running one arm: greedy generations that share a few-shot prefix compute it once."""
+"""Running one arm (greedy generations that share a few-shot prefix compute it once) and the baseline cache key."""
 
 from __future__ import annotations
 
