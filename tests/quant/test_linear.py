@@ -46,9 +46,10 @@ def build(scheme, input_size, output_sizes, dtype=torch.float32, bias=True, seed
 
 
 def shapes():
-    # in multiple of 64 so every int4 group size divides it; shard rows small and varied.
+    # in multiple of 64 so every int4 group size divides it; shard rows small and varied; 16, 21
+    # and 40 rows take the 8-bit kernels' wide tiles several times, then their leftover tiles
     return st.tuples(st.sampled_from([64, 128]), st.lists(st.sampled_from([8, 16, 24]), min_size=1, max_size=3),
-                     st.integers(1, 9))
+                     st.one_of(st.integers(1, 9), st.sampled_from([16, 21, 40])))
 
 
 @quick
@@ -262,11 +263,13 @@ def test_meta_construction_then_to_empty_loads_on_target_device():
     with torch.device("meta"):
         module = make_quantized_linear(scheme, 64, [16], bias=True, dtype=torch.float32)
     module.to_empty(device="cpu")
-    w = torch.randn(16, 64)
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))  # unseeded, int8 error crossed 1% now and then
     module.load_shard(0, {**quantize_weight(w, scheme), "bias": torch.ones(16)})
     module.finalize()
     assert module.qweight.device.type == "cpu"
-    assert rel_err(module(torch.ones(2, 64)), F.linear(torch.ones(2, 64), w, torch.ones(16))) < 0.01
+    x = torch.ones(2, 64)
+    assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[torch.float32]
+    assert rel_err(module(x), F.linear(x, w, torch.ones(16))) < 0.01
 
 
 def test_missing_bias_is_an_error():
