@@ -46,6 +46,20 @@ static inline const float *cache_row(const void *cache, int64_t index, int head_
 /* 16 floats; aligned(4) lets it load from any float's address. */
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 
+/* Shuffle indices that pair vectors x = v[i] and y = v[i + b] (b = 8, 4, 2, 1) for 16x16 lane
+ * transposes: KEEP_b keeps x's lanes without bit b and takes y's lanes with bit b clear into the
+ * others; TAKE_b gathers the remaining halves. Applied for b = 8, 4, 2, 1 they transpose 16 vectors
+ * (the prefill kernel's transpose16); adding each KEEP and TAKE result instead sums 16 vectors'
+ * lanes at once (the decode kernel's lane_sums). */
+#define KEEP_8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define TAKE_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define KEEP_4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define TAKE_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define KEEP_2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define TAKE_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define KEEP_1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define TAKE_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+
 /* The cache slot of a sequence's token t (block_size = 1 << block_shift). */
 static inline int64_t slot_of(const int32_t *table, int block_shift, int t) {
     return ((int64_t)table[t >> block_shift] << block_shift) + (t & ((1 << block_shift) - 1));

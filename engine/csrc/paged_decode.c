@@ -67,16 +67,12 @@ static inline __attribute__((always_inline)) vec16 lane_sums(const vec16 *v) {
 #define SHUFFLE __builtin_shufflevector
     vec16 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) /* a[i]: 8 partial sums of v[2i], then 8 of v[2i+1] */
-        a[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        a[i] = SHUFFLE(v[2 * i], v[2 * i + 1], KEEP_8) + SHUFFLE(v[2 * i], v[2 * i + 1], TAKE_8);
     for (int i = 0; i < 4; i++)
-        b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-               SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], KEEP_4) + SHUFFLE(a[2 * i], a[2 * i + 1], TAKE_4);
     for (int i = 0; i < 2; i++)
-        c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-               SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    const vec16 d = SHUFFLE(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-                    SHUFFLE(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+        c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], KEEP_2) + SHUFFLE(b[2 * i], b[2 * i + 1], TAKE_2);
+    const vec16 d = SHUFFLE(c[0], c[1], KEEP_1) + SHUFFLE(c[0], c[1], TAKE_1);
     return SHUFFLE(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15); /* d's lanes were bit-reversed */
 #undef SHUFFLE
 }

@@ -70,17 +70,8 @@ static inline vec16 exp16(vec16 x) {
 }
 
 /* 16 vectors of 16 lanes transposed in place (m[i][j] <-> m[j][i]): four rounds that swap the
- * off-diagonal halves of ever smaller blocks (8, 4, 2, 1 lanes wide), 64 two-source shuffles.
- * Round b pairs vectors i and i + b: KEEP_b keeps i's lanes without bit b and takes the others
- * from i + b's lanes with bit b clear; TAKE_b builds i + b from the remaining halves. */
-#define KEEP_8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define TAKE_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define KEEP_4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define TAKE_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define KEEP_2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define TAKE_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define KEEP_1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define TAKE_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+ * off-diagonal halves of ever smaller blocks (8, 4, 2, 1 lanes wide), 64 two-source shuffles
+ * (KEEP_b / TAKE_b, paged_cache.h). */
 static inline __attribute__((always_inline)) void transpose16(vec16 *m) {
 #define SWAP_BLOCKS(b)                                          \
     for (int i = 0; i < LANES; i++)                             \
