@@ -236,12 +236,13 @@ class Fp8Linear(QuantLinearBase):
 
     Kernels: CUDA runs ``torch._scaled_mm`` with row-wise scales (needs sm89+, in and out
     multiples of 16), activations quantized per token in one Triton pass, and for one row a
-    Triton GEMV that streams the weight (quant/triton_fp8.py). CPU (fp32 model) runs
-    ``panel_matmul_fp8`` (engine/csrc/panel_matmul.c):
-    the fp8 bytes stream as they are and widen exactly to fp32 in the kernel (torch's FP8 matmul
-    is 6-48x slower than fp32 here); activations are still rounded through FP8 first, so served
-    numerics match an FP8 GPU kernel up to accumulation order. Elsewhere the weight is
-    dequantized once at ``finalize``.
+    Triton GEMV that streams the weight (quant/triton_fp8.py). CPUs (fp32 model) stream the fp8
+    bytes as they are and widen them exactly in the kernel (torch's FP8 matmul is 6-48x slower
+    than fp32 here): with FP8 activations and AVX-512 BF16, ``panel_matmul_fp8_dot``
+    (engine/csrc/panel_matmul.c) rounds the rows through fp8 itself and multiplies fp8 values as
+    bf16 (exact products, twice the fp32 FMA rate); otherwise ``panel_matmul_fp8`` widens to fp32,
+    after the rows are rounded through fp8 here. Either way served numerics match an FP8 GPU
+    kernel up to accumulation order. Elsewhere the weight is dequantized once at ``finalize``.
     """
 
     def expected_tensors(self) -> tuple[set[str], set[str]]:
@@ -277,6 +278,12 @@ class Fp8Linear(QuantLinearBase):
             self.kernel = "scaled_mm"
             self.register_buffer("scale_b", self.weight_scale.float().t().contiguous(), persistent=False)  # [1, out]
         elif (self.dtype == torch.float32 and self.weight.device.type == "cpu"
+              and self.scheme.input_activations is not None and panel_matmul.fp8_dot_fits(self.output_size)):
+            self.kernel = "fp8dot"
+            panels, scales = panel_matmul.pack_fp8_pairs(self.weight, self.weight_scale)
+            self.register_buffer("kernel_weight", panels, persistent=False)
+            self.register_buffer("kernel_scales", scales, persistent=False)
+        elif (self.dtype == torch.float32 and self.weight.device.type == "cpu"
               and panel_matmul.int8_fits(self.output_size, self.input_size, 1)):
             self.kernel = "fp8panel"
             panels, scales = panel_matmul.pack_fp8(self.weight, self.weight_scale)
@@ -294,6 +301,15 @@ class Fp8Linear(QuantLinearBase):
         if not acts.dynamic:
             return self.input_scale
         return fp8_scale(x2d, acts.strategy)  # token: [M, 1]; tensor: [1]
+
+    def input_rounding(self) -> tuple[int, float]:
+        """How the C kernels round this Linear's inputs: (panel_matmul.ACT_*, the static scale or 0)."""
+        acts = self.scheme.input_activations
+        if acts is None:
+            return panel_matmul.ACT_NONE, 0.0
+        if not acts.dynamic:
+            return panel_matmul.ACT_FP8_STATIC, float(self.input_scale)
+        return (panel_matmul.ACT_FP8_TENSOR if acts.strategy == "tensor" else panel_matmul.ACT_FP8_TOKEN), 0.0
 
     def _quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.scheme.input_activations is None:
@@ -321,6 +337,10 @@ class Fp8Linear(QuantLinearBase):
             else:
                 y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.scale_b,
                                      out_dtype=torch.bfloat16)
+        elif self.kernel == "fp8dot":
+            y = panel_matmul.matmul_fp8_dot(x2d, self.kernel_weight, self.kernel_scales, *self.input_rounding(),
+                                            bias=self.bias)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
         elif self.kernel == "fp8panel":
             y = panel_matmul.matmul_fp8(self._quantize_input(x2d.float()), self.kernel_weight, self.kernel_scales,
                                         self.bias)

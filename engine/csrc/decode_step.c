@@ -20,18 +20,14 @@
 #include "rms_norm.c"
 #include "rotary.c"
 
-#include <float.h>
-
 /* A Linear's kernel and operands, as engine/layers/fused_decode.py describes them. */
-enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_FP8 = 4 };
-/* FP8 Linears' inputs: as they are, or rounded through fp8 with a scale per token, per tensor, or fixed. */
-enum { ACT_NONE = 0, ACT_FP8_TOKEN = 1, ACT_FP8_TENSOR = 2, ACT_FP8_STATIC = 3 };
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_FP8 = 4, LINEAR_FP8_DOT = 5 };
 
 typedef struct {
     int32_t kind, n, k, group_size, act;
     float input_scale;    /* ACT_FP8_STATIC */
     const void *weight;   /* panels in the kernel's layout */
-    const void *scales;   /* int8 and fp8: scale panels; w8a8: per-channel scales */
+    const void *scales;   /* int8 and fp8: scale panels; w8a8 and fp8 dot: per-channel scales */
     const int32_t *sums;  /* w8a8: 128 · row sums */
     const float *bias;    /* or NULL */
 } Linear;
@@ -52,34 +48,15 @@ typedef struct {
 
 enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_BLOCK_SIZE = -2, STEP_BAD_LINEAR = -3 };
 
-enum { FP8_SUBNORMAL_STEPS = 512 }; /* e4m3's subnormals are multiples of 2^-9, below 2^-6 */
-
-/* v (|v| <= 448) to the nearest e4m3 value, ties to even, as torch's cast does. */
-static inline float round_to_e4m3(float v) {
-    if (fabsf(v) < 0x1p-6f) return rintf(v * FP8_SUBNORMAL_STEPS) / FP8_SUBNORMAL_STEPS;
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    bits += 0x7FFFFu + ((bits >> 20) & 1u); /* keep 3 of 23 mantissa bits */
-    bits &= 0xFFF00000u;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-static inline float fp8_scale_of(const float *x, int64_t n) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
-    return fmaxf(amax / 448.0f, FLT_EPSILON);
-}
-
 /* What an FP8 kernel sees of x [rows, k]: x / scale saturated to ±448, rounded to e4m3, times scale
  * (quant.fp8.fake_quantize_fp8, operation for operation). */
 static void fake_quantize_fp8(float *out, const float *x, int rows, int k, int act, float static_scale) {
-    float scale = act == ACT_FP8_STATIC ? static_scale : fp8_scale_of(x, (int64_t)rows * k);
+    float scale = act == ACT_FP8_STATIC ? static_scale : fp8_scale_of(absmax_of(x, (int64_t)rows * k));
     for (int r = 0; r < rows; r++) {
         const float *src = x + (int64_t)r * k;
         float *dst = out + (int64_t)r * k;
-        if (act == ACT_FP8_TOKEN) scale = fp8_scale_of(src, k);
-        for (int i = 0; i < k; i++) dst[i] = round_to_e4m3(fminf(fmaxf(src[i] / scale, -448.0f), 448.0f)) * scale;
+        if (act == ACT_FP8_TOKEN) scale = fp8_scale_of(absmax_of(src, k));
+        for (int i = 0; i < k; i++) dst[i] = round_to_e4m3(clamp_fp8(src[i] / scale)) * scale;
     }
 }
 
@@ -105,7 +82,7 @@ static inline void store_kv(void *cache, int64_t slot_offset, const float *x, in
         uint8_t *dst = (uint8_t *)cache + slot_offset;
         for (int i = 0; i < n; i++) {
             const float scaled = x[i] / fp8_tables[(size_t)(i / head_dim) * 256 + FP8_ONE];
-            dst[i] = e4m3_bits(round_to_e4m3(fminf(fmaxf(scaled, -448.0f), 448.0f)));
+            dst[i] = e4m3_bits(round_to_e4m3(clamp_fp8(scaled)));
         }
         return;
     }
@@ -132,6 +109,11 @@ static int linear(const Linear *l, float *y, const float *x, float *staging, int
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case LINEAR_W8A8:
         return panel_matmul_w8a8(y, x, l->weight, l->sums, l->scales, l->bias, rows, l->n, l->k, threads);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+    case LINEAR_FP8_DOT:
+        return panel_matmul_fp8_dot(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->act, l->input_scale,
+                                    threads);
 #endif
     case LINEAR_FP8:
         if (l->act != ACT_NONE) {

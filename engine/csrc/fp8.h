@@ -6,6 +6,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -41,5 +42,55 @@ static inline __attribute__((always_inline)) fp8_vec widen_fp8(const int8_t *p) 
     return v;
 #endif
 }
+
+/* How an FP8 W8A8 Linear rounds its inputs (engine/layers/panel_matmul.py's ACT_*): not at all, or
+ * through fp8 with a scale per token, one scale for the whole batch, or a fixed one. */
+enum { ACT_NONE = 0, ACT_FP8_TOKEN = 1, ACT_FP8_TENSOR = 2, ACT_FP8_STATIC = 3 };
+
+enum { FP8_SUBNORMAL_STEPS = 512 }; /* e4m3's subnormals are multiples of 2^-9, below 2^-6 */
+
+/* v saturated to e4m3's range (comparisons, not fmaxf/fminf: those stay libm calls at -O3). */
+static inline float clamp_fp8(float v) { return v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v; }
+
+/* v (|v| <= 448) to the nearest e4m3 value, ties to even, as torch's cast does. */
+static inline float round_to_e4m3(float v) {
+    if (fabsf(v) < 0x1p-6f) return rintf(v * FP8_SUBNORMAL_STEPS) / FP8_SUBNORMAL_STEPS;
+    uint32_t bits;
+    __builtin_memcpy(&bits, &v, sizeof bits);
+    bits += 0x7FFFFu + ((bits >> 20) & 1u); /* keep 3 of 23 mantissa bits */
+    bits &= 0xFFF00000u;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* quant.fp8.fp8_scale's: absmax / 448, never below float32's epsilon (an all-zero row must not divide by 0). */
+static inline float fp8_scale_of(float absmax) { return fmaxf(absmax / 448.0f, FLT_EPSILON); }
+
+static inline float absmax_of(const float *x, int64_t n) {
+    float amax = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+}
+
+#if defined(__AVX512F__)
+/* round_to_e4m3 on 16 lanes. */
+static inline __m512 round_to_e4m3_16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
+    const __m512i kept = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFFF))),
+                                          _mm512_set1_epi32((int)0xFFF00000u));
+    const __m512 steps = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(FP8_SUBNORMAL_STEPS)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 subnormal = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(subnormal, _mm512_castsi512_ps(kept),
+                                _mm512_mul_ps(steps, _mm512_set1_ps(1.0f / FP8_SUBNORMAL_STEPS)));
+}
+#endif
 
 #endif

@@ -21,12 +21,12 @@ from torch import nn
 from engine.layers import cpu_kernels
 from engine.layers.attention import ForwardContext
 from engine.layers.cpu_attention import CACHE_TYPES, fp8_table
+from engine.layers.panel_matmul import ACT_NONE
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
 
-LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8 = range(5)
-ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
+LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8, LINEAR_FP8_DOT = range(6)
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
@@ -81,23 +81,15 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         kind, scales, sums = LINEAR_W8A8, linear.kernel_scales, linear.kernel_sums
     elif kernel == "fp8panel":
         kind, scales = LINEAR_FP8, linear.kernel_scales
+    elif kernel == "fp8dot":
+        kind, scales = LINEAR_FP8_DOT, linear.kernel_scales
     else:
         return None
     group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_FP8) else k
-    act, input_scale = _fp8_inputs(linear) if kind == LINEAR_FP8 else (ACT_NONE, 0.0)
+    act, input_scale = linear.input_rounding() if kind in (LINEAR_FP8, LINEAR_FP8_DOT) else (ACT_NONE, 0.0)
     keep.extend(t for t in (weight, scales, sums, bias) if t is not None)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     return _Linear(kind, n, k, group, act, input_scale, weight.data_ptr(), ptr(scales), ptr(sums), ptr(bias))
-
-
-def _fp8_inputs(linear: nn.Module) -> tuple[int, float]:
-    """How an FP8 Linear rounds its inputs (quant.linear.Fp8Linear._quantize_input): (mode, static scale)."""
-    acts = linear.scheme.input_activations
-    if acts is None:
-        return ACT_NONE, 0.0
-    if not acts.dynamic:
-        return ACT_FP8_STATIC, float(linear.input_scale)
-    return (ACT_FP8_TENSOR, 0.0) if acts.strategy == "tensor" else (ACT_FP8_TOKEN, 0.0)
 
 
 class FusedDecode:

@@ -159,6 +159,40 @@ def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
                 k // scales.shape[1])
 
 
+# How FP8 W8A8 kernels round their rows through fp8 (engine/csrc/fp8.h's ACT_*): not at all, per
+# token, one scale for all rows, or a fixed scale.
+ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
+_ARGTYPES_FP8_DOT = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4, ctypes.c_float, ctypes.c_int)
+
+
+def fp8_dot_fits(n: int) -> bool:
+    """Whether an fp8 W8A8 weight with n output channels can run on the bf16 product kernel."""
+    return bf16_dot_available() and n % PANEL == 0
+
+
+def pack_fp8_pairs(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 weight [N, K] with per-channel scale [N, 1] → (byte panels [N / 16, ceil(K / 2), 16, 2],
+    scale [N]). The caller checks `fp8_dot_fits` first."""
+    n, k = weight.shape
+    if weight.device.type != "cpu" or weight.dtype != torch.float8_e4m3fn or not fp8_dot_fits(n):
+        raise ValueError(f"the fp8 product kernel does not take a {weight.dtype} {(n, k)} weight on {weight.device}")
+    bytes_ = torch.nn.functional.pad(weight.view(torch.uint8), (0, k % 2))  # 0x00 is +0 in e4m3
+    panels = host_memory.WEIGHTS.copy(bytes_.reshape(n // PANEL, PANEL, -1, 2).transpose(1, 2))
+    return panels, scale.float().reshape(n).contiguous()
+
+
+def matmul_fp8_dot(x: torch.Tensor, panels: torch.Tensor, weight_scales: torch.Tensor, act: int,
+                   static_scale: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8(x) Wᵀ + b`` for x [..., K] and W given as `pack_fp8_pairs(...)`, each row of x rounded
+    through fp8 as `act` says (per token, one scale for all rows, or `static_scale`)."""
+    num_panels, steps, _, _ = panels.shape
+    k = x.shape[-1]
+    if (k + 1) // 2 != steps:
+        raise ValueError(f"x has {k} columns; these fp8 pair panels take {2 * steps - 1} or {2 * steps}")
+    kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_fp8_dot", _ARGTYPES_FP8_DOT, ctypes.c_int)
+    return _run(kernel, x, k, num_panels * PANEL, (panels, weight_scales), bias, act, static_scale)
+
+
 _ARGTYPES_W8A8 = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4)
 
 

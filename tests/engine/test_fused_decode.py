@@ -83,10 +83,17 @@ def test_fused_step_equals_module_path(tmp_path, monkeypatch, name, engine_kwarg
     assert fused == modules  # tokens and logprobs, bit for bit
 
 
+# FP8 W8A8 also on the fp32 kernel the bf16-product one replaces where AVX-512 BF16 is missing
+QUANTIZED = [pytest.param(n, True, marks=needs_vnni) if n == "w8a8-int8" else (n, True) for n in SCHEMES] + [
+    (n, False) for n in ("fp8-dynamic", "fp8-static", "fp8-tensor-dynamic")]
+
+
 @needs_kernel
-@pytest.mark.parametrize("scheme", [pytest.param(n, marks=needs_vnni) if n == "w8a8-int8" else n for n in SCHEMES])
-def test_fused_step_equals_module_path_on_quantized_weights(tmp_path, monkeypatch, scheme):
+@pytest.mark.parametrize("scheme,bf16_products", QUANTIZED)
+def test_fused_step_equals_module_path_on_quantized_weights(tmp_path, monkeypatch, scheme, bf16_products):
     """FP8 inputs are rounded in C exactly as quant.fp8 does: per token, per tensor, static, or not at all."""
+    if not bf16_products:
+        monkeypatch.setattr(panel_matmul, "fp8_dot_fits", lambda n: False)
     model_dir = _quantized_dir(tmp_path, make_tiny_model_dir(tmp_path / "source"), scheme)
     fused, fused_calls = _run(model_dir, True, monkeypatch)
     modules, _ = _run(model_dir, False, monkeypatch)

@@ -8,6 +8,8 @@ Tolerances (relative Frobenius error of forward vs reference_forward):
   8 bits per token: about twice the oracle's rounding error, bounded here by 5e-2.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 from engine.layers import panel_matmul
 from quant.checkpoint import quantize_weight
+from quant.fp8 import fake_quantize_fp8, fp8_scale
 from quant.linear import Fp8Linear, Int8Linear, WeightOnlyIntLinear, make_quantized_linear
 from quant.schemes import QuantArgs, QuantScheme, preset
 from tests.helpers import cpu_kernels_off
@@ -113,22 +116,64 @@ def test_kernel_choice_follows_dtype():
     assert build(preset("w8a16"), 64, [16], torch.bfloat16)[0].kernel == "int8pack"
     assert build(preset("w4a16", group_size=48), 96, [16], torch.bfloat16)[0].kernel == "dense"  # 48 not a kernel group
     assert build(preset("w4a16", group_size=32), 64, [8], torch.bfloat16)[0].kernel == "dense"  # out not a multiple of 16
-    assert build(preset("fp8-dynamic"), 64, [16], torch.float32)[0].kernel == "fp8panel"
+    fp8_w8a8 = "fp8dot" if panel_matmul.bf16_dot_available() else "fp8panel"
+    assert build(preset("fp8-dynamic"), 64, [16], torch.float32)[0].kernel == fp8_w8a8
+    assert build(QuantScheme(preset("fp8-dynamic").weights, None), 64, [16], torch.float32)[0].kernel == "fp8panel"
     assert build(preset("fp8-dynamic"), 64, [16], torch.bfloat16)[0].kernel == "dense"
     assert build(preset("fp8-dynamic"), 64, [8], torch.float32)[0].kernel == "dense"
 
 
-@needs_int8_panel
+needs_fp8_dot = pytest.mark.skipif(not panel_matmul.bf16_dot_available(), reason="no AVX-512 BF16 or no C compiler")
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("fp8dot", marks=needs_fp8_dot),
+                                    pytest.param("fp8panel", marks=needs_int8_panel)])
 @quick
-@given(k=st.sampled_from([1, 7, 64, 576]), sizes=st.lists(st.sampled_from([16, 32]), min_size=1, max_size=3),
-       m=st.integers(1, 12), static=st.booleans(), seed=st.integers(0, 1000))
-def test_fp8_panel_kernel_matches_reference(k, sizes, m, static, seed):
-    """Rows 1-12 cross the int8 tiles (4 rows) and their tails; K = 1 and 7 end inside the 4-column chains."""
-    name = "fp8-static" if static else "fp8-dynamic"
-    module, _ = build(preset(name), k, sizes, seed=seed, input_scale=0.02 if static else None)
-    assert module.kernel == "fp8panel"
+@given(k=st.sampled_from([1, 7, 33, 64, 576]), sizes=st.lists(st.sampled_from([16, 32]), min_size=1, max_size=3),
+       m=st.one_of(st.integers(1, 20), st.sampled_from([40, 257])), act=st.sampled_from(["token", "tensor", "static"]),
+       seed=st.integers(0, 1000))
+def test_fp8_w8a8_kernels_match_reference(kernel, k, sizes, m, act, seed):
+    """Both CPU kernels of FP8 W8A8 (fp8 values multiplied as bf16; or widened to fp32 after torch
+    rounds the rows). Rows 1-20 cross the fp32 kernel's tiles and tails and the bf16 kernel's one
+    streaming tile; 40 and 257 take the bf16 kernel's widened panel over several tiles; K = 1, 7
+    and 33 end inside a chain, a 16-lane row chunk or a bf16 pair."""
+    scheme = preset("fp8-static" if act == "static" else "fp8-dynamic")
+    if act == "tensor":
+        scheme = QuantScheme(scheme.weights, replace(scheme.input_activations, strategy="tensor"), scheme.format)
+    with pytest.MonkeyPatch.context() as patch:
+        if kernel == "fp8panel":
+            patch.setattr(panel_matmul, "fp8_dot_fits", lambda n: False)
+        module, _ = build(scheme, k, sizes, seed=seed, input_scale=0.02 if act == "static" else None)
+    assert module.kernel == kernel
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0] *= 100.0  # one loud token
     assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[torch.float32]
+
+
+@needs_fp8_dot
+@pytest.mark.parametrize("rows", [3, 40])
+def test_fp8_dot_kernel_rounds_rows_as_quant_fp8_and_widens_every_fp8_value_exactly(rows):
+    """Rows through an identity weight come back exactly as quant.fp8.fake_quantize_fp8 rounds
+    them (values across e4m3's normal and subnormal range, ties included); and every finite fp8
+    weight byte comes back exactly through identity rows (a fixed scale of 1 keeps them exact).
+    3 rows stream the weight bytes; 40 widen the panel once for three tiles."""
+    k = 64
+    eye = torch.eye(k).to(torch.float8_e4m3fn)
+    panels, scales = panel_matmul.pack_fp8_pairs(eye, torch.ones(k, 1))
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-12, 2, k)).clamp(-400, 400)
+    # the loudest (so every scale is 1), an exact value, a tie between subnormals, a tie between normals
+    x[:, :4] = torch.tensor([448.0, -1.0, 3.0 * 2.0**-10, 17.0 / 16])
+    for act, strategy in ((panel_matmul.ACT_FP8_TOKEN, "token"), (panel_matmul.ACT_FP8_TENSOR, "tensor")):
+        expected = fake_quantize_fp8(x, fp8_scale(x, strategy))
+        assert torch.equal(panel_matmul.matmul_fp8_dot(x, panels, scales, act), expected)
+
+    values = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)  # 0x7F/0xFF: NaN
+    weight = values.view(torch.float8_e4m3fn).reshape(1, -1).expand(16, -1).contiguous()
+    panels, scales = panel_matmul.pack_fp8_pairs(weight, torch.ones(16, 1))
+    for ones in torch.eye(weight.shape[1]).split(rows):  # row i of the product is column i of the weight
+        y = panel_matmul.matmul_fp8_dot(ones, panels, scales, panel_matmul.ACT_FP8_STATIC, 1.0)
+        assert torch.equal(y, ones @ weight.float().t())
 
 
 @needs_int8_panel
