@@ -1,5 +1,5 @@
 """GPU benchmarks of the CUDA backends: decode against the HBM roofline, FP8 and INT4 weights,
-prefill GEMMs, FP8 KV capacity and long-context latency.
+prefill GEMMs, FP8 KV capacity and long-context latency, the KV-cache write.
 
 Models are random weights in Llama-3-8B's real shapes (and Llama-3-70B's layer shapes for the
 GEMMs), generated on the device: speed does not depend on the values, and the GPU machine has
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention import KVCache
+from engine.layers.attention import KVCache, _store
 from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -228,6 +228,42 @@ def kv_capacity(args: LlamaArgs, budget_bytes: int, context: int) -> dict:
     return {"budget_bytes": budget_bytes, "context": context, "sequences": fits}
 
 
+def _torch_store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, scale: torch.Tensor) -> None:
+    _store(k_cache, slots, k, scale)
+    _store(v_cache, slots, v, scale)
+
+
+def kv_store(args: LlamaArgs, device: str, layers: int = 32) -> list[dict]:
+    """One decode step's K/V writes, `layers` of them captured in a CUDA graph as the step is:
+    torch's (attention._store for K and for V) against the fused Triton kernel, µs a layer."""
+    from engine.layers import triton_fused
+
+    def graph_us(fn) -> float:
+        fn()  # compiles the Triton kernel before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(layers):
+                fn()
+        return median_ms(graph.replay) * 1e3 / layers
+
+    heads, kv_heads, dim, num_slots = args.num_heads, args.num_kv_heads, args.head_dim, 4096
+    rows = []
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        k_cache, v_cache = (torch.zeros(num_slots, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
+        for tokens in (1, 8):
+            qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=torch.bfloat16)
+            k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+            v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+            slots, scale = torch.randperm(num_slots, device=device)[:tokens], torch.tensor(0.02, device=device)
+            rows.append({"kv_dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+                         "torch_us": graph_us(partial(_torch_store_kv, k_cache, v_cache, slots, k, v, scale)),
+                         "fused_us": graph_us(partial(triton_fused.store_kv, k_cache, v_cache, slots, k, v, scale,
+                                                      scale))})
+    return rows
+
+
 def _decode_section(report: dict, config: dict, weights: str, device: str, tiny: bool) -> None:
     """Decode at batch 1 and 8 against the roofline; with bf16 weights also eager and FP8 KV runs."""
     model = random_model(config, weights, device)
@@ -272,6 +308,8 @@ def run(device: str, tiny: bool) -> dict:
     sections = {f"decode {w}": (lambda w=w: _decode_section(report, config, w, device, tiny))
                 for w in WEIGHTS if w == "bf16" or device == "cuda"}  # FP8/INT4 kernels are CUDA's
     sections["prefill gemm"] = lambda: _gemm_section(report, config, device, tiny)
+    if device == "cuda":
+        sections["kv store"] = lambda: report.__setitem__("kv_store", kv_store(LlamaArgs.from_hf_config(config), device))
     for name, section in sections.items():
         print(f"{name} ...", flush=True)
         try:
@@ -307,6 +345,9 @@ def summary(report: dict) -> str:
         fp8 = f"  fp8 linear {r['fp8_linear_TFLOPs']:.0f} ({r['fp8_linear_vs_bf16']:.2f}x), raw " \
               f"{r['fp8_scaled_mm_TFLOPs']:.0f}" if "fp8_linear_TFLOPs" in r else ""
         lines.append(f"gemm {r['model']} {r['layer']:7s} bf16 {r['bf16_TFLOPs']:.0f}{fp8}")
+    for r in report.get("kv_store", []):
+        lines.append(f"kv store {r['kv_dtype']:14s} {r['tokens']} tokens: torch {r['torch_us']:.1f} us/layer, "
+                     f"fused {r['fused_us']:.1f}")
     lines += [f"ERROR in {name}: {err.splitlines()[0]}" for name, err in report["errors"].items()]
     return "\n".join(lines)
 

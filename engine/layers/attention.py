@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import host_memory
-from engine.layers import triton_attention
+from engine.layers import triton_attention, triton_fused
 from engine.layers.cpu_attention import paged_decode_attention, paged_prefill_attention
 
 FP8_MAX = 448.0
@@ -187,8 +187,11 @@ class Attention(nn.Module):
         if self.scales_pending and cache.is_fp8:
             self.k_scale, self.v_scale = _dynamic_scale(k), _dynamic_scale(v)
             self.scales_pending = False
-        _store(k_cache, meta.slot_mapping, k, self.k_scale)
-        _store(v_cache, meta.slot_mapping, v, self.v_scale)
+        # on the Triton path one kernel writes both (a decode step's CUDA graph holds one per layer)
+        if meta.triton is None or not triton_fused.store_kv(k_cache, v_cache, meta.slot_mapping, k, v,
+                                                            self.k_scale, self.v_scale):
+            _store(k_cache, meta.slot_mapping, k, self.k_scale)
+            _store(v_cache, meta.slot_mapping, v, self.v_scale)
         if meta.triton is not None:
             batch = meta.triton
             out = triton_attention.paged_attention(

@@ -1,5 +1,5 @@
 """The decoder layer's small CUDA ops, each one Triton kernel: RMSNorm (with the residual add),
-rotary embedding (in place on q and k), and SwiGLU's silu(gate) · up.
+rotary embedding (in place on q and k), SwiGLU's silu(gate) · up, and the KV-cache write.
 
 In torch each is 5-10 kernels; a batch-1 decode step of an 8B model ran ~35 kernels per layer,
 and at a few microseconds each they cost as much GPU time as reading the weights. Arithmetic is
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.triton_support import tl, triton
+from quant.fp8 import FP8_MAX
 
 if triton is not None:
 
@@ -58,6 +59,45 @@ if triton is not None:
         silu = gate / (1.0 + tl.exp(-gate))
         tl.store(out_ptr + row * inter + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _e4m3_bits(x, FP8_LIMIT: tl.constexpr):
+        """x (fp32) saturated to ±FP8_LIMIT and rounded to the nearest e4m3, ties to even, as its
+        byte: spelled in integer operations so the interpreter (whose casts truncate) and the GPU agree."""
+        x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        mag = mag + 0x7FFFF + ((mag >> 20) & 1)  # keep 3 of 23 mantissa bits
+        normal = (((mag >> 23) - 120) << 3) | ((mag >> 20) & 7)  # exponent bias 127 → 7
+        # below 2^-6, multiples of 2^-9 (0..8; 8 is 2^-6's own byte): adding 2^23 rounds to an integer
+        subnormal = ((tl.abs(x) * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+        return (sign | tl.where(tl.abs(x) < 0.015625, subnormal, normal)).to(tl.uint8)
+
+    @triton.jit
+    def _cache_row(x_ptr, cache_ptr, scale_ptr, token, slot, stride_token, stride_head,
+                   HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr,
+                   FP8_LIMIT: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        x = tl.load(x_ptr + token * stride_token + (offs // HEAD_DIM) * stride_head + offs % HEAD_DIM, mask=mask)
+        if STORE == 1:  # float32 → bfloat16, nearest even (torch's cast), on the cache's 16-bit view
+            bits = x.to(tl.uint32, bitcast=True)
+            x = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        elif STORE == 2:  # fp8 (attention._store): x / scale (IEEE division, as torch's), then e4m3
+            x = _e4m3_bits(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), FP8_LIMIT)
+        tl.store(cache_ptr + slot * ROW + offs, x, mask=mask)
+
+    @triton.jit
+    def _store_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale_ptr, v_scale_ptr,
+                  stride_k, stride_k_head, stride_v, stride_v_head,
+                  HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr,
+                  FP8_LIMIT: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        _cache_row(k_ptr, k_cache_ptr, k_scale_ptr, token, slot, stride_k, stride_k_head, HEAD_DIM, ROW, BLOCK, STORE,
+                   FP8_LIMIT)
+        _cache_row(v_ptr, v_cache_ptr, v_scale_ptr, token, slot, stride_v, stride_v_head, HEAD_DIM, ROW, BLOCK, STORE,
+                   FP8_LIMIT)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -85,3 +125,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul[(x.numel() // x.shape[-1], triton.cdiv(inter, block))](out, x, inter, BLOCK=block)
     return out
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
+    """Write k, v [T, KV, D] (rows may be strided, head vectors contiguous) into the caches
+    [slots, KV, D] at `slots` [T], bit for bit as attention._store does, in one kernel for both
+    where torch takes one per tensor (five for fp8: divide, clamp, cast, ...). The scales are only
+    read for fp8 caches. Returns False, writing nothing, for a pair of dtypes it does not cover."""
+    if k_cache.dtype == k.dtype:
+        store, k_view, v_view = 0, k_cache, v_cache
+    elif k_cache.dtype == torch.bfloat16 and k.dtype == torch.float32:
+        store, k_view, v_view = 1, k_cache.view(torch.uint16), v_cache.view(torch.uint16)
+    elif k_cache.dtype == torch.float8_e4m3fn:
+        store, k_view, v_view = 2, k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        return False
+    tokens, kv_heads, head_dim = k.shape
+    row = kv_heads * head_dim
+    _store_kv[(tokens,)](k, v, k_view, v_view, slots, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0),
+                         v.stride(1), HEAD_DIM=head_dim, ROW=row, BLOCK=triton.next_power_of_2(row), STORE=store,
+                         FP8_LIMIT=FP8_MAX)
+    return True

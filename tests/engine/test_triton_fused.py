@@ -67,3 +67,50 @@ def test_silu_and_mul(device, dtype, tol, inter):
     x = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype).to(device)
     gate, up = x.float().chunk(2, dim=-1)
     _close(triton_fused.silu_and_mul(x), F.silu(gate) * up, tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_store_kv_writes_what_the_torch_store_writes(device, cache_dtype):
+    """k and v as the model passes them (strided views of the fused qkv rows), written to their
+    slots with attention._store's rounding, bit for bit; slots not written stay as they were."""
+    from engine.layers.attention import _store
+
+    tokens, kv_heads, head_dim, num_slots = 5, 3, 24, 40
+    g = torch.Generator().manual_seed(7)
+    width = (4 + 2 * kv_heads) * head_dim
+    magnitudes = 10 ** (torch.rand(tokens, width, generator=g) * 6 - 5)  # 1e-5 .. 10: fp8 subnormals to saturation
+    qkv = (torch.randn(tokens, width, generator=g) * magnitudes).to(device)
+    k = qkv[:, 4 * head_dim:(4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (4 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, 0, 39, 8], device=device)
+    k_scale, v_scale = torch.tensor(2.0**-6, device=device), torch.tensor(0.0125, device=device)
+    # saturated both ways, zero, a subnormal, then ties (to even) between e4m3 values, subnormal and normal
+    k[0, 0, :6] = torch.tensor([1e4, -1e4, 0.0, 2.0**-13, 3 * 2.0**-16, -17 * 2.0**-10])
+    v[0, 0, :2] = torch.tensor([1 + 2.0**-8, -(1 + 3 * 2.0**-8)])  # ties between bf16 values
+    before = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(cache_dtype).to(device)
+    expected_k, expected_v, got_k, got_v = (before.clone() for _ in range(4))
+    _store(expected_k, slots, k, k_scale)
+    _store(expected_v, slots, v, v_scale)
+    assert triton_fused.store_kv(got_k, got_v, slots, k, v, k_scale, v_scale)
+    for got, expected in ((got_k, expected_k), (got_v, expected_v)):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.skipif(not triton_support.available(torch.device("cpu")), reason="triton is not installed")
+@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "fp8", "kv_scales": "dynamic"}, {"kv_cache_dtype": "bfloat16"}])
+def test_engine_on_triton_writes_the_kv_bytes_the_torch_backend_writes(tiny_model_dir, kv):
+    """Through the engine (prompt and decode steps): the first layer's K/V, whose inputs both
+    backends compute alike, are the same bytes; and the greedy tokens agree."""
+    from engine import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", attention_backend=backend, **kv)
+        out = llm.generate([list(range(5, 40))], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        cache = llm.engine.kv_cache
+        runs.append((out, cache.k[0].view(torch.uint8).clone(), cache.v[0].view(torch.uint8).clone()))
+    (tokens, k, v), (triton_tokens, triton_k, triton_v) = runs
+    assert triton_tokens == tokens
+    assert torch.equal(triton_k, k) and torch.equal(triton_v, v)
