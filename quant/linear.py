@@ -240,8 +240,8 @@ class Fp8Linear(QuantLinearBase):
     bytes as they are and widen them exactly in the kernel (torch's FP8 matmul is 6-48x slower
     than fp32 here): with FP8 activations and AVX-512 BF16, ``panel_matmul_fp8_dot``
     (engine/csrc/panel_matmul.c) rounds the rows through fp8 itself and multiplies fp8 values as
-    bf16 (exact products, twice the fp32 FMA rate); otherwise ``panel_matmul_fp8`` widens to fp32,
-    after the rows are rounded through fp8 here. Either way served numerics match an FP8 GPU
+    bf16 (exact products, twice the fp32 FMA rate); otherwise ``panel_matmul_fp8_rounded`` rounds
+    them in C too and widens the weight to fp32. Either way served numerics match an FP8 GPU
     kernel up to accumulation order. Elsewhere the weight is dequantized once at ``finalize``.
     """
 
@@ -342,8 +342,8 @@ class Fp8Linear(QuantLinearBase):
                                             bias=self.bias)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
         elif self.kernel == "fp8panel":
-            y = panel_matmul.matmul_fp8(self._quantize_input(x2d.float()), self.kernel_weight, self.kernel_scales,
-                                        self.bias)
+            y = panel_matmul.matmul_fp8(x2d, self.kernel_weight, self.kernel_scales, self.bias,
+                                        *self.input_rounding())
             return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
         else:
             y = dense_matmul(self._quantize_input(x2d).to(self.dtype), self.weight_dense)

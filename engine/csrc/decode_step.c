@@ -48,18 +48,6 @@ typedef struct {
 
 enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_BLOCK_SIZE = -2, STEP_BAD_LINEAR = -3 };
 
-/* What an FP8 kernel sees of x [rows, k]: x / scale saturated to ±448, rounded to e4m3, times scale
- * (quant.fp8.fake_quantize_fp8, operation for operation). */
-static void fake_quantize_fp8(float *out, const float *x, int rows, int k, int act, float static_scale) {
-    float scale = act == ACT_FP8_STATIC ? static_scale : fp8_scale_of(absmax_of(x, (int64_t)rows * k));
-    for (int r = 0; r < rows; r++) {
-        const float *src = x + (int64_t)r * k;
-        float *dst = out + (int64_t)r * k;
-        if (act == ACT_FP8_TOKEN) scale = fp8_scale_of(absmax_of(src, k));
-        for (int i = 0; i < k; i++) dst[i] = round_to_e4m3(clamp_fp8(src[i] / scale)) * scale;
-    }
-}
-
 /* The e4m3 byte of v, a value round_to_e4m3 returned. */
 static inline uint8_t e4m3_bits(float v) {
     uint32_t bits;
@@ -117,7 +105,7 @@ static int linear(const Linear *l, float *y, const float *x, float *staging, int
 #endif
     case LINEAR_FP8:
         if (l->act != ACT_NONE) {
-            fake_quantize_fp8(staging, x, rows, l->k, l->act, l->input_scale);
+            fake_quantize_fp8(staging, x, rows, l->k, l->act, l->input_scale, threads);
             x = staging;
         }
         panel_matmul_fp8(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);

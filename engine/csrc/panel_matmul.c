@@ -27,6 +27,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "fp8.h"
 
@@ -232,6 +233,33 @@ void panel_matmul_fp8(float *y, const float *x, const int8_t *panels, const floa
     panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_FP8);
 }
 
+/* What an FP8 W8A8 kernel sees of x [rows, k]: x / scale saturated to ±448, rounded to e4m3,
+ * times scale (quant.fp8.fake_quantize_fp8, operation for operation); act as panel_matmul_fp8_dot's. */
+static void fake_quantize_fp8(float *out, const float *x, int rows, int k, int act, float static_scale,
+                              int threads) {
+    const float batch_scale = act == ACT_FP8_STATIC ? static_scale
+                              : act == ACT_FP8_TENSOR ? fp8_scale_of(absmax_of(x, (int64_t)rows * k)) : 0.0f;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+    for (int r = 0; r < rows; r++) {
+        const float *src = x + (int64_t)r * k;
+        float *dst = out + (int64_t)r * k;
+        const float scale = act == ACT_FP8_TOKEN ? fp8_scale_of(absmax_of(src, k)) : batch_scale;
+        for (int i = 0; i < k; i++) dst[i] = round_to_e4m3(clamp_fp8(src[i] / scale)) * scale;
+    }
+}
+
+/* FP8 W8A8 where the bf16 products below are missing: the rows rounded through fp8, then the fp8
+ * weight-only kernel. Returns 0, or -1 when the row buffer could not be allocated. */
+int panel_matmul_fp8_rounded(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
+                             int M, int N, int K, int group, int act, float static_scale, int threads) {
+    float *rounded = malloc(sizeof(float) * (size_t)M * K);
+    if (!rounded) return -1;
+    fake_quantize_fp8(rounded, x, M, K, act, static_scale, threads);
+    panel_matmul_8bit(y, rounded, panels, scales, bias, M, N, K, group, threads, WEIGHTS_FP8);
+    free(rounded);
+    return 0;
+}
+
 /* W8A8: int8 weights per output channel, activations quantized per row (token) to int8 here, an
  * exact integer dot product on AVX-512 VNNI (vpdpbusd: 64 int8 products per instruction, four
  * times the fp32 FMA rate), then y = dot · row scale · channel scale + bias. This is the
@@ -246,8 +274,6 @@ void panel_matmul_fp8(float *y, const float *x, const int8_t *panels, const floa
  * K must be a multiple of 4 and N of 16.
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <float.h>
-#include <stdlib.h>
 
 int w8a8_available(void) { return 1; }
 
@@ -392,7 +418,6 @@ int w8a8_available(void) { return 0; }
  * and W[16p + j][2s + 1] (a zero past K). N must be a multiple of 16.
  */
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-#include <stdlib.h>
 
 int bf16_dot_available(void) { return 1; }
 

@@ -113,6 +113,10 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)
+# How FP8 W8A8 kernels round their rows through fp8 (engine/csrc/fp8.h's ACT_*): not at all, per
+# token, one scale for all rows, or a fixed scale.
+ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
+_ARGTYPES_FP8_ROUNDED = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5, ctypes.c_float, ctypes.c_int)
 
 
 def _kernel_8bit(symbol: str = "panel_matmul_i8") -> ctypes._CFuncPtr | None:
@@ -151,17 +155,18 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     return pack_int8(weight.view(torch.int8), scale * 256)
 
 
-def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_fp8(...)`."""
+def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+               act: int = ACT_NONE, static_scale: float = 0.0) -> torch.Tensor:
+    """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_fp8(...)`; with `act`,
+    each row of x is first rounded through fp8 as matmul_fp8_dot's are."""
     num_panels, k, _ = panels.shape
-    return _run(_kernel_8bit("panel_matmul_fp8"), x, k, num_panels * PANEL, (panels, scales), bias,
-                k // scales.shape[1])
+    group = k // scales.shape[1]
+    if act == ACT_NONE:
+        return _run(_kernel_8bit("panel_matmul_fp8"), x, k, num_panels * PANEL, (panels, scales), bias, group)
+    kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_fp8_rounded", _ARGTYPES_FP8_ROUNDED, ctypes.c_int)
+    return _run(kernel, x, k, num_panels * PANEL, (panels, scales), bias, group, act, static_scale)
 
 
-# How FP8 W8A8 kernels round their rows through fp8 (engine/csrc/fp8.h's ACT_*): not at all, per
-# token, one scale for all rows, or a fixed scale.
-ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
 _ARGTYPES_FP8_DOT = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4, ctypes.c_float, ctypes.c_int)
 
 

@@ -150,39 +150,47 @@ def test_fp8_w8a8_kernels_match_reference(kernel, k, sizes, m, act, seed):
     assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[torch.float32]
 
 
-@needs_fp8_dot
+FP8_KERNELS = [pytest.param("fp8dot", marks=needs_fp8_dot), pytest.param("fp8panel", marks=needs_int8_panel)]
+
+
+def _fp8_matmul(kernel: str, weight: torch.Tensor):
+    """x, act, static scale → x Wᵀ on one of the two CPU FP8 kernels, W an fp8 [N, K] with unit scales."""
+    ones = torch.ones(weight.shape[0], 1)
+    if kernel == "fp8dot":
+        panels, scales = panel_matmul.pack_fp8_pairs(weight, ones)
+        return lambda x, act, static=0.0: panel_matmul.matmul_fp8_dot(x, panels, scales, act, static)
+    panels, scales = panel_matmul.pack_fp8(weight, ones)
+    return lambda x, act, static=0.0: panel_matmul.matmul_fp8(x, panels, scales, None, act, static)
+
+
+@pytest.mark.parametrize("kernel", FP8_KERNELS)
 @pytest.mark.parametrize("rows", [3, 40])
-def test_fp8_dot_kernel_rounds_rows_as_quant_fp8_and_widens_every_fp8_value_exactly(rows):
+def test_fp8_kernels_round_rows_as_quant_fp8(kernel, rows):
     """Rows through an identity weight come back exactly as quant.fp8.fake_quantize_fp8 rounds
-    them (values across e4m3's normal and subnormal range, ties included); and every finite fp8
-    weight byte comes back exactly through identity rows (a fixed scale of 1 keeps them exact).
-    3 rows stream the weight bytes; 40 widen the panel once for three tiles."""
+    them: values across e4m3's normal and subnormal range, ties included, per token, per tensor
+    and by a fixed scale. (fp8dot: 3 rows stream the weight bytes, 40 widen a panel for three tiles.)"""
     k = 64
-    eye = torch.eye(k).to(torch.float8_e4m3fn)
-    panels, scales = panel_matmul.pack_fp8_pairs(eye, torch.ones(k, 1))
+    matmul = _fp8_matmul(kernel, torch.eye(k).to(torch.float8_e4m3fn))
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, k, generator=g) * torch.logspace(-12, 2, k)).clamp(-400, 400)
     # the loudest (so every scale is 1), an exact value, a tie between subnormals, a tie between normals
     x[:, :4] = torch.tensor([448.0, -1.0, 3.0 * 2.0**-10, 17.0 / 16])
     for act, strategy in ((panel_matmul.ACT_FP8_TOKEN, "token"), (panel_matmul.ACT_FP8_TENSOR, "tensor")):
-        expected = fake_quantize_fp8(x, fp8_scale(x, strategy))
-        assert torch.equal(panel_matmul.matmul_fp8_dot(x, panels, scales, act), expected)
+        assert torch.equal(matmul(x, act), fake_quantize_fp8(x, fp8_scale(x, strategy)))
+    assert torch.equal(matmul(x, panel_matmul.ACT_FP8_STATIC, 0.5), fake_quantize_fp8(x, torch.tensor([0.5])))
 
+
+@pytest.mark.parametrize("kernel", FP8_KERNELS)
+@pytest.mark.parametrize("rows", [3, 40])
+def test_fp8_kernels_widen_every_fp8_value_exactly(kernel, rows):
+    """Every finite fp8 weight byte comes back exactly through identity rows (a fixed scale of 1
+    keeps the rows exact)."""
     values = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)  # 0x7F/0xFF: NaN
     weight = values.view(torch.float8_e4m3fn).reshape(1, -1).expand(16, -1).contiguous()
-    panels, scales = panel_matmul.pack_fp8_pairs(weight, torch.ones(16, 1))
+    matmul = _fp8_matmul(kernel, weight)
     for ones in torch.eye(weight.shape[1]).split(rows):  # row i of the product is column i of the weight
-        y = panel_matmul.matmul_fp8_dot(ones, panels, scales, panel_matmul.ACT_FP8_STATIC, 1.0)
-        assert torch.equal(y, ones @ weight.float().t())
-
-
-@needs_int8_panel
-def test_fp8_panel_kernel_widens_every_fp8_value_exactly():
-    values = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)  # 0x7F/0xFF: NaN
-    weight = values.view(torch.float8_e4m3fn).reshape(1, -1).expand(16, -1).contiguous()
-    panels, scales = panel_matmul.pack_fp8(weight, torch.ones(16, 1))
-    eye = torch.eye(weight.shape[1])  # row i of the product is column i of the weight
-    assert torch.equal(panel_matmul.matmul_fp8(eye, panels, scales), weight.float().t())
+        assert torch.equal(matmul(ones, panel_matmul.ACT_FP8_STATIC, 1.0), ones @ weight.float().t())
+        assert kernel == "fp8dot" or torch.equal(matmul(ones, panel_matmul.ACT_NONE), ones @ weight.float().t())
 
 
 @pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w8a16"])
