@@ -201,11 +201,15 @@ class BlockManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         self._update_hashes(request, num_tokens)
+        # A request's hashed blocks are always a prefix of its block_ids (hits come first, and
+        # each call hashes every full block), so only the newly full ones at the end are walked:
+        # walking them all cost O(context) per sequence per step.
+        full = first = num_tokens // self.block_size
+        while first > 0 and self.blocks[request.block_ids[first - 1]].hash is None:
+            first -= 1
         stored = []
-        for i in range(num_tokens // self.block_size):
+        for i in range(first, full):
             block = self.blocks[request.block_ids[i]]
-            if block.hash is not None:
-                continue
             block.hash = request.block_hashes[i]
             if block.hash not in self.cached:  # a duplicate keeps serving from the first copy
                 self.cached[block.hash] = block

@@ -231,9 +231,14 @@ class ReplicaState:
         """Blocks left at this replica's worst moment if a request joined; negative when it
         does not fit. Its prefix blocks held here already cost nothing more (a cached block
         nobody holds does: taking it from the free queue uses capacity). The more pessimistic
-        of the report (now) and the router's prediction (over time)."""
-        num_new = sum(1 for h in prefix if h not in self.held) * block_size + num_tail_tokens
+        of the report (now) and the router's prediction (over time); when the report alone says
+        it does not fit, that (negative) number."""
+        # held blocks are whole chains from a prompt's start, so those of `prefix` are a run from its start
+        num_held = next((i for i, h in enumerate(prefix) if h not in self.held), len(prefix))
+        num_new = (len(prefix) - num_held) * block_size + num_tail_tokens
         now = self.num_reported_free_blocks - -(-num_new // block_size)
+        if now < 0:  # does not fit now: how much less over time is not needed
+            return now
         requests = [e.now_and_remaining(block_size) for e in self.in_flight.values()] + [(num_new, max_tokens)]
         return min(now, self.num_total_blocks - peak_blocks(requests, block_size))
 

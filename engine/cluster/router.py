@@ -224,9 +224,10 @@ class Router:
         hashes = self._hashable_prefix(request)
         cached_and_pending = {r.replica_id: r.prefix_hits(hashes) for r in replicas}
         tail = len(request.token_ids) - len(hashes) * bs
-        free = {r.replica_id: r.num_free_blocks_with(hashes, tail, request.max_tokens, bs) for r in replicas}
-        candidates = [r for r in replicas if r.replica_id not in request.excluded
-                      and r.num_in_flight < r.max_num_seqs and free[r.replica_id] >= 0]
+        # the KV prediction (the costly part) only where the cheap checks pass
+        free = {r.replica_id: r.num_free_blocks_with(hashes, tail, request.max_tokens, bs) for r in replicas
+                if r.replica_id not in request.excluded and r.num_in_flight < r.max_num_seqs}
+        candidates = [r for r in replicas if free.get(r.replica_id, -1) >= 0]
         if not candidates and request.excluded:
             # withdrawn from every fitting replica: its source may have room again by now
             request.excluded.clear()
