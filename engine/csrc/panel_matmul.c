@@ -535,9 +535,9 @@ int panel_matmul_bf16_dot(float *y, const float *x, const uint16_t *panels, cons
  * by the row's and the channel's scale. The weight streams as its fp8 bytes: tasks of up to one
  * row tile widen each step in registers; larger ones widen their panel once into the thread's
  * buffer (in L1/L2) for all their tiles. SmolLM2's 30 layers of products, 2 threads: 4.8-5.3 /
- * 24 / 146-165 ms at 1 / 32 / 256 rows, where the fp32 route (rows rounded through fp8 by torch,
- * then panel_matmul_fp8) took 8.3 / 47 / 341 and the fp32 model's own bf16-valued weights 7.6 /
- * 33 / 247.
+ * 24 / 146-165 ms at 1 / 32 / 256 rows, where the fp32 route as it then was (rows rounded through
+ * fp8 by torch, then panel_matmul_fp8) took 8.3 / 47 / 341 and the fp32 model's own bf16-valued
+ * weights 7.6 / 33 / 247.
  *
  * Layout: panels [N / 16, ceil(K / 2), 16, 2] fp8 bytes, as the bf16 pairs above (a zero byte past
  * K); weight_scales [N]. act: ACT_FP8_TOKEN, ACT_FP8_TENSOR or ACT_FP8_STATIC (with static_scale).

@@ -99,6 +99,7 @@ if triton is not None:
         _cache_row(v_ptr, v_cache_ptr, v_scale_ptr, token, slot, stride_v, stride_v_head, HEAD_DIM, ROW, BLOCK, STORE,
                    FP8_LIMIT)
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) · weight, or with `residual` (norm(x + residual) · weight, x + residual); x [T, H] contiguous."""
