@@ -337,13 +337,9 @@ class Fp8Linear(QuantLinearBase):
             else:
                 y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.scale_b,
                                      out_dtype=torch.bfloat16)
-        elif self.kernel == "fp8dot":
-            y = panel_matmul.matmul_fp8_dot(x2d, self.kernel_weight, self.kernel_scales, *self.input_rounding(),
-                                            bias=self.bias)
-            return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
-        elif self.kernel == "fp8panel":
-            y = panel_matmul.matmul_fp8(x2d, self.kernel_weight, self.kernel_scales, self.bias,
-                                        *self.input_rounding())
+        elif self.kernel in ("fp8dot", "fp8panel"):  # the C kernels round the inputs and add the bias
+            matmul = panel_matmul.matmul_fp8_dot if self.kernel == "fp8dot" else panel_matmul.matmul_fp8
+            y = matmul(x2d, self.kernel_weight, self.kernel_scales, *self.input_rounding(), bias=self.bias)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
         else:
             y = dense_matmul(self._quantize_input(x2d).to(self.dtype), self.weight_dense)

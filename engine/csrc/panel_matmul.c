@@ -573,10 +573,11 @@ static void widen_fp8_panel(uint16_t *restrict out, const uint8_t *restrict pane
 int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const float *weight_scales,
                          const float *bias, int M, int N, int K, int act, float static_scale, int threads) {
     const int steps = (K + 1) / 2;
+    const int one_tile = M <= ROW_TILE_BF16; /* then the bytes widen as they stream: no panel buffer */
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * steps + sizeof(float) * (size_t)M);
-    uint16_t *wide = malloc(sizeof(uint16_t) * 32 * (size_t)steps * threads);
+    uint16_t *wide = one_tile ? 0 : malloc(sizeof(uint16_t) * 32 * (size_t)steps * threads);
     const __m512i subnormals = fp8_subnormals_bf16();
-    if (!xb || !wide) {
+    if (!xb || (!one_tile && !wide)) {
         free(xb);
         free(wide);
         return -1;
@@ -584,7 +585,7 @@ int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const 
     float *row_scales = (float *)(xb + (size_t)M * steps);
 #pragma omp parallel num_threads(threads)
     {
-        uint16_t *panel_bf16 = wide + (size_t)32 * steps * omp_get_thread_num();
+        uint16_t *panel_bf16 = one_tile ? 0 : wide + (size_t)32 * steps * omp_get_thread_num();
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) row_scales[m] = act == ACT_FP8_STATIC ? static_scale : absmax_of(x + (int64_t)m * K, K);
 #pragma omp single
@@ -599,10 +600,10 @@ int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const 
         for (int p = 0; p < N / PANEL; p++) {
             const uint8_t *panel = panels + (int64_t)p * steps * 32;
             const float *bias_p = bias ? bias + p * PANEL : 0;
-            if (M <= ROW_TILE_BF16) { /* one tile: widen as the bytes stream */
+            if (one_tile) {
                 panel_rows_bf16_dot(y + p * PANEL, xb, panel, &subnormals, bias_p, row_scales, weight_scales + p * PANEL,
                                     M, steps, N);
-            } else { /* widen once for all the tiles */
+            } else { /* several tiles: widen the panel once for all */
                 widen_fp8_panel(panel_bf16, panel, steps, subnormals);
                 panel_rows_bf16_dot(y + p * PANEL, xb, panel_bf16, 0, bias_p, row_scales, weight_scales + p * PANEL,
                                     M, steps, N);

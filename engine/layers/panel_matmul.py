@@ -155,8 +155,8 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     return pack_int8(weight.view(torch.int8), scale * 256)
 
 
-def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-               act: int = ACT_NONE, static_scale: float = 0.0) -> torch.Tensor:
+def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, act: int = ACT_NONE,
+               static_scale: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_fp8(...)`; with `act`,
     each row of x is first rounded through fp8 as matmul_fp8_dot's are."""
     num_panels, k, _ = panels.shape

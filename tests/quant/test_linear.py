@@ -160,7 +160,7 @@ def _fp8_matmul(kernel: str, weight: torch.Tensor):
         panels, scales = panel_matmul.pack_fp8_pairs(weight, ones)
         return lambda x, act, static=0.0: panel_matmul.matmul_fp8_dot(x, panels, scales, act, static)
     panels, scales = panel_matmul.pack_fp8(weight, ones)
-    return lambda x, act, static=0.0: panel_matmul.matmul_fp8(x, panels, scales, None, act, static)
+    return lambda x, act, static=0.0: panel_matmul.matmul_fp8(x, panels, scales, act, static)
 
 
 @pytest.mark.parametrize("kernel", FP8_KERNELS)
