@@ -138,7 +138,8 @@ class ClusterEngine:
         Returns an engine not started yet; its `shutdown` also kills the replicas, and stops
         Ray when this call started it.
         """
-        router_config = RouterConfig(policy=policy, block_size=config.block_size)  # fail before Ray starts
+        router_config = RouterConfig(policy=policy, block_size=config.block_size,
+                                     prefix_caching=config.enable_prefix_caching)  # fail before Ray starts
         started_ray = not ray.is_initialized()
         init_ray(ray_address, num_replicas)
         actors = launch_replicas(config, num_replicas)

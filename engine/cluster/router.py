@@ -56,6 +56,8 @@ class RouterConfig:
     pending_prefix_weight: float = 1.0
     # how many later requests may pass a queue head that fits nowhere yet (0: strict FIFO)
     max_overtakes: int = 32
+    # the replicas cache prefixes; off: every prompt is computed and held in full, nothing shared
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -204,6 +206,8 @@ class Router:
 
     def _hashable_prefix(self, request: RouteRequest) -> list[bytes]:
         # the engine recomputes the last prompt token, so a fully cached prompt gives back a block
+        if not self.config.prefix_caching:
+            return []
         return request.block_hashes[:(len(request.token_ids) - 1) // self.config.block_size]
 
     def _choose(self, request: RouteRequest) -> ReplicaState | None:

@@ -119,6 +119,9 @@ class NodeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_with_decodes: int = 0  # as in SchedulerConfig: 0 is no cap
+    # off: a preempted request recomputes its whole context, as engines without a prefix cache
+    # do (vLLM's default before v1); on: it re-hits the blocks it left behind
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -155,7 +158,8 @@ class SimNode:
 
     def __init__(self, node_id: int, config: NodeConfig):
         self.node_id = node_id
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, record_events=True)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          record_events=True)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    max_model_len=1 << 20,
                                                    max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes),
@@ -209,7 +213,8 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
     """
     rng = random.Random(seed)
     nodes = [SimNode(i, node_config) for i in range(num_nodes)]
-    router = Router(RouterConfig(policy=policy, block_size=node_config.block_size),
+    router = Router(RouterConfig(policy=policy, block_size=node_config.block_size,
+                                 prefix_caching=node_config.enable_prefix_caching),
                     [ReplicaState(i, node_config.num_blocks, node_config.max_num_seqs) for i in range(num_nodes)])
     requests: dict[str, Request] = {}
     route_requests: dict[str, RouteRequest] = {}
@@ -407,6 +412,8 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=node.max_num_batched_tokens)
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=node.max_prefill_tokens_with_decodes,
                         help="cap on prompt-chunk tokens in a step that also decodes (0: none)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="nodes without a prefix cache: preemption recomputes, shared prompts are prefilled each time")
     parser.add_argument("--step-a-ms", type=float, default=cost.a_ms, help="fixed ms per step")
     parser.add_argument("--step-b-ms", type=float, default=cost.b_ms_per_token, help="ms per batched token")
     parser.add_argument("--step-c-ms", type=float, default=cost.c_ms_per_decode_seq, help="ms per decoding sequence")
@@ -421,7 +428,7 @@ def run_sim(args: argparse.Namespace) -> int:
         loads = [float(x) for x in args.load.split(",")]
         policies = [Policy(p) for p in args.policies.split(",")]
         node = NodeConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                          args.max_prefill_tokens_with_decodes)
+                          args.max_prefill_tokens_with_decodes, args.enable_prefix_caching)
         if args.nodes < 1 or any(x <= 0 for x in loads):
             raise ValueError("--nodes and every --load must be positive")
         if args.calibrate_from is not None:

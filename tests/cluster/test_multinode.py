@@ -29,8 +29,11 @@ def test_replicas_spread_over_the_nodes_of_a_joined_cluster(tiny_model_dir):
     try:
         cluster.add_node(num_cpus=4)  # logical CPUs: room for both replicas on either node, so only SPREAD splits them
         cluster.wait_for_nodes()
-        config = EngineConfig(str(tiny_model_dir), block_size=4, num_kv_blocks=64, max_num_seqs=4)
+        # `serve --no-prefix-caching`: the router must not count prompt blocks as cached either
+        config = EngineConfig(str(tiny_model_dir), block_size=4, num_kv_blocks=64, max_num_seqs=4,
+                              enable_prefix_caching=False)
         engine = ClusterEngine.launch(config, 2, "round-robin", ray_address=cluster.address)
+        assert not engine.router.config.prefix_caching
         alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
         assert len(alive) == 2 and {_node_of(actor) for actor in engine.actors} == alive  # one replica a node
         prompts = [[(5 * i + j) % 300 + 3 for j in range(8 + i)] for i in range(4)]

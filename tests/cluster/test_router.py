@@ -79,6 +79,16 @@ def test_prefix_affinity_picks_the_replica_holding_the_prompt():
     assert entry.num_prefill_tokens == 8 and (entry.num_tail_tokens, entry.max_tokens) == (4, 4)
 
 
+def test_without_prefix_caching_nothing_counts_as_cached_or_shared():
+    router = make_router(prefix_caching=False)
+    system = list(range(100, 132))
+    cache_on(router.replicas[2], system)  # a stale mirror must not matter either
+    (d,) = router.submit(req("a", 8, prefix=system))
+    assert d.replica_id == 0  # no affinity: the tie goes to the lowest id
+    entry = router.replicas[0].in_flight["a"]
+    assert entry.num_prefill_tokens == 40 and entry.num_tail_tokens == 40  # the whole prompt, held alone
+
+
 def test_kv_aware_placement_avoids_the_replica_without_room():
     router = make_router(num_replicas=2, num_blocks=40)
     system = list(range(100, 132))

@@ -72,6 +72,23 @@ def test_coordinated_admits_only_what_fits_so_nothing_is_preempted():
     assert simulate(items, burst, Policy.COORDINATED, 2, TINY, CostModel()).num_preemptions == 0
 
 
+def test_without_prefix_caching_preemption_recomputes_and_coordinated_still_fits():
+    rng = random.Random(1)
+    items = [WorkItem([rng.randrange(1000) for _ in range(rng.randint(64, 256))], 64) for _ in range(30)]
+    burst = poisson_arrivals(30, math.inf, rng)
+    no_cache = NodeConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                          enable_prefix_caching=False)
+    cached, recomputed = (simulate(items, burst, Policy.LEAST_LOADED, 2, node, CostModel()) for node in (TINY, no_cache))
+    # the same preemptions cost more when resumed requests cannot re-hit the blocks they left
+    assert cached.num_preemptions > 0 and recomputed.num_preemptions > 0
+    assert recomputed.makespan_s > cached.makespan_s
+    # shared system prompts are no longer shared, and the router must not count them as if they were
+    shared = simulate(shared_prefix_items(40), poisson_arrivals(40, math.inf, random.Random(0)),
+                      Policy.COORDINATED, 2, no_cache, CostModel())
+    assert shared.num_preemptions == 0 and shared.num_prefix_hit_tokens == 0
+    assert shared.num_output_tokens == 40 * 8
+
+
 def test_migration_in_the_loop_loses_no_request():
     # node 0 is nearly full with work the router never saw, so what it sends there waits; the
     # router withdraws those unstarted requests and node 1 serves them
@@ -126,6 +143,7 @@ def test_cli_writes_rows_with_the_required_fields(tmp_path):
     args = build_parser("cluster-sim").parse_args([
         "cluster-sim", "--workload", "uniform", "--nodes", "2", "--num-requests", "12", "--load", "0.5,0.9",
         "--num-blocks", "128", "--result-json", str(out), "--plot", str(plot)])
+    assert args.enable_prefix_caching
     assert run_sim(args) == 0
     rows = json.loads(out.read_text())
     assert len(rows) == 2 * 3
