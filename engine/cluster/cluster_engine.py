@@ -366,7 +366,7 @@ class ClusterEngine:
         """Relay one replica's stream for `flight`; how it ended decides what happens next."""
         request_id = flight.request.request_id
         flight.withdrawal = None
-        yielded = over = withdrawn = False
+        yielded = over = withdrawn = stopped = False
         try:
             stream = self.actors[replica_id].generate.options(num_returns="streaming").remote(
                 flight.request.token_ids, flight.params, request_id)
@@ -377,6 +377,8 @@ class ClusterEngine:
                 yielded = True
                 flight.deliver(out)
             if over:
+                # its own stop or length: a length the router's output prediction learns from
+                stopped = all(c.finish_reason in ("stop", "length") for c in out.outputs)
                 return _Outcome.FINISHED
             # ended without output: the only cause is a withdrawal (whose answer may still be on its way)
             over = withdrawn = flight.withdrawal is not None and await flight.withdrawal
@@ -395,7 +397,7 @@ class ClusterEngine:
             if not over:  # the caller stopped listening, or it failed
                 self.actors[replica_id].abort.remote(request_id)
             if not withdrawn:  # a withdrawal already released it (and it may be placed again)
-                self._place(self.router.on_complete(replica_id, request_id))
+                self._place(self.router.on_complete(replica_id, request_id, finished=stopped))
 
     def _start_withdrawal(self, replica_id: int, request_id: str) -> None:
         flight = self._flights.get(request_id)

@@ -8,7 +8,8 @@
   three moments, plus progress) is immediate, so two requests routed between reports never see
   the same free space twice.
 - KV prediction is over time, not a sum of maxima: each request holds its prompt's blocks now
-  and grows by a token a step until max_tokens, and frees everything when it finishes. The
+  and grows by a token a step until its predicted output length (max_tokens, or less once
+  finished requests show outputs stop sooner: `lengths.py`), and frees everything when it finishes. The
   replica's worst moment is just before one of them finishes; sizing for that instead of
   every request at its longest at once admits more while still never overcommitting (as long
   as requests decode in step, which a replica that admits them whole does).
@@ -108,6 +109,7 @@ class InFlight:
     num_tail_tokens: int  # prompt tokens past them, never shared
     max_tokens: int  # output budget: it grows by up to this many tokens
     num_prefill_tokens: int  # tokens the replica must compute before the first token
+    num_predicted_tokens: int  # output it is expected to stop at, ≤ max_tokens (see lengths.py)
     num_output_tokens: int = 0  # generated so far, as last reported to the router
     num_charged: int = 0  # prefix blocks charged to it (see ReplicaState.held)
 
@@ -117,7 +119,9 @@ class InFlight:
 
     @property
     def remaining(self) -> int:
-        return max(self.max_tokens - self.num_output_tokens, 0)
+        if self.num_output_tokens <= self.num_predicted_tokens:
+            return self.num_predicted_tokens - self.num_output_tokens
+        return max(self.max_tokens - self.num_output_tokens, 0)  # outlived its prediction: only the bound holds
 
     def now_and_remaining(self, block_size: int) -> tuple[int, int]:
         return self.num_charged * block_size + self.num_tail_tokens + self.num_output_tokens, self.remaining
@@ -177,10 +181,12 @@ class ReplicaState:
         self.num_reported_waiting = num_waiting
 
     def on_dispatch(self, request_id: str, prefix: Sequence[bytes], num_tail_tokens: int, max_tokens: int,
-                    num_prefill_tokens: int) -> None:
-        """Record a request sent here, holding `prefix` (its prompt's shareable blocks)."""
+                    num_prefill_tokens: int, num_predicted_tokens: int | None = None) -> None:
+        """Record a request sent here, holding `prefix` (its prompt's shareable blocks); its
+        output is planned at `num_predicted_tokens` (default: all of max_tokens)."""
         self.release(request_id)  # a re-dispatch replaces the old entry
-        entry = InFlight(list(prefix), num_tail_tokens, max_tokens, num_prefill_tokens)
+        predicted = max_tokens if num_predicted_tokens is None else min(num_predicted_tokens, max_tokens)
+        entry = InFlight(list(prefix), num_tail_tokens, max_tokens, num_prefill_tokens, predicted)
         self.in_flight[request_id] = entry
         for h in entry.prefix:
             holders = self.held.setdefault(h, set())
@@ -226,7 +232,7 @@ class ReplicaState:
     def num_pending_prefill_tokens(self) -> int:
         return sum(e.num_prefill_tokens for e in self.in_flight.values() if not e.has_first_token)
 
-    def num_free_blocks_with(self, prefix: Sequence[bytes], num_tail_tokens: int, max_tokens: int,
+    def num_free_blocks_with(self, prefix: Sequence[bytes], num_tail_tokens: int, num_output_tokens: int,
                              block_size: int) -> int:
         """Blocks left at this replica's worst moment if a request joined; negative when it
         does not fit. Its prefix blocks held here already cost nothing more (a cached block
@@ -239,7 +245,7 @@ class ReplicaState:
         now = self.num_reported_free_blocks - -(-num_new // block_size)
         if now < 0:  # does not fit now: how much less over time is not needed
             return now
-        requests = [e.now_and_remaining(block_size) for e in self.in_flight.values()] + [(num_new, max_tokens)]
+        requests = [e.now_and_remaining(block_size) for e in self.in_flight.values()] + [(num_new, num_output_tokens)]
         return min(now, self.num_total_blocks - peak_blocks(requests, block_size))
 
     def unstarted_request_ids(self) -> list[str]:

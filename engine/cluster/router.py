@@ -5,8 +5,8 @@ Three policies:
   independent load balancer in front of N engines would; each engine queues locally.
 - `coordinated` holds requests in one global queue and dispatches a request only to a replica that
   can admit it whole (a sequence slot is free, and the replica's predicted KV peak, every
-  request there growing to its max_tokens, fits; see `index.py`), so an engine never admits
-  work it would later preempt. Among those it picks the best weighted score, llm-d's 3:2:2 over
+  request there growing to its predicted output length, fits; see `index.py` and `lengths.py`),
+  so an engine does not admit work it would later preempt. Among those it picks the best weighted score, llm-d's 3:2:2 over
   scores in [0, 1]:
     prefix = cached blocks from the start / prompt blocks   (work the replica skips; blocks that
              requests already sent there will compute count too, × pending_prefix_weight)
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import hash_token_blocks
 from engine.cluster.index import ReplicaState
+from engine.cluster.lengths import OutputLengths
 
 
 class Policy(enum.Enum):
@@ -111,6 +112,7 @@ class Router:
         self.queue: deque[RouteRequest] = deque()
         self.num_migrated = 0
         self._next_rr = 0
+        self.output_lengths = OutputLengths()
 
     def submit(self, request: RouteRequest) -> list[Dispatch]:
         """Accept a request; returns what can be dispatched now (possibly nothing)."""
@@ -148,7 +150,8 @@ class Router:
             _, hit = replica.prefix_hits(hashes)
             bs = self.config.block_size
             replica.on_dispatch(request.request_id, hashes, len(request.token_ids) - len(hashes) * bs,
-                                request.max_tokens, len(request.token_ids) - hit * bs)
+                                request.max_tokens, len(request.token_ids) - hit * bs,
+                                self.output_lengths.predict(request.max_tokens))
             dispatches.append(Dispatch(request.request_id, replica.replica_id))
         return dispatches
 
@@ -164,9 +167,12 @@ class Router:
         """The request has generated this many tokens on that replica (its KV grew by as many)."""
         self.replicas[replica_id].on_progress(request_id, num_output_tokens)
 
-    def on_complete(self, replica_id: int, request_id: str) -> list[Dispatch]:
-        """A request finished (or failed) on a replica: its capacity may admit queued ones."""
-        self.replicas[replica_id].release(request_id)
+    def on_complete(self, replica_id: int, request_id: str, finished: bool = False) -> list[Dispatch]:
+        """A request ended on a replica: its capacity may admit queued ones. `finished`: it
+        stopped on its own (not aborted or failed), so its length teaches the output prediction."""
+        entry = self.replicas[replica_id].release(request_id)
+        if finished and entry is not None:
+            self.output_lengths.observe(entry.max_tokens, entry.num_output_tokens)
         return self.dispatch_ready()
 
     def mark_dead(self, replica_id: int) -> None:
@@ -229,7 +235,8 @@ class Router:
         cached_and_pending = {r.replica_id: r.prefix_hits(hashes) for r in replicas}
         tail = len(request.token_ids) - len(hashes) * bs
         # the KV prediction (the costly part) only where the cheap checks pass
-        free = {r.replica_id: r.num_free_blocks_with(hashes, tail, request.max_tokens, bs) for r in replicas
+        num_output = self.output_lengths.predict(request.max_tokens)
+        free = {r.replica_id: r.num_free_blocks_with(hashes, tail, num_output, bs) for r in replicas
                 if r.replica_id not in request.excluded and r.num_in_flight < r.max_num_seqs}
         candidates = [r for r in replicas if free.get(r.replica_id, -1) >= 0]
         if not candidates and request.excluded:

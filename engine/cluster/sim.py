@@ -2,7 +2,9 @@
 
 Every node runs the real `BlockManager` and `Scheduler`; the router is the real `Router` fed by
 the nodes' real KV events. Only the model is replaced: sampled tokens are fabricated (random ids,
-each request runs to its max_tokens, like `ignore_eos`) and a step takes
+each request runs to its workload output length: its max_tokens, like `ignore_eos`, or with
+`--max-tokens N` a stop before the budget N the router sees, like an end-of-sequence token) and
+a step takes
 
     step_s = a + b · num_batched_tokens + c · num_decode_seqs
 
@@ -131,7 +133,17 @@ class NodeConfig:
 @dataclass(frozen=True, slots=True)
 class WorkItem:
     prompt_token_ids: list[int]
-    num_output_tokens: int
+    num_output_tokens: int  # where its output stops (max_tokens, or an end-of-sequence token before it)
+    max_tokens: int = 0  # the budget the client sends; 0: num_output_tokens (benchmarks' ignore_eos)
+
+    @property
+    def budget(self) -> int:
+        return self.max_tokens or self.num_output_tokens
+
+
+def with_max_tokens(items: list[WorkItem], max_tokens: int) -> list[WorkItem]:
+    """Every request sends `max_tokens`; outputs shorter than it stop there as at an EOS token."""
+    return [WorkItem(w.prompt_token_ids, min(w.num_output_tokens, max_tokens), max_tokens) for w in items]
 
 
 def make_workload(name: str, num_requests: int, rng: random.Random) -> list[WorkItem]:
@@ -253,7 +265,7 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
             item, rid = items[-1 - what], f"req-{-1 - what}"
             requests[rid] = Request(rid, item.prompt_token_ids,
                                     SamplingParams(temperature=0.0, max_tokens=item.num_output_tokens), now)
-            route_requests[rid] = RouteRequest(rid, item.prompt_token_ids, item.num_output_tokens)
+            route_requests[rid] = RouteRequest(rid, item.prompt_token_ids, item.budget)
             token_times[rid] = []
             apply(router.submit(route_requests[rid]), now)
             continue
@@ -277,7 +289,7 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
             router.on_progress(node.node_id, rid, len(token_times[rid]))
         dispatches = []
         for request in finished:
-            dispatches += router.on_complete(node.node_id, request.request_id)
+            dispatches += router.on_complete(node.node_id, request.request_id, finished=True)
         withdrawn = node.withdraw(router.migration_candidates(node.node_id))
         if withdrawn:
             dispatches += router.withdrawn(node.node_id, [route_requests[r.request_id] for r in withdrawn])
@@ -344,9 +356,11 @@ def summarize(result: RunResult, num_nodes: int) -> dict:
 
 
 def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[Policy], num_requests: int,
-              node_config: NodeConfig, cost: CostModel, seed: int = 0) -> list[dict]:
+              node_config: NodeConfig, cost: CostModel, seed: int = 0, max_tokens: int = 0) -> list[dict]:
     """Peak of every policy (all requests at t = 0), then each policy at each load level."""
     items = make_workload(workload, num_requests, random.Random(seed))
+    if max_tokens:
+        items = with_max_tokens(items, max_tokens)
     burst = poisson_arrivals(num_requests, math.inf, random.Random(seed))
     peaks = {p: simulate(items, burst, p, num_nodes, node_config, cost, seed) for p in set(policies) | {Policy.LEAST_LOADED}}
     mean_output = sum(w.num_output_tokens for w in items) / len(items)
@@ -358,7 +372,7 @@ def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[
             result = simulate(items, arrivals, policy, num_nodes, node_config, cost, seed)
             rows.append({
                 "workload": workload, "nodes": num_nodes, "policy": policy.value, "load": load,
-                "offered_req_s": load * peak_rate, "num_requests": num_requests,
+                "offered_req_s": load * peak_rate, "num_requests": num_requests, "max_tokens": max_tokens or None,
                 **summarize(result, num_nodes),
                 # this policy saturated (every request at t = 0): its sustained output rate and what it cost
                 "peak_throughput_tok_s": peaks[policy].saturated_tok_s,
@@ -389,9 +403,12 @@ def plot_rows(rows: list[dict], path: Path) -> None:
         ax.set_title(label)
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
-    fig.suptitle(f"cluster-sim · {rows[0]['workload']} · {rows[0]['nodes']} nodes · "
-                 f"a={rows[0]['cost_model']['a_ms']:.3g} ms, b={rows[0]['cost_model']['b_ms_per_token']:.3g} ms/tok, "
-                 f"c={rows[0]['cost_model']['c_ms_per_decode_seq']:.3g} ms/seq")
+    first = rows[0]
+    options = [f"max_tokens {first['max_tokens']}"] if first.get("max_tokens") else []
+    options += [] if first["node"].get("enable_prefix_caching", True) else ["no prefix caching"]
+    fig.suptitle(" · ".join([f"cluster-sim · {first['workload']} · {first['nodes']} nodes", *options,
+                             f"a={first['cost_model']['a_ms']:.3g} ms, b={first['cost_model']['b_ms_per_token']:.3g} "
+                             f"ms/tok, c={first['cost_model']['c_ms_per_decode_seq']:.3g} ms/seq"]))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -412,6 +429,9 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=node.max_num_batched_tokens)
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=node.max_prefill_tokens_with_decodes,
                         help="cap on prompt-chunk tokens in a step that also decodes (0: none)")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="max_tokens every request sends; outputs still stop at the workload's lengths, as at "
+                             "an EOS token (default: each request's own output length, as with ignore_eos)")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="nodes without a prefix cache: preemption recomputes, shared prompts are prefilled each time")
     parser.add_argument("--step-a-ms", type=float, default=cost.a_ms, help="fixed ms per step")
@@ -431,6 +451,8 @@ def run_sim(args: argparse.Namespace) -> int:
                           args.max_prefill_tokens_with_decodes, args.enable_prefix_caching)
         if args.nodes < 1 or any(x <= 0 for x in loads):
             raise ValueError("--nodes and every --load must be positive")
+        if args.max_tokens < 0:
+            raise ValueError("--max-tokens must be positive (or 0: each request's output length)")
         if args.calibrate_from is not None:
             cost = CostModel.from_file(args.calibrate_from)
         else:
@@ -443,7 +465,7 @@ def run_sim(args: argparse.Namespace) -> int:
     print(f"cost model: a = {cost.a_ms:.3f} ms, b = {cost.b_ms_per_token:.4f} ms/token, "
           f"c = {cost.c_ms_per_decode_seq:.4f} ms/decode seq ({cost.calibration})")
     rows = run_sweep(args.workload, args.nodes, loads, policies, args.num_requests or 200 * args.nodes,
-                     node, cost, args.seed)
+                     node, cost, args.seed, args.max_tokens)
     print(f"{'policy':<14}{'load':>6}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
           f"{'p99/p50':>8}{'TPOT p99/p50':>13}{'preempt':>8}{'hit':>6}{'migr':>6}")
     for r in rows:

@@ -30,9 +30,10 @@ def cluster(tiny_model_dir):
     ray.shutdown()
 
 
-def run(engine: ClusterEngine, prompts: list[list[int]], max_tokens: int = 4, sequential: bool = False):
+def run(engine: ClusterEngine, prompts: list[list[int]], max_tokens: int = 4, sequential: bool = False,
+        params: SamplingParams | None = None):
     """Generate for every prompt (concurrently, or one after another with a refresh between)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     async def one(i: int) -> object:
         last = None
@@ -65,6 +66,21 @@ def test_requests_complete_with_every_policy(cluster, policy):
     assert all(o.finished and len(o.outputs[0].token_ids) == 4 for o in outs)
     assert sum(engine.num_dispatched) == 6
     assert not engine.router.queue and all(not r.in_flight for r in engine.router.replicas.values())
+
+
+def test_the_router_learns_output_lengths_from_requests_that_stop_on_their_own(cluster):
+    actors, tokenizer = cluster
+    prompt = [(3 * j) % 300 + 3 for j in range(10)]
+    (greedy,) = run(ClusterEngine(actors, RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01), [prompt], 3)
+    stop = greedy.outputs[0].token_ids[2]
+    length = greedy.outputs[0].token_ids.index(stop) + 1  # where a stop on that token ends the output
+    engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    budget = 7
+    assert engine.router.output_lengths.predict(budget) == budget  # nothing learned yet
+    outs = run(engine, [prompt] * 8, params=SamplingParams(temperature=0.0, max_tokens=budget, stop_token_ids=[stop]))
+    assert all(o.outputs[0].finish_reason == "stop" and len(o.outputs[0].token_ids) == length for o in outs)
+    # eight stops at `length` of 7: the router now plans requests of that budget at that length
+    assert engine.router.output_lengths.predict(budget) == length < budget
 
 
 def test_a_request_id_in_use_is_refused(cluster):

@@ -355,3 +355,20 @@ def test_config_validation():
         RouterConfig(max_overtakes=-1)
     with pytest.raises(ValueError, match="more KV blocks"):
         make_router(num_blocks=2).submit(req("a", 16))
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_requests_that_stop_early_teach_the_router_their_real_length(finished):
+    """max_tokens 380 on a 400-token replica: planned in full, one request fits at a time. After
+    eight stop at 20 tokens on their own, the next ones are planned at 20 and fit together;
+    aborted or failed ones (finished=False) teach nothing."""
+    router = make_router(num_replicas=1, num_blocks=100)
+    assert router.submit(req("r0", 16, max_tokens=380)) == [Dispatch("r0", 0)]
+    assert router.submit(req("r1", 16, max_tokens=380, seed=1)) == []
+    for i in range(8):
+        router.on_progress(0, f"r{i}", 20)
+        assert router.on_complete(0, f"r{i}", finished=finished) == [Dispatch(f"r{i + 1}", 0)]
+        if i < 7:
+            assert router.submit(req(f"r{i + 2}", 16, max_tokens=380, seed=i + 2)) == []
+    later = [d for i in range(10, 14) for d in router.submit(req(f"r{i}", 16, max_tokens=380, seed=i))]
+    assert len(later) == (4 if finished else 0)

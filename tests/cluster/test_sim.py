@@ -20,6 +20,7 @@ from engine.cluster.sim import (
     run_sim,
     simulate,
     summarize,
+    with_max_tokens,
 )
 
 TINY = NodeConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
@@ -89,6 +90,20 @@ def test_without_prefix_caching_preemption_recomputes_and_coordinated_still_fits
     assert shared.num_output_tokens == 40 * 8
 
 
+def test_generous_max_tokens_do_not_starve_coordinated():
+    """Clients send max_tokens 512 but outputs stop at 8–32 tokens. Planned in full, a 64-block
+    node takes one request at a time (about 6× least-loaded's makespan here); learned from
+    finishes, coordinated runs full batches once its first eight requests have finished."""
+    rng = random.Random(2)
+    items = with_max_tokens([WorkItem([rng.randrange(1000) for _ in range(rng.randint(32, 96))],
+                                      rng.randint(8, 32)) for _ in range(120)], 512)
+    assert all(w.budget == 512 and w.num_output_tokens <= 32 for w in items)
+    burst = poisson_arrivals(120, math.inf, rng)
+    ll, co = (simulate(items, burst, p, 2, TINY, CostModel()) for p in (Policy.LEAST_LOADED, Policy.COORDINATED))
+    assert co.num_output_tokens == ll.num_output_tokens == sum(w.num_output_tokens for w in items)
+    assert co.makespan_s < 1.5 * ll.makespan_s and co.num_preemptions == 0
+
+
 def test_migration_in_the_loop_loses_no_request():
     # node 0 is nearly full with work the router never saw, so what it sends there waits; the
     # router withdraws those unstarted requests and node 1 serves them
@@ -142,7 +157,7 @@ def test_cli_writes_rows_with_the_required_fields(tmp_path):
     out, plot = tmp_path / "sim.json", tmp_path / "sim.png"
     args = build_parser("cluster-sim").parse_args([
         "cluster-sim", "--workload", "uniform", "--nodes", "2", "--num-requests", "12", "--load", "0.5,0.9",
-        "--num-blocks", "128", "--result-json", str(out), "--plot", str(plot)])
+        "--num-blocks", "128", "--max-tokens", "300", "--result-json", str(out), "--plot", str(plot)])
     assert args.enable_prefix_caching
     assert run_sim(args) == 0
     rows = json.loads(out.read_text())
@@ -150,7 +165,7 @@ def test_cli_writes_rows_with_the_required_fields(tmp_path):
     required = {"policy", "load", "throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                 "preemptions", "prefix_hit_rate", "cost_model"}
     assert all(required <= row.keys() and row["throughput_tok_s"] > 0 for row in rows)
-    assert "not measured" in rows[0]["cost_model"]["calibration"]
+    assert "not measured" in rows[0]["cost_model"]["calibration"] and rows[0]["max_tokens"] == 300
     assert all(row["peak_throughput_tok_s"] > 0 and row["peak_preemptions"] >= 0 for row in rows)
     assert plot.stat().st_size > 0
 
