@@ -9,10 +9,11 @@
   the same free space twice.
 - KV prediction is over time, not a sum of maxima: each request holds its prompt's blocks now
   and grows by a token a step until its predicted output length (max_tokens, or less once
-  finished requests show outputs stop sooner: `lengths.py`), and frees everything when it finishes. The
-  replica's worst moment is just before one of them finishes; sizing for that instead of
-  every request at its longest at once admits more while still never overcommitting (as long
-  as requests decode in step, which a replica that admits them whole does).
+  finished requests show outputs stop sooner: `lengths.py`), and frees everything when it
+  finishes. The replica's worst moment is just before one of them finishes; sizing for that
+  instead of every request at its longest at once admits more while still never overcommitting
+  (as long as requests decode in step, which a replica that admits them whole does, and stop
+  within their predicted lengths).
 - Pending prefix blocks: prompt blocks of requests sent to the replica that its mirror does
   not hold yet. The replica will compute (and cache) them soon, but the mirror learns that
   only from the events after that prefill, so without this a burst sharing a new prefix would

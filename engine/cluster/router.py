@@ -5,9 +5,9 @@ Three policies:
   independent load balancer in front of N engines would; each engine queues locally.
 - `coordinated` holds requests in one global queue and dispatches a request only to a replica that
   can admit it whole (a sequence slot is free, and the replica's predicted KV peak, every
-  request there growing to its predicted output length, fits; see `index.py` and `lengths.py`),
-  so an engine does not admit work it would later preempt. Among those it picks the best weighted score, llm-d's 3:2:2 over
-  scores in [0, 1]:
+  request there growing to its predicted output length, fits; see `index.py` and
+  `lengths.py`), so an engine does not admit work it would later preempt. Among those it picks
+  the best weighted score, llm-d's 3:2:2 over scores in [0, 1]:
     prefix = cached blocks from the start / prompt blocks   (work the replica skips; blocks that
              requests already sent there will compute count too, × pending_prefix_weight)
     kv     = free blocks at the peak with this request / total  (Dynamo's "decode blocks" load)
