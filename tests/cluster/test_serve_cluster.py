@@ -138,3 +138,35 @@ def test_completions_and_chat_stream_or_not_under_every_policy(replicas, policy)
         text = httpx.get(url + "/metrics", timeout=5).text
         assert metric(text, "router_num_requests_queued") == 0
         assert [metric(text, "replica_requests_dispatched_total", i) for i in (0, 1)] == engine.num_dispatched
+
+
+def test_bad_requests_and_disconnects_through_the_cluster(replicas):
+    """The single-node contract holds behind the router: a bad field or an over-long prompt is an
+    OpenAI-style 400 (nothing dispatched), and a client that leaves mid-stream frees its replica's
+    KV blocks and its place in the router."""
+    with cluster_server(replicas, "coordinated") as (url, engine):
+        bad = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "temperature": -1}, timeout=30)
+        long = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 5000, "max_tokens": 4},
+                          timeout=30)
+        for response in (bad, long):
+            assert response.status_code == 400
+            assert response.json()["error"]["type"] == "invalid_request_error"
+        assert sum(engine.num_dispatched) == 0
+
+        engine.refresh()
+        generated_before = engine.stats().num_generation_tokens
+        body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 500, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # streaming has begun
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            engine.refresh()
+            stats = engine.stats()
+            if stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total:
+                break
+            time.sleep(0.2)
+        assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total
+        assert stats.num_generation_tokens - generated_before < 500  # stopped, not run to its end
+        assert all(not r.in_flight for r in engine.router.replicas.values())
