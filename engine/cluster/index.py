@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -83,23 +84,63 @@ class PrefixIndex:
         return n
 
 
-def peak_blocks(requests: Iterable[tuple[int, int]], block_size: int) -> int:
-    """Most KV blocks `requests` hold at once if each adds a token a step until it finishes.
+class KVTimeline:
+    """Most KV blocks a set of requests holds at once if each adds a token a step until it
+    finishes, and the same with one more request, answered without re-sorting the set.
 
     A request is (tokens it holds blocks for now, tokens it will still generate). Usage grows
     between finishes, so the peak is just before one: at t = remaining − 1 steps, summed over
-    the requests still there. Each request is rounded up to whole blocks (an upper bound).
+    the requests still there; each request is rounded up to whole blocks (an upper bound). At
+    the finishing level L (a remaining count), with H(L) and C(L) the tokens and count of the
+    requests that last at least that long, the peak in tokens is
+        g(L) = H(L) + C(L) · (t_L + block_size − 1),  t_L = max(L − 1, 0).
+    A new request (a, r) adds a + t_L + block_size − 1 at every level L < r, nothing above r,
+    and makes the level r its own (or joins it); so prefix maxima of g(L) + t_L over ascending levels, suffix
+    maxima of g(L), and suffix sums of H and C answer `peak_with` in O(log n). The router asks
+    this for every replica at every dispatch attempt, while a replica's set changes only when
+    one of its requests is sent, progresses or ends.
     """
-    peak = held = count = 0
-    order = sorted(requests, key=lambda r: r[1], reverse=True)
-    for i, (num_tokens, remaining) in enumerate(order):
-        held += num_tokens
-        count += 1
-        if i + 1 < len(order) and order[i + 1][1] == remaining:
-            continue  # the same finishing step: measure once all of them are counted
-        t = max(remaining - 1, 0)
-        peak = max(peak, (held + count * (t + block_size - 1)) // block_size)
-    return peak
+
+    def __init__(self, requests: Iterable[tuple[int, int]], block_size: int):
+        self.block_size = block_size
+        by_level: dict[int, list[int]] = {}
+        for num_tokens, remaining in requests:
+            by_level.setdefault(remaining, [0, 0])
+            by_level[remaining][0] += num_tokens
+            by_level[remaining][1] += 1
+        self.levels = sorted(by_level)  # ascending remaining
+        n = len(self.levels)
+        self.held_from = [0] * (n + 1)  # H over levels[i:]
+        self.count_from = [0] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            tokens, count = by_level[self.levels[i]]
+            self.held_from[i] = self.held_from[i + 1] + tokens
+            self.count_from[i] = self.count_from[i + 1] + count
+        g = [self._tokens_at(i, self.held_from[i], self.count_from[i]) for i in range(n)]
+        self.max_g_from = [0] * (n + 1)  # max g over levels[i:]
+        for i in range(n - 1, -1, -1):
+            self.max_g_from[i] = max(self.max_g_from[i + 1], g[i])
+        self.max_gt_upto: list[int] = []  # max g + t over levels[:i + 1]
+        for i, level in enumerate(self.levels):
+            value = g[i] + max(level - 1, 0)
+            self.max_gt_upto.append(max(self.max_gt_upto[-1], value) if i else value)
+
+    def _tokens_at(self, i: int, held: int, count: int) -> int:
+        return held + count * (max(self.levels[i] - 1, 0) + self.block_size - 1)
+
+    def peak(self) -> int:
+        """Blocks at the set's worst moment."""
+        return self.max_g_from[0] // self.block_size
+
+    def peak_with(self, num_tokens: int, remaining: int) -> int:
+        """Blocks at the worst moment if a request (num_tokens, remaining) joined the set."""
+        bs = self.block_size
+        at = bisect.bisect_left(self.levels, remaining)  # levels[at:] last at least as long
+        own = (self.held_from[at] + num_tokens
+               + (self.count_from[at] + 1) * (max(remaining - 1, 0) + bs - 1))
+        # levels below it gain the new request; at or above, only its own level changes (`own`)
+        joined = self.max_gt_upto[at - 1] + num_tokens + bs - 1 if at else 0
+        return max(own, joined, self.max_g_from[at]) // bs
 
 
 @dataclass(slots=True)
@@ -153,6 +194,9 @@ class ReplicaState:
         self.held: dict[bytes, set[str]] = {}  # prefix block → in-flight requests holding it
         self.charged_to: dict[bytes, str] = {}  # prefix block → the holder its KV is charged to
         self.is_alive = True
+        # derived from in_flight, rebuilt on first use after it changes (routing asks far more often)
+        self._timeline: KVTimeline | None = None
+        self._pending_prefill: int | None = None
 
     @property
     def pending(self) -> set[bytes]:
@@ -174,6 +218,7 @@ class ReplicaState:
         self.in_flight.clear()
         self.held.clear()
         self.charged_to.clear()
+        self._changed()
 
     def report(self, num_free_blocks: int, num_running: int, num_waiting: int) -> None:
         """The replica's own counts, as of its last step."""
@@ -186,6 +231,7 @@ class ReplicaState:
         """Record a request sent here, holding `prefix` (its prompt's shareable blocks); its
         output is planned at `num_predicted_tokens` (default: all of max_tokens)."""
         self.release(request_id)  # a re-dispatch replaces the old entry
+        self._changed()
         predicted = max_tokens if num_predicted_tokens is None else min(num_predicted_tokens, max_tokens)
         entry = InFlight(list(prefix), num_tail_tokens, max_tokens, num_prefill_tokens, predicted)
         self.in_flight[request_id] = entry
@@ -205,14 +251,16 @@ class ReplicaState:
     def on_progress(self, request_id: str, num_output_tokens: int) -> None:
         """The request has generated this many tokens (≥ 1: prefill done, decode work only)."""
         entry = self.in_flight.get(request_id)
-        if entry is not None:
-            entry.num_output_tokens = max(entry.num_output_tokens, num_output_tokens)
+        if entry is not None and num_output_tokens > entry.num_output_tokens:
+            entry.num_output_tokens = num_output_tokens
+            self._changed()
 
     def release(self, request_id: str) -> InFlight | None:
         """Completion, failure or withdrawal: forget the request's predicted load and held blocks."""
         entry = self.in_flight.pop(request_id, None)
         if entry is None:
             return None
+        self._changed()
         heir = None  # holders of a longer prefix hold every shorter one: sets shrink along it
         for h in entry.prefix:
             holders = self.held[h]
@@ -229,9 +277,14 @@ class ReplicaState:
     def num_in_flight(self) -> int:
         return len(self.in_flight)
 
+    def _changed(self) -> None:
+        self._timeline = self._pending_prefill = None
+
     @property
     def num_pending_prefill_tokens(self) -> int:
-        return sum(e.num_prefill_tokens for e in self.in_flight.values() if not e.has_first_token)
+        if self._pending_prefill is None:
+            self._pending_prefill = sum(e.num_prefill_tokens for e in self.in_flight.values() if not e.has_first_token)
+        return self._pending_prefill
 
     def num_free_blocks_with(self, prefix: Sequence[bytes], num_tail_tokens: int, num_output_tokens: int,
                              block_size: int) -> int:
@@ -246,8 +299,9 @@ class ReplicaState:
         now = self.num_reported_free_blocks - -(-num_new // block_size)
         if now < 0:  # does not fit now: how much less over time is not needed
             return now
-        requests = [e.now_and_remaining(block_size) for e in self.in_flight.values()] + [(num_new, num_output_tokens)]
-        return min(now, self.num_total_blocks - peak_blocks(requests, block_size))
+        if self._timeline is None or self._timeline.block_size != block_size:
+            self._timeline = KVTimeline([e.now_and_remaining(block_size) for e in self.in_flight.values()], block_size)
+        return min(now, self.num_total_blocks - self._timeline.peak_with(num_new, num_output_tokens))
 
     def unstarted_request_ids(self) -> list[str]:
         """Requests with no first token yet, newest first (the cheapest to move)."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager, KVEvent, hash_token_blocks
-from engine.cluster.index import PrefixIndex, ReplicaState, peak_blocks
+from engine.cluster.index import KVTimeline, PrefixIndex, ReplicaState
 from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
 from tests.helpers import make_requests
 
@@ -106,14 +108,42 @@ def test_kv_term_prefers_more_free_blocks_when_nothing_is_cached():
     assert router.submit(req("a"))[0].replica_id == 1
 
 
-def test_peak_blocks_is_the_worst_moment_not_every_maximum_at_once():
+def test_the_peak_is_the_worst_moment_not_every_maximum_at_once():
+    def peak(requests: list[tuple[int, int]]) -> int:
+        return KVTimeline(requests, BS).peak()
+
     # (tokens held now, tokens still to generate), 4-token blocks
-    assert peak_blocks([(16, 0)], BS) == 4
-    assert peak_blocks([(13, 4)], BS) == 4  # 13 → 16 tokens
+    assert peak([(16, 0)]) == 4
+    assert peak([(13, 4)]) == 4  # 13 → 16 tokens
     # 40 + 3 = 43 tokens (11 blocks) and 24 + 3 = 27 (7) just before the first finishes; rounding
     # each request up bounds it by 19; every maximum at once would be 11 + 12 = 23
-    assert peak_blocks([(40, 4), (24, 24)], BS) == 19
-    assert peak_blocks([], BS) == 0
+    assert peak([(40, 4), (24, 24)]) == 19
+    assert peak([]) == 0
+    assert KVTimeline([(40, 4)], BS).peak_with(24, 24) == 19
+
+
+def reference_peak(requests: list[tuple[int, int]], block_size: int) -> int:
+    """The worst moment by its definition: walk finishing levels from the longest-lasting down."""
+    peak = held = count = 0
+    order = sorted(requests, key=lambda r: r[1], reverse=True)
+    for i, (num_tokens, remaining) in enumerate(order):
+        held += num_tokens
+        count += 1
+        if i + 1 < len(order) and order[i + 1][1] == remaining:
+            continue  # the same finishing step: measure once all of them are counted
+        peak = max(peak, (held + count * (max(remaining - 1, 0) + block_size - 1)) // block_size)
+    return peak
+
+
+requests_st = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests_st, st.tuples(st.integers(0, 300), st.integers(0, 40)), st.sampled_from([1, 4, 16]))
+def test_timeline_peak_with_one_more_equals_the_definition(requests, new, block_size):
+    timeline = KVTimeline(requests, block_size)
+    assert timeline.peak() == reference_peak(requests, block_size)
+    assert timeline.peak_with(*new) == reference_peak([*requests, new], block_size)
 
 
 def test_kv_prediction_follows_each_requests_progress():
