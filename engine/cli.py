@@ -20,7 +20,7 @@ COMMANDS = {
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps`, `matmul` or `attention`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps`, `matmul`, `attention` or `router`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -84,6 +84,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     from bench.matmul import add_matmul_args
     from bench.offline import add_offline_args
     from bench.perplexity import add_ppl_args
+    from bench.router import add_router_args
     from bench.schemes import add_schemes_args
     from bench.serve import add_bench_serve_args
     from bench.steps import add_steps_args
@@ -98,6 +99,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_matmul_args(sub.add_parser("matmul", help="the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"))
     add_attention_args(sub.add_parser("attention", help="the CPU prompt-attention kernel vs torch SDPA on the model's "
                                                         "head shape"))
+    add_router_args(sub.add_parser("router", help="routing decisions per second of the coordinated router "
+                                                  "(fabricated replica states)"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -125,6 +128,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench.attention import run_attention
 
         return run_attention(args)
+    if args.bench_command == "router":
+        from bench.router import run_router
+
+        return run_router(args)
     from bench.serve import run_bench_serve
 
     return run_bench_serve(args)
