@@ -63,6 +63,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            # checked here, where the engine runs: a cluster's API process may have no GPU itself
+            raise ValueError(f"device {config.device!r}: torch {torch.__version__} sees no CUDA device here "
+                             f"(use --device cpu, or auto)")
         self.model, self.hf_config = load_model(config.model, config.dtype, config.device)
         self.model.prepack_for_cpu()
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)

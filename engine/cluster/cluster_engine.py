@@ -142,7 +142,12 @@ class ClusterEngine:
                                      prefix_caching=config.enable_prefix_caching)  # fail before Ray starts
         started_ray = not ray.is_initialized()
         init_ray(ray_address, num_replicas)
-        actors = launch_replicas(config, num_replicas)
+        try:
+            actors = launch_replicas(config, num_replicas)
+        except BaseException:
+            if started_ray:
+                ray.shutdown()
+            raise
 
         def stop() -> None:
             for actor in actors:

@@ -81,6 +81,21 @@ class Replica:
         return set(self._block_manager.cached), self._last_reported_seq
 
 
+def gpus_per_replica(device: str, num_replicas: int, cluster_gpus: float) -> int:
+    """One GPU for each replica on CUDA, none on CPU.
+
+    Ray shows an actor only the GPUs it asked for (it sets CUDA_VISIBLE_DEVICES, to nothing
+    for an actor that asked for none), so a CUDA replica must ask for its own; and replicas
+    that would wait for GPUs the cluster does not have are refused up front, not left pending.
+    """
+    if device == "cpu":
+        return 0
+    if cluster_gpus < num_replicas:
+        raise ValueError(f"{num_replicas} replicas on {device} need {num_replicas} GPUs, one each; the Ray cluster "
+                         f"has {cluster_gpus:g} (fewer --replicas, more GPU nodes, or --device cpu)")
+    return 1
+
+
 def launch_replicas(config: EngineConfig, num_replicas: int, num_cpus: float = 1.0) -> list[ray.actor.ActorHandle]:
     """Start `num_replicas` replica actors, spread across the Ray cluster's nodes.
 
@@ -89,6 +104,9 @@ def launch_replicas(config: EngineConfig, num_replicas: int, num_cpus: float = 1
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
-    actor = ray.remote(Replica).options(num_cpus=num_cpus, scheduling_strategy="SPREAD",
+    num_gpus = gpus_per_replica(config.device, num_replicas, ray.cluster_resources().get("GPU", 0.0))
+    if num_gpus:
+        config = dataclasses.replace(config, device="cuda")  # its one visible GPU, whatever cuda:N said
+    actor = ray.remote(Replica).options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy="SPREAD",
                                         max_restarts=-1, max_task_retries=0)
     return [actor.remote(config) for _ in range(num_replicas)]

@@ -9,6 +9,7 @@ on each node.
 from __future__ import annotations
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -43,3 +44,22 @@ def test_replicas_spread_over_the_nodes_of_a_joined_cluster(tiny_model_dir):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_cuda_replicas_ask_for_a_gpu_each_and_a_shortage_is_refused_up_front():
+    from engine.cluster.replica import gpus_per_replica
+
+    assert gpus_per_replica("cpu", 4, cluster_gpus=8) == 0
+    assert gpus_per_replica("cuda", 2, cluster_gpus=2) == gpus_per_replica("cuda:1", 1, cluster_gpus=8) == 1
+    with pytest.raises(ValueError, match="3 replicas on cuda need 3 GPUs, one each; the Ray cluster has 2"):
+        gpus_per_replica("cuda", 3, cluster_gpus=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose Ray has no GPU")
+def test_launching_cuda_replicas_without_gpus_fails_before_any_starts(tiny_model_dir):
+    """None would ever be placed: refused at once, and the Ray instance it started is stopped."""
+    assert not ray.is_initialized()
+    config = EngineConfig(str(tiny_model_dir), device="cuda")
+    with pytest.raises(ValueError, match="the Ray cluster has 0"):
+        ClusterEngine.launch(config, 2)
+    assert not ray.is_initialized()

@@ -104,6 +104,12 @@ def test_auto_device_is_the_cpu_without_a_gpu():
     assert EngineConfig(model="m", device="auto").device == expected
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_device_cuda_without_cuda_says_so(tiny_model_dir):
+    with pytest.raises(ValueError, match="'cuda': torch .* sees no CUDA device"):
+        LLM(str(tiny_model_dir), device="cuda")
+
+
 def test_unavailable_attention_backend_is_refused(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(triton_support, "triton", None)  # as where triton is not installed
     with pytest.raises(ValueError, match="attention_backend='triton' needs triton and a CUDA device"):

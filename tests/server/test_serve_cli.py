@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+import torch
 
 SECRET_PROMPT = "The quick brown fox"
 
@@ -72,3 +75,12 @@ def test_replicas_without_ray_exit_2_saying_what_to_install(tiny_model_dir: Path
     assert main([str(tiny_model_dir), "--replicas", "2"]) == 2
     assert "pip install driftgate[cluster]" in capsys.readouterr().err
     assert main([str(tiny_model_dir), "--replicas", "0"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_device_cuda_without_cuda_exits_1_with_the_reason_and_no_traceback(tiny_model_dir: Path, caplog):
+    from server.cli import main
+
+    with caplog.at_level(logging.ERROR, logger="driftgate.server"):
+        assert main([str(tiny_model_dir), "--device", "cuda", "--port", str(_free_port())]) == 1
+    assert "sees no CUDA device" in caplog.text and "Traceback" not in caplog.text
