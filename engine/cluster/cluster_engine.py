@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from engine.async_engine import EngineError
 from engine.cluster.index import ReplicaState
@@ -102,7 +102,12 @@ class ClusterEngine:
     def __init__(self, actors: list[ray.actor.ActorHandle], router_config: RouterConfig, tokenizer,
                  poll_interval_s: float = 0.05, poll_timeout_s: float = 2.0,
                  on_shutdown: Callable[[], None] | None = None):
-        shapes: list[ReplicaShape] = ray.get([a.shape.remote() for a in actors])
+        try:
+            shapes: list[ReplicaShape] = ray.get([a.shape.remote() for a in actors])
+        except RayTaskError as exc:
+            if isinstance(exc.cause, ValueError):  # the engine's own reason, without the remote traceback
+                raise ValueError(f"a replica refused to start: {exc.cause}") from None
+            raise
         if any(s.block_size != router_config.block_size for s in shapes):
             raise ValueError("the router's block_size must equal every replica's")
         self.actors = actors

@@ -43,13 +43,20 @@ class Replica:
     """Actor body (wrapped by `ray.remote` in `launch_replicas`)."""
 
     def __init__(self, config: EngineConfig):
-        self.engine = AsyncEngine(dataclasses.replace(config, record_kv_events=True))
+        self.refused: ValueError | None = None
+        try:
+            self.engine = AsyncEngine(dataclasses.replace(config, record_kv_events=True))
+        except ValueError as exc:  # a setting or checkpoint it refuses: `shape` says why, not Ray's traceback
+            self.refused = exc
+            return
         self.engine.start()
         self._block_manager = self.engine.engine.block_manager
         self._last_reported_seq = 0
         self.incarnation = uuid.uuid4().hex
 
     def shape(self) -> ReplicaShape:
+        if self.refused is not None:
+            raise self.refused
         return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
                             self.engine.config.max_num_seqs, self.engine.max_model_len)
 

@@ -83,6 +83,19 @@ def test_the_router_learns_output_lengths_from_requests_that_stop_on_their_own(c
     assert engine.router.output_lengths.predict(budget) == length < budget
 
 
+def test_a_replica_refusing_its_settings_fails_the_launch_with_the_engines_reason(cluster, tiny_model_dir):
+    _, tokenizer = cluster
+    no_scales = EngineConfig(str(tiny_model_dir), block_size=BLOCK_SIZE, kv_cache_dtype="fp8")
+    actors = launch_replicas(no_scales, 1, num_cpus=0.5)
+    try:
+        with pytest.raises(ValueError, match="a replica refused to start: kv_cache_dtype=fp8 needs calibrated") as info:
+            ClusterEngine(actors, RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01)
+        assert "Traceback" not in str(info.value)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
 def test_a_request_id_in_use_is_refused(cluster):
     actors, tokenizer = cluster
     engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
