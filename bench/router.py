@@ -17,6 +17,7 @@ import argparse
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def _request(rid: str, rng: random.Random) -> RouteRequest:
 
 
 def one_run(num_replicas: int, in_flight: int, arrivals: int, rounds: int, seed: int) -> dict:
-    """Seconds per decision and per progress report in one run."""
+    """Milliseconds per decision and microseconds per progress report, in one run."""
     rng = random.Random(seed)
     # room for every request at its longest, so only the policy's choice is timed, not queueing
     blocks = in_flight * (2048 + 512) // BLOCK_SIZE * 2
@@ -87,7 +88,7 @@ def one_run(num_replicas: int, in_flight: int, arrivals: int, rounds: int, seed:
 
 def run_router(args: argparse.Namespace) -> int:
     if min(args.in_flight, args.arrivals, args.rounds, args.runs) < 1:
-        print("error: --in-flight, --arrivals, --rounds and --runs must be positive")
+        print("error: --in-flight, --arrivals, --rounds and --runs must be positive", file=sys.stderr)
         return 2
     rows = []
     for num_replicas in args.replicas:

@@ -95,10 +95,10 @@ class KVTimeline:
     requests that last at least that long, the peak in tokens is
         g(L) = H(L) + C(L) · (t_L + block_size − 1),  t_L = max(L − 1, 0).
     A new request (a, r) adds a + t_L + block_size − 1 at every level L < r, nothing above r,
-    and makes the level r its own (or joins it); so prefix maxima of g(L) + t_L over ascending levels, suffix
-    maxima of g(L), and suffix sums of H and C answer `peak_with` in O(log n). The router asks
-    this for every replica at every dispatch attempt, while a replica's set changes only when
-    one of its requests is sent, progresses or ends.
+    and makes the level r its own (or joins it); so prefix maxima of g(L) + t_L over ascending
+    levels, suffix maxima of g(L), and suffix sums of H and C answer `peak_with` in O(log n).
+    The router asks this for every replica at every dispatch attempt, while a replica's set
+    changes only when one of its requests is sent, progresses or ends.
     """
 
     def __init__(self, requests: Iterable[tuple[int, int]], block_size: int):
@@ -116,7 +116,8 @@ class KVTimeline:
             tokens, count = by_level[self.levels[i]]
             self.held_from[i] = self.held_from[i + 1] + tokens
             self.count_from[i] = self.count_from[i + 1] + count
-        g = [self._tokens_at(i, self.held_from[i], self.count_from[i]) for i in range(n)]
+        g = [self.held_from[i] + self.count_from[i] * (max(level - 1, 0) + block_size - 1)
+             for i, level in enumerate(self.levels)]
         self.max_g_from = [0] * (n + 1)  # max g over levels[i:]
         for i in range(n - 1, -1, -1):
             self.max_g_from[i] = max(self.max_g_from[i + 1], g[i])
@@ -124,9 +125,6 @@ class KVTimeline:
         for i, level in enumerate(self.levels):
             value = g[i] + max(level - 1, 0)
             self.max_gt_upto.append(max(self.max_gt_upto[-1], value) if i else value)
-
-    def _tokens_at(self, i: int, held: int, count: int) -> int:
-        return held + count * (max(self.levels[i] - 1, 0) + self.block_size - 1)
 
     def peak(self) -> int:
         """Blocks at the set's worst moment."""

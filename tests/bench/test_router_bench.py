@@ -26,4 +26,4 @@ def test_cli_writes_one_row_per_cluster_size(tmp_path):
 
 def test_bad_sizes_are_refused(capsys):
     args = build_parser("bench").parse_args(["bench", "router", "--runs", "0"])
-    assert run_router(args) == 2 and "must be positive" in capsys.readouterr().out
+    assert run_router(args) == 2 and "must be positive" in capsys.readouterr().err
