@@ -118,8 +118,12 @@ class Router:
         """Accept a request; returns what can be dispatched now (possibly nothing)."""
         bs = self.config.block_size
         request.block_hashes = hash_token_blocks(request.token_ids, bs)
-        if self._num_blocks(request) > max(r.num_total_blocks for r in self.replicas.values()):
-            raise ValueError(f"request {request.request_id} needs more KV blocks than any replica has")
+        room = max(r.num_total_blocks for r in self.replicas.values()) * bs - len(request.token_ids)
+        if room < 1:
+            raise ValueError(f"request {request.request_id}'s prompt needs more KV blocks than any replica has")
+        # n completions of one prompt may add up to more than a replica holds; its engine then
+        # runs them in turn (preempting within the request), so plan on at most a whole replica
+        request.max_tokens = min(request.max_tokens, room)
         self.queue.append(request)
         return self.dispatch_ready()
 
@@ -206,9 +210,6 @@ class Router:
             self.queue.appendleft(request)
         self.num_migrated += len(requests)
         return self.dispatch_ready()
-
-    def _num_blocks(self, request: RouteRequest) -> int:
-        return -(-(len(request.token_ids) + request.max_tokens) // self.config.block_size)
 
     def _hashable_prefix(self, request: RouteRequest) -> list[bytes]:
         # the engine recomputes the last prompt token, so a fully cached prompt gives back a block

@@ -101,6 +101,14 @@ def test_kv_aware_placement_avoids_the_replica_without_room():
     assert d.replica_id == 1
 
 
+def test_a_request_larger_than_any_replica_is_planned_on_a_whole_one():
+    router = make_router(num_replicas=2, num_blocks=100)  # 400 tokens a replica
+    (d,) = router.submit(req("n4", 16, max_tokens=4 * 200))  # n = 4 completions of 200: 816 tokens
+    assert router.replicas[d.replica_id].in_flight["n4"].max_tokens == 400 - 16
+    with pytest.raises(ValueError, match="prompt needs more KV blocks than any replica has"):
+        router.submit(req("huge", 400))
+
+
 def test_kv_term_prefers_more_free_blocks_when_nothing_is_cached():
     router = make_router(num_replicas=2)
     router.replicas[0].report(num_free_blocks=30, num_running=2, num_waiting=0)

@@ -170,3 +170,16 @@ def test_bad_requests_and_disconnects_through_the_cluster(replicas):
         assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total
         assert stats.num_generation_tokens - generated_before < 500  # stopped, not run to its end
         assert all(not r.in_flight for r in engine.router.replicas.values())
+
+
+
+def test_n_completions_larger_than_a_replica_are_served_as_on_one_node(replicas):
+    """4 × 400 tokens of one prompt exceed a replica's 1024-token cache, as they would exceed a
+    single engine's, which runs them in turn; the router plans them on a whole replica."""
+    with cluster_server(replicas, "coordinated") as (url, engine):
+        response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 4, "max_tokens": 400,
+                                                            "ignore_eos": True, "temperature": 1.0, "seed": 0},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert len(body["choices"]) == 4 and body["usage"]["completion_tokens"] == 1600
