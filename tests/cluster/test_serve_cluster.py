@@ -183,3 +183,49 @@ def test_n_completions_larger_than_a_replica_are_served_as_on_one_node(replicas)
         assert response.status_code == 200, response.text
         body = response.json()
         assert len(body["choices"]) == 4 and body["usage"]["completion_tokens"] == 1600
+
+
+
+BODIES = [
+    ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 6, "logprobs": 3, "echo": True}),
+    ("/v1/completions", {"prompt": "one two three", "max_tokens": 12, "stop": ["three"], "ignore_eos": True}),
+    ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 5, "prompt_logprobs": 2, "n": 2,
+                         "temperature": 0.8, "seed": 3}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}),
+]
+
+
+def _same(got, expected, path: str = "") -> None:
+    """Equal, but floats (logprobs) only to 1e-3: the replicas compute on one thread."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and got.keys() == expected.keys(), path
+        for key in expected:
+            if key not in ("id", "created"):  # differ between any two calls
+                _same(got[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(got, list) and len(got) == len(expected), path
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            _same(g, e, f"{path}[{i}]")
+    elif isinstance(expected, float):
+        assert got == pytest.approx(expected, abs=1e-3), path
+    else:
+        assert got == expected, path
+
+
+def test_the_cluster_answers_as_one_engine_does(replicas, tiny_model_dir):
+    """Same routes, same answers: each body through the cluster equals it through a single-node
+    server over the same model and engine settings."""
+    from engine.async_engine import AsyncEngine
+
+    single = AsyncEngine(EngineConfig(str(tiny_model_dir), block_size=8, num_kv_blocks=128, max_num_seqs=4))
+    single.start()
+    try:
+        with serve_in_thread(build_app(single, ServerConfig(served_model_name=MODEL))) as one, \
+                cluster_server(replicas, "coordinated") as (many, _):
+            for route, body in BODIES:
+                answers = [httpx.post(url + route, json={"model": MODEL, "temperature": 0, **body}, timeout=60)
+                           for url in (one, many)]
+                assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+                _same(answers[1].json(), answers[0].json(), route)
+    finally:
+        single.shutdown()
