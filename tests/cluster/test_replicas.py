@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -94,6 +95,41 @@ def test_a_replica_refusing_its_settings_fails_the_launch_with_the_engines_reaso
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def test_a_caller_leaving_while_its_request_waits_in_the_router_takes_it_out(cluster):
+    """Each replica's KV plan is full with one 200-token request, so a third waits in the
+    router's queue; its caller gives up there, and it is never dispatched."""
+    actors, tokenizer = cluster
+    engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def drain(stream) -> bool:
+        outs = [out async for out in stream]
+        return outs[-1].finished
+
+    async def scenario() -> tuple[bool, list[bool]]:
+        engine.start()
+        try:
+            running = [asyncio.create_task(drain(engine.generate([3 + i, 7, 9], params, f"big-{i}"))) for i in range(2)]
+            while sum(engine.num_dispatched) < 2:
+                await asyncio.sleep(0.01)
+            late = engine.generate([4, 8, 12], params, "late")
+            waiting = asyncio.create_task(anext(late))
+            while not any(r.request_id == "late" for r in list(engine.router.queue)):
+                await asyncio.sleep(0.01)
+            waiting.cancel()  # as the server cancels a request whose client went away
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await asyncio.sleep(0.1)
+            gone = not any(r.request_id == "late" for r in list(engine.router.queue))
+            return gone, await asyncio.wait_for(asyncio.gather(*running), 60)
+        finally:
+            engine.shutdown()
+
+    gone, finished = asyncio.run(scenario())
+    assert gone and finished == [True, True]
+    assert sum(engine.num_dispatched) == 2  # the late one never reached a replica
 
 
 def test_a_request_id_in_use_is_refused(cluster):
