@@ -233,7 +233,6 @@ class Router:
     def _choose_coordinated(self, request: RouteRequest, replicas: list[ReplicaState]) -> ReplicaState | None:
         bs = self.config.block_size
         hashes = self._hashable_prefix(request)
-        cached_and_pending = {r.replica_id: r.prefix_hits(hashes) for r in replicas}
         tail = len(request.token_ids) - len(hashes) * bs
         # the KV prediction (the costly part) only where the cheap checks pass
         num_output = self.output_lengths.predict(request.max_tokens)
@@ -249,6 +248,7 @@ class Router:
         loads = [r.num_in_flight for r in replicas]
         if max(loads) - min(loads) > self.config.balance_abs and max(loads) > self.config.balance_rel * min(loads):
             return min(candidates, key=lambda r: (r.num_in_flight, r.replica_id))
+        cached_and_pending = {r.replica_id: r.prefix_hits(hashes) for r in candidates}
         queued = {r.replica_id: -(-r.num_pending_prefill_tokens // bs) for r in candidates}
         q_min, q_max = min(queued.values()), max(queued.values())
         cfg = self.config
