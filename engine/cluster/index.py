@@ -195,6 +195,7 @@ class ReplicaState:
         # derived from in_flight, rebuilt on first use after it changes (routing asks far more often)
         self._timeline: KVTimeline | None = None
         self._pending_prefill: int | None = None
+        self.version = 0  # bumped whenever what `num_free_blocks_with` reads changes
 
     @property
     def pending(self) -> set[bytes]:
@@ -220,6 +221,8 @@ class ReplicaState:
 
     def report(self, num_free_blocks: int, num_running: int, num_waiting: int) -> None:
         """The replica's own counts, as of its last step."""
+        if num_free_blocks != self.num_reported_free_blocks:
+            self.version += 1
         self.num_reported_free_blocks = num_free_blocks
         self.num_reported_running = num_running
         self.num_reported_waiting = num_waiting
@@ -277,6 +280,7 @@ class ReplicaState:
 
     def _changed(self) -> None:
         self._timeline = self._pending_prefill = None
+        self.version += 1
 
     @property
     def num_pending_prefill_tokens(self) -> int:

@@ -91,6 +91,10 @@ class RouteRequest:
     block_hashes: list[bytes] = field(default_factory=list)
     excluded: set[int] = field(default_factory=set)  # replicas it was withdrawn from
     num_overtaken: int = 0  # later requests placed while it waited at the head of the queue
+    # while it waits: replica → (its version, planned output, blocks left with this request) as
+    # last computed, since a queued request is looked at again on every event and most
+    # replicas have not changed since
+    free_seen: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,14 +240,25 @@ class Router:
         tail = len(request.token_ids) - len(hashes) * bs
         # the KV prediction (the costly part) only where the cheap checks pass
         num_output = self.output_lengths.predict(request.max_tokens)
-        free = {r.replica_id: r.num_free_blocks_with(hashes, tail, num_output, bs) for r in replicas
-                if r.replica_id not in request.excluded and r.num_in_flight < r.max_num_seqs}
+        free, fresh = {}, []
+        for r in replicas:
+            if r.replica_id in request.excluded or r.num_in_flight >= r.max_num_seqs:
+                continue
+            seen = request.free_seen.get(r.replica_id)
+            if seen is not None and seen[0] == r.version and seen[1] == num_output:
+                free[r.replica_id] = seen[2]
+            else:
+                free[r.replica_id] = r.num_free_blocks_with(hashes, tail, num_output, bs)
+                fresh.append(r)
         candidates = [r for r in replicas if free.get(r.replica_id, -1) >= 0]
         if not candidates and request.excluded:
             # withdrawn from every fitting replica: its source may have room again by now
             request.excluded.clear()
             return self._choose_coordinated(request, replicas)
         if not candidates:
+            # it waits, and will be looked at again on every event: keep what was computed
+            for r in fresh:
+                request.free_seen[r.replica_id] = (r.version, num_output, free[r.replica_id])
             return None
         loads = [r.num_in_flight for r in replicas]
         if max(loads) - min(loads) > self.config.balance_abs and max(loads) > self.config.balance_rel * min(loads):

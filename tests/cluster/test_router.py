@@ -410,3 +410,14 @@ def test_requests_that_stop_early_teach_the_router_their_real_length(finished):
             assert router.submit(req(f"r{i + 2}", 16, max_tokens=380, seed=i + 2)) == []
     later = [d for i in range(10, 14) for d in router.submit(req(f"r{i}", 16, max_tokens=380, seed=i))]
     assert len(later) == (4 if finished else 0)
+
+
+def test_a_queued_request_sees_a_replica_report_more_room():
+    """What the router last computed for a queued request is reused only while the replica is
+    unchanged: a report of more free blocks alone must let it in."""
+    router = make_router(num_replicas=1, num_blocks=100)
+    router.replicas[0].report(num_free_blocks=3, num_running=1, num_waiting=0)  # busy with work it never routed
+    assert router.submit(req("a", 16, max_tokens=4)) == []  # needs 5 blocks now
+    assert router.dispatch_ready() == []
+    router.replicas[0].report(num_free_blocks=50, num_running=1, num_waiting=0)
+    assert router.dispatch_ready() == [Dispatch("a", 0)]
