@@ -134,13 +134,11 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
     try:
         engine = _build_engine(args)
         engine.start()
-    except ValueError as exc:  # a setting or a checkpoint we refuse, with its reason: no traceback
-        logger.error("could not load %s: %s", args.model, exc)
-        failed.append(str(exc))
-        server.should_exit = True
-        return
     except Exception as exc:
-        logger.exception("could not load %s", args.model)
+        if isinstance(exc, ValueError):  # a setting or a checkpoint we refuse, with its reason: no traceback
+            logger.error("could not load %s: %s", args.model, exc)
+        else:
+            logger.exception("could not load %s", args.model)
         failed.append(str(exc))
         server.should_exit = True
         return
