@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -34,11 +35,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger("driftgate.server")
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port number (a larger one would reach uvicorn and fail there with a traceback)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {port}")
+    return port
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads: a taken port or an unknown host fails at once,
+    not after the model (or a Ray cluster) came up."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's flags (the console script in engine/cli.py dispatches here)."""
     parser.add_argument("model", help="model folder (HF layout, bf16 or a driftgate/compressed-tensors checkpoint)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000, help="0: any free port (the log says which)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
@@ -144,8 +169,8 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
         return
     state.attach(engine)
     where = f" on {args.replicas} replicas ({args.router_policy} routing)" if _is_cluster(args) else ""
-    logger.info("serving %s as %r%s on http://%s:%d", args.model, state.config.served_model_name, where,
-                args.host, args.port)
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
+    logger.info("serving %s as %r%s on http://%s:%d", args.model, state.config.served_model_name, where, host, args.port)
     if args.kv_scales == "dynamic":
         logger.warning("fp8 KV cache with dynamic scales (uncalibrated, from the first batch)")
 
@@ -177,12 +202,19 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    args.port = sock.getsockname()[1]  # the one the OS chose for --port 0
     if _is_cluster(args):
         from engine.cluster.cluster_engine import init_ray
 
         try:
             init_ray(args.ray_address, args.replicas)  # here, on the main thread (see init_ray)
         except Exception as exc:  # Ray's own errors (address unreachable, version mismatch) vary
+            sock.close()
             print(f"error: could not start or join Ray: {exc}", file=sys.stderr)
             return 1
     app = build_app(None, config)
@@ -194,8 +226,9 @@ def run_serve(args: argparse.Namespace) -> int:
     loader = threading.Thread(target=_load_engine, args=(args, state, server, failed), daemon=True)
     loader.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         loader.join()
         if state.engine is not None:
             state.engine.shutdown()

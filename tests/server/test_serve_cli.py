@@ -84,3 +84,26 @@ def test_device_cuda_without_cuda_exits_1_with_the_reason_and_no_traceback(tiny_
     with caplog.at_level(logging.ERROR, logger="driftgate.server"):
         assert main([str(tiny_model_dir), "--device", "cuda", "--port", str(_free_port())]) == 1
     assert "sees no CUDA device" in caplog.text and "Traceback" not in caplog.text
+
+
+def test_taken_port_or_bad_host_exit_2_before_anything_loads(tiny_model_dir: Path, monkeypatch, capsys):
+    import server.cli
+    from server.cli import main
+
+    def must_not_load(args):
+        raise AssertionError("the engine was built although the server could not listen")
+
+    monkeypatch.setattr(server.cli, "_build_engine", must_not_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([str(tiny_model_dir), "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert main([str(tiny_model_dir), "--host", "no-such-host.invalid"]) == 2
+    assert "cannot listen on no-such-host.invalid:8000" in capsys.readouterr().err
+    for bad in ("65536", "http"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tiny_model_dir), "--port", bad])
+        assert exit_info.value.code == 2
+        assert "argument --port" in capsys.readouterr().err
