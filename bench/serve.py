@@ -333,6 +333,8 @@ def print_summary(metrics: dict) -> None:
         stats = metrics[f"{name}_ms"]
         print(f"{name.upper() + ' ms':<10} mean {stats['mean']:9.1f}  p50 {stats['median']:9.1f}  "
               f"p90 {stats['p90']:9.1f}  p99 {stats['p99']:9.1f}")
+    for error in metrics["errors"]:  # why requests failed (an unreachable server fails them all alike)
+        print(f"{'failed with':<26}{error}")
     server = metrics.get("server", {})
     if server.get("prefix_cache_hit_rate") is not None:
         print(f"{'server prefix hit rate':<26}{server['prefix_cache_hit_rate']:>12.3f}")

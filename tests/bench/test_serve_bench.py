@@ -143,3 +143,20 @@ def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: 
         assert 0.0 <= run["server"]["prefix_cache_hit_rate"] <= 1.0  # read from /metrics
     assert result["runs"][1]["server"]["prefix_cache_hit_rate"] > 0  # the same prompts again
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p_sweep.png").stat().st_size > 0
+
+
+def test_unreachable_server_exits_1_saying_why(tiny_model_dir: Path, capsys):
+    import socket
+
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    parser = argparse.ArgumentParser()
+    add_bench_serve_args(parser)
+    args = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer",
+                              str(tiny_model_dir), "--dataset", "random", "--num-prompts", "2", "--input-len", "8",
+                              "--output-len", "4", "--no-progress"])
+    assert run_bench_serve(args) == 1
+    out = capsys.readouterr().out
+    assert "failed                               2" in out
+    assert "failed with               ConnectError: All connection attempts failed" in out
