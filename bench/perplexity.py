@@ -173,23 +173,19 @@ def run_ppl(args: argparse.Namespace) -> int:
     if args.labels is not None and len(args.labels) != len(args.models):
         print(f"error: {len(args.labels)} labels for {len(args.models)} models", file=sys.stderr)
         return 2
-    try:
-        data_path = args.data or task_file(resolve_data_dir(args.data_dir), WIKITEXT_FILE)
-        settings = _settings(args, data_path)
-        results = []
-        for i, model in enumerate(args.models):
-            result = measure(model, data_path, max_tokens=args.max_tokens, context=args.context,
-                             stride=settings["stride"], dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                             kv_scales=args.kv_scales,
-                             label=args.labels[i] if args.labels else None)
-            print(f"{result.label}: ppl {result.ppl:.4f} over {result.scored_tokens} tokens "
-                  f"({result.windows} windows, {result.seconds:.0f} s, {result.size_bytes / 2**20:.1f} MiB)", flush=True)
-            results.append(asdict(result))
-        if args.result_json and args.append and args.result_json.exists():
-            results = _merge(args.result_json, settings, results)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    data_path = args.data or task_file(resolve_data_dir(args.data_dir), WIKITEXT_FILE)
+    settings = _settings(args, data_path)
+    results = []
+    for i, model in enumerate(args.models):
+        result = measure(model, data_path, max_tokens=args.max_tokens, context=args.context,
+                         stride=settings["stride"], dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                         kv_scales=args.kv_scales,
+                         label=args.labels[i] if args.labels else None)
+        print(f"{result.label}: ppl {result.ppl:.4f} over {result.scored_tokens} tokens "
+              f"({result.windows} windows, {result.seconds:.0f} s, {result.size_bytes / 2**20:.1f} MiB)", flush=True)
+        results.append(asdict(result))
+    if args.result_json and args.append and args.result_json.exists():
+        results = _merge(args.result_json, settings, results)
     if len({r["tokens_sha256"] for r in results}) > 1:
         print("warning: the models tokenize the text differently; their perplexities are not comparable",
               file=sys.stderr)

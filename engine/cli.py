@@ -103,38 +103,27 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                                                   "(fabricated replica states)"))
 
 
+# `driftgate bench NAME` → (module, function running it)
+BENCHES = {
+    "offline": ("bench.offline", "run_offline"),
+    "serve": ("bench.serve", "run_bench_serve"),
+    "ppl": ("bench.perplexity", "run_ppl"),
+    "schemes": ("bench.schemes", "run_schemes"),
+    "steps": ("bench.steps", "run_steps"),
+    "matmul": ("bench.matmul", "run_matmul"),
+    "attention": ("bench.attention", "run_attention"),
+    "router": ("bench.router", "run_router"),
+}
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "offline":
-        from bench.offline import run_offline
-
-        return run_offline(args)
-    if args.bench_command == "ppl":
-        from bench.perplexity import run_ppl
-
-        return run_ppl(args)
-    if args.bench_command == "schemes":
-        from bench.schemes import run_schemes
-
-        return run_schemes(args)
-    if args.bench_command == "steps":
-        from bench.steps import run_steps
-
-        return run_steps(args)
-    if args.bench_command == "matmul":
-        from bench.matmul import run_matmul
-
-        return run_matmul(args)
-    if args.bench_command == "attention":
-        from bench.attention import run_attention
-
-        return run_attention(args)
-    if args.bench_command == "router":
-        from bench.router import run_router
-
-        return run_router(args)
-    from bench.serve import run_bench_serve
-
-    return run_bench_serve(args)
+    """A missing or corrupt model, or missing data, is the user's to fix: one line, exit 2."""
+    module, run_fn = BENCHES[args.bench_command]
+    try:
+        return getattr(importlib.import_module(module), run_fn)(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:

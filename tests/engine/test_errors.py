@@ -114,3 +114,19 @@ def test_unavailable_attention_backend_is_refused(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(triton_support, "triton", None)  # as where triton is not installed
     with pytest.raises(ValueError, match="attention_backend='triton' needs triton and a CUDA device"):
         LLM(str(tiny_model_dir), attention_backend="triton")
+
+
+@pytest.mark.parametrize("bench", ["offline", "schemes", "steps", "ppl"])
+def test_bench_on_a_missing_or_corrupt_model_is_one_line(bench, tiny_model_dir, tmp_path, capsys):
+    from engine.cli import main as driftgate_main
+
+    bad = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x00garbage")
+    cases = [(bad, "cannot read")]
+    if bench != "schemes":  # which checks its folders while parsing its arguments
+        cases.append((tmp_path / "missing", "model folder not found"))
+    for model, says in cases:
+        assert driftgate_main(["bench", bench, f"m={model}" if bench == "schemes" else str(model)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and "Traceback" not in err
