@@ -105,8 +105,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = state.ready_engine()
     config = state.config
     check_model_name(body.model, config.served_model_name)
-    if body.tools:
-        raise APIError(400, "tools are not supported", param="tools")
+    for field in ("tools", "functions"):
+        if getattr(body, field):
+            raise APIError(400, f"{field} are not supported", param=field)
     ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,

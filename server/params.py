@@ -10,6 +10,7 @@ from server.errors import APIError
 from server.protocol import SamplingFields
 
 _INT64 = 2**63
+_CONSTRAINED_DECODING = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def check_model_name(requested: str | None, served: str) -> None:
@@ -45,6 +46,13 @@ def build_sampling_params(
         raise APIError(400, f"n must be at most {max_n}, got {req.n}", param="n")
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported "
+                            "(this server has no constrained decoding)", param="response_format")
+    constrained = next((f for f in _CONSTRAINED_DECODING if getattr(req, f) is not None), None)
+    if constrained is not None:
+        raise APIError(400, f"{constrained} is not supported (this server has no constrained decoding)",
+                       param=constrained)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if req.seed is not None and not -_INT64 <= req.seed < _INT64:

@@ -3,7 +3,7 @@
 Requests accept the fields OpenAI clients send plus vLLM's sampling extensions (`top_k`,
 `min_p`, `ignore_eos`, ...). Unknown fields are ignored, because real clients add fields
 (`user`, `metadata`) that change nothing; fields that *would* change the output and that we
-cannot honour (`logit_bias`, `suffix`, tools) are rejected by the handlers instead.
+cannot honour (`logit_bias`, `suffix`, tools, constrained decoding) are rejected by the handlers instead.
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ class SamplingFields(_Request):
     # Accepted so we can refuse them with a clear message instead of silently ignoring them.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # constrained decoding (OpenAI's JSON mode / schemas, vLLM's guided_* and structured_outputs): the
+    # engine samples from the whole vocabulary, so a client relying on these would get free text
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -89,6 +97,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None  # tools' predecessor; refused alike
 
 
 class TokenizeRequest(_Request):

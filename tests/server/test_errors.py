@@ -33,6 +33,10 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "logprobs": 99}, "logprobs"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({}, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"42": 100}}, "logit_bias"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "hi", "guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
 ])
 def test_completion_400s(base_url, body, param):
     error = assert_openai_error(httpx.post(base_url + "/v1/completions", json=body, timeout=30), 400)
@@ -49,6 +53,21 @@ def test_malformed_json_and_chat_400s(base_url):
     r = httpx.post(base_url + "/v1/chat/completions", timeout=10,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0})
     assert_openai_error(r, 400)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}, "response_format"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+])
+def test_chat_refuses_what_it_cannot_honour(base_url, extra, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    error = assert_openai_error(httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30), 400)
+    assert error["param"] == param and "not supported" in error["message"]
+    # plain text is what the server produces anyway
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "text"}}
+    assert httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
 
 
 def test_openai_client_raises_bad_request(client):
