@@ -9,18 +9,21 @@ mkdir -p "$out"
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "quantize: fp8-dynamic (no calibration needed) and w4a16 RTN with a calibrated fp8 KV cache"
+step "quantize: fp8-dynamic (no calibration needed), w4a16 RTN with a calibrated fp8 KV cache, w8a16 RTN"
 "$bin/quantize" "$model" --calib "$calib" --scheme fp8-dynamic -o "$out/smollm2-fp8-dynamic" --overwrite --num-samples 32 || exit 2
 "$bin/quantize" "$model" --calib "$calib" --scheme w4a16 --algo rtn --kv-cache fp8 -o "$out/smollm2-w4a16-kvfp8" \
     --overwrite --num-samples 64 --max-seq-len 512 || exit 2
+"$bin/quantize" "$model" --calib "$calib" --scheme w8a16 --algo rtn -o "$out/smollm2-w8a16" --overwrite --num-samples 32 \
+    || exit 2
 
 step "generate with each checkpoint"
 "$bin/driftgate" generate "$out/smollm2-fp8-dynamic" --chat --max-tokens 32 "What is the capital of France?" || exit 2
 "$bin/driftgate" generate "$out/smollm2-w4a16-kvfp8" --kv-cache-dtype fp8 --chat --max-tokens 32 \
     "What is the capital of France?" || exit 2
+"$bin/driftgate" generate "$out/smollm2-w8a16" --chat --max-tokens 32 "What is the capital of France?" || exit 2
 
 passed=""
-for cand in smollm2-fp8-dynamic:auto smollm2-w4a16-kvfp8:fp8; do
+for cand in smollm2-fp8-dynamic:auto smollm2-w4a16-kvfp8:fp8 smollm2-w8a16:auto; do
     name=${cand%%:*} kv=${cand##*:}
     step "gate $name against BF16 (quick policy; the baseline arm is cached after the first run)"
     "$bin/driftgate" gate --baseline "$model" --candidate "$out/$name" --kv-cache-dtype "$kv" --policy quick \
