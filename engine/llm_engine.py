@@ -12,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.generation_config import eos_token_ids, read_generation_config
 from engine.layers.attention import KVCache
 from engine.loader import apply_kv_scales, defer_kv_scales, load_model
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
@@ -137,13 +138,10 @@ class LLMEngine:
         return int(num_blocks)
 
     def _eos_token_ids(self) -> list[int]:
-        ids = set()
-        gen_eos = self.hf_config.get("eos_token_id")
-        for value in (gen_eos, self.tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(value)
+        """Every id that ends a sequence: config.json's, generation_config.json's and the tokenizer's."""
+        ids = set(eos_token_ids(self.hf_config)) | set(eos_token_ids(read_generation_config(self.config.model)))
+        if isinstance(self.tokenizer.eos_token_id, int):
+            ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
     # ---- requests in -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from engine.config import KV_CACHE_DTYPES, KV_SCALES
+from engine.generation_config import sampling_defaults
 from server.app import build_app
 from server.config import ServerConfig
 from server.state import ServerState
@@ -198,10 +199,14 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
             metrics_public=args.metrics_public, max_queue=args.max_queue,
             request_timeout_s=args.request_timeout, max_n=args.max_n,
+            sampling_defaults=sampling_defaults(args.model),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if config.sampling_defaults:
+        logger.info("requests that leave them out sample with the model's generation_config.json: %s",
+                    config.sampling_defaults)
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -17,6 +17,8 @@ class ServerConfig:
     request_timeout_s: float | None = None  # 504 past this many seconds
     max_n: int = 16  # largest `n` one request may ask for
     retry_after_s: int = 1  # advertised in 429 responses
+    # what a request that leaves a sampling field out gets (the model's generation_config.json)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

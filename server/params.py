@@ -39,9 +39,19 @@ def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: i
 
 
 def build_sampling_params(
-    req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None
+    req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None,
+    defaults: dict[str, float] | None = None,
 ) -> SamplingParams:
-    """Map OpenAI/vLLM fields onto `SamplingParams`; its own validation errors become 400s."""
+    """Map OpenAI/vLLM fields onto `SamplingParams`; its own validation errors become 400s.
+
+    A sampling field the request leaves out takes `defaults` (the model's generation config), then
+    SamplingParams' own default."""
+    defaults = defaults or {}
+
+    def field(name: str, fallback: float) -> float:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
     if req.n > max_n:
         raise APIError(400, f"n must be at most {max_n}, got {req.n}", param="n")
     if req.logit_bias:
@@ -65,14 +75,14 @@ def build_sampling_params(
             n=req.n,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=field("temperature", 1.0),
+            top_p=field("top_p", 1.0),
+            top_k=field("top_k", 0),
+            min_p=field("min_p", 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=field("repetition_penalty", 1.0),
             stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,

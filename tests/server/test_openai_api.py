@@ -141,3 +141,17 @@ def test_metrics_exposition(client, base_url):
                  "driftgate:e2e_request_latency_seconds_count", "driftgate:request_success_total"):
         assert name in text, name
     assert 'driftgate:http_requests_total{route="/v1/completions",status="200"}' in text
+
+
+def test_fields_left_out_take_the_model_generation_config(engine):
+    from tests.server.conftest import serve
+
+    def complete(url: str, **fields) -> dict:
+        body = {"prompt": "Once upon a", "max_tokens": 12, "ignore_eos": True, **fields}
+        return httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+
+    with serve(engine, sampling_defaults={"temperature": 0.0}) as url:
+        greedy = complete(url, temperature=0.0)["text"]
+        assert [complete(url)["text"] for _ in range(2)] == [greedy, greedy]  # the config's temperature 0
+        # a field the request sends wins: sampled at temperature 1 with different seeds, the texts differ
+        assert len({complete(url, temperature=1.0, seed=s)["text"] for s in range(4)}) > 1

@@ -107,3 +107,16 @@ def test_taken_port_or_bad_host_exit_2_before_anything_loads(tiny_model_dir: Pat
             main([str(tiny_model_dir), "--port", bad])
         assert exit_info.value.code == 2
         assert "argument --port" in capsys.readouterr().err
+
+
+def test_unreadable_generation_config_exits_2_naming_the_file(tiny_model_dir: Path, tmp_path: Path, capsys):
+    import shutil
+
+    from server.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "generation_config.json").write_text('{"top_p": 7}')
+    assert main([str(folder), "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "generation_config.json" in err and "top_p" in err

@@ -1,0 +1,51 @@
+"""What a model folder's `generation_config.json` asks of generation: stop tokens and sampling defaults.
+
+Hugging Face keeps a model's intended stop tokens there (Llama-3 Instruct ends a turn with
+`<|eot_id|>`, which its config.json may not list) and the sampling its authors recommend
+(temperature, top_p, ...). vLLM honours both by default: a client that sends no temperature gets
+the model's, not 1.0. A folder without the file asks nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.sampling_params import SamplingParams
+
+FILE = "generation_config.json"
+# the keys that are default sampling fields (as vLLM reads them); do_sample and the rest are HF's own
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_config(model_dir: str | Path) -> dict:
+    """The folder's generation config ({} without one); ValueError when it is not a JSON object."""
+    path = Path(model_dir) / FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
+def eos_token_ids(config: dict) -> list[int]:
+    """`eos_token_id` as a list (HF allows one id or several)."""
+    value = config.get("eos_token_id")
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def sampling_defaults(model_dir: str | Path) -> dict[str, float]:
+    """The sampling fields the model's generation config sets, checked as `SamplingParams` checks them."""
+    path = Path(model_dir) / FILE
+    defaults = {k: v for k, v in read_generation_config(model_dir).items() if k in SAMPLING_KEYS and v is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    return defaults
