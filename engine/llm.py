@@ -8,6 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -19,6 +20,8 @@ class LLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        # what generate() samples with when given no params: the model's generation_config.json, as in vLLM
+        self.default_sampling_params = SamplingParams(**sampling_defaults(model))
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -26,7 +29,7 @@ class LLM:
         """Outputs in the order of `prompts`; a bad prompt raises before anything runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.default_sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

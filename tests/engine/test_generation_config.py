@@ -54,3 +54,10 @@ def test_its_eos_ids_end_generation(tiny_model_dir, tmp_path):
     assert out.finish_reason == "stop" and list(out.token_ids[:stop_at]) == list(tokens[:stop_at])
     assert len(out.token_ids) <= stop_at + 1
     assert read_generation_config(folder) == {"eos_token_id": [tokens[stop_at]]}
+
+
+def test_generate_without_params_samples_as_the_config_says(tiny_model_dir, tmp_path):
+    llm = LLM(str(_copy_with(tiny_model_dir, tmp_path, json.dumps({"temperature": 0.0, "top_k": 5}))))
+    assert (llm.default_sampling_params.temperature, llm.default_sampling_params.top_k) == (0.0, 5)
+    greedy = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0].token_ids
+    assert llm.generate(["hello"])[0].outputs[0].token_ids == greedy  # the default max_tokens is 16 too
