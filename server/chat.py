@@ -28,13 +28,17 @@ from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Token ids of the templated conversation; template failures are the client's 400."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                chat_template: str | None = None) -> list[int]:
+    """Token ids of the conversation under `chat_template` (default: the tokenizer's); template
+    failures are the client's 400."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise APIError(400, "this model has no chat template; use /v1/completions, or serve it with "
+                            "--chat-template", param="messages")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja's raise_exception (e.g. roles must alternate) and friends
         raise APIError(400, f"chat template failed: {exc}", param="messages") from None
@@ -108,7 +112,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     for field in ("tools", "functions"):
         if getattr(body, field):
             raise APIError(400, f"{field} are not supported", param=field)
-    ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+    ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt, config.chat_template)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
                                   max_tokens=requested)

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import jinja2
 import uvicorn
 
 from engine.config import KV_CACHE_DTYPES, KV_SCALES
@@ -60,12 +61,33 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself; checked for Jinja syntax here, at startup."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        value = path.read_text()
+    elif "{" not in value:
+        raise ValueError(f"--chat-template: no such file, and not a template: {value}")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return value
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's flags (the console script in engine/cli.py dispatches here)."""
     parser.add_argument("model", help="model folder (HF layout, bf16 or a driftgate/compressed-tensors checkpoint)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000, help="0: any free port (the log says which)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    parser.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                        help="sampling defaults for fields a request leaves out: the model's generation_config.json "
+                             "(auto) or none (temperature 1, no top-p/top-k)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
     parser.add_argument("--dtype", default="auto")
@@ -199,7 +221,8 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
             metrics_public=args.metrics_public, max_queue=args.max_queue,
             request_timeout_s=args.request_timeout, max_n=args.max_n,
-            sampling_defaults=sampling_defaults(args.model),
+            sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
+            chat_template=_chat_template(args.chat_template),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

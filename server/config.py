@@ -19,6 +19,7 @@ class ServerConfig:
     retry_after_s: int = 1  # advertised in 429 responses
     # what a request that leaves a sampling field out gets (the model's generation_config.json)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    chat_template: str | None = None  # a Jinja template replacing the tokenizer's (--chat-template)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -155,3 +155,16 @@ def test_fields_left_out_take_the_model_generation_config(engine):
         assert [complete(url)["text"] for _ in range(2)] == [greedy, greedy]  # the config's temperature 0
         # a field the request sends wins: sampled at temperature 1 with different seeds, the texts differ
         assert len({complete(url, temperature=1.0, seed=s)["text"] for s in range(4)}) > 1
+
+
+def test_chat_template_given_to_the_server_replaces_the_tokenizers(engine):
+    from tests.server.conftest import serve
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    messages = [{"role": "user", "content": "hi there"}]
+    with serve(engine, chat_template=template) as url:
+        ids = httpx.post(url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        assert ids == engine.tokenizer.encode("user: hi there\nassistant:", add_special_tokens=False)
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 3}, timeout=60)
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(ids)

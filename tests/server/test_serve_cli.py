@@ -120,3 +120,45 @@ def test_unreadable_generation_config_exits_2_naming_the_file(tiny_model_dir: Pa
     assert main([str(folder), "--port", str(_free_port())]) == 2
     err = capsys.readouterr().err
     assert "generation_config.json" in err and "top_p" in err
+
+
+def test_chat_template_and_generation_config_flags(tmp_path: Path):
+    from server.cli import _chat_template, add_serve_args
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert _chat_template(str(template)) == template.read_text()
+    assert _chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="no such file"):
+        _chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="line 1"):
+        _chat_template("{% for m in messages %}")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["m"]).generation_config == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--generation-config", "vllm"])
+
+
+def test_generation_config_none_keeps_the_engine_defaults(tiny_model_dir: Path, tmp_path: Path, monkeypatch):
+    import shutil
+
+    import server.cli
+    from server.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "generation_config.json").write_text('{"temperature": 0.25}')
+    seen = []
+
+    def record(app_engine, config):  # stop before serving: only the config matters here
+        seen.append(config.sampling_defaults)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server.cli, "build_app", record)
+    for flag, defaults in (("auto", {"temperature": 0.25}), ("none", {})):
+        with pytest.raises(SystemExit):
+            main([str(folder), "--port", str(_free_port()), "--generation-config", flag])
+        assert seen.pop() == defaults
