@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -93,10 +94,14 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
         """What lm-eval's remote tokenizer probes for (it needs `eos_token`)."""
         tokenizer = state.ready_engine().tokenizer
         return {"eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
-                "pad_token": tokenizer.pad_token, "chat_template": tokenizer.chat_template,
+                "pad_token": tokenizer.pad_token, "chat_template": config.chat_template or tokenizer.chat_template,
                 "model_max_length": state.engine.max_model_len}
 
     routes = frozenset(route.path for route in app.routes)
     app.add_middleware(AuthMiddleware, state=state)
     app.add_middleware(AccessLogMiddleware, state=state, routes=routes)
+    if config.allowed_origins:
+        # outermost: a browser's preflight carries no API key, and its 401s and 429s need the headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app

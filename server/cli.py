@@ -90,6 +90,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(auto) or none (temperature 1, no top-p/top-k)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
+    parser.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                        help="let web pages from these origins call the API (CORS; '*' for any). vLLM and "
+                             "llama.cpp allow any by default; here none do unless named")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
@@ -222,7 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
             metrics_public=args.metrics_public, max_queue=args.max_queue,
             request_timeout_s=args.request_timeout, max_n=args.max_n,
             sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
-            chat_template=_chat_template(args.chat_template),
+            chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

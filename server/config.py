@@ -20,6 +20,7 @@ class ServerConfig:
     # what a request that leaves a sampling field out gets (the model's generation_config.json)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's (--chat-template)
+    allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call the API ("*": any); none by default
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

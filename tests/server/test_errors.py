@@ -123,3 +123,20 @@ def test_503_while_loading_then_ready(engine):
         app.state.driftgate.begin_drain()
         assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10), 503)
         assert_openai_error(httpx.get(url + "/health", timeout=10), 503)
+
+
+def test_cors_only_for_named_origins_and_before_auth(engine):
+    ui = "http://ui.example"
+    preflight = {"Origin": ui, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with serve(engine, api_key="sekrit", allowed_origins=(ui,)) as url:
+        r = httpx.options(url + "/v1/completions", headers=preflight, timeout=10)  # browsers send no key here
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
+        denied = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"Origin": ui}, timeout=10)
+        assert_openai_error(denied, 401)
+        assert denied.headers["access-control-allow-origin"] == ui  # the page can read why
+        other = httpx.options(url + "/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+    with serve(engine) as url:  # no origins named: no CORS headers at all
+        r = httpx.get(url + "/v1/models", headers={"Origin": ui}, timeout=10)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

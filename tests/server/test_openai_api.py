@@ -168,3 +168,5 @@ def test_chat_template_given_to_the_server_replaces_the_tokenizers(engine):
         assert ids == engine.tokenizer.encode("user: hi there\nassistant:", add_special_tokens=False)
         chat = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 3}, timeout=60)
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(ids)
+        # what lm-eval's remote tokenizer reads to format chats itself
+        assert httpx.get(url + "/tokenizer_info", timeout=10).json()["chat_template"] == template
