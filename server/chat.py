@@ -21,25 +21,34 @@ from server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
+    TokenizeRequest,
     Usage,
 )
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 
+# apply_chat_template's own arguments, which chat_template_kwargs must not override
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "chat_template", "tokenize", "add_generation_prompt",
+                                 "continue_final_message", "tools", "documents", "return_dict"})
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                chat_template: str | None = None) -> list[int]:
-    """Token ids of the conversation under `chat_template` (default: the tokenizer's); template
-    failures are the client's 400."""
+
+def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_template: str | None = None) -> list[int]:
+    """Token ids of the body's conversation under `chat_template` (default: the tokenizer's), with
+    its template options; template failures are the client's 400."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise APIError(400, "this model has no chat template; use /v1/completions, or serve it with "
                             "--chat-template", param="messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(400, "continue_final_message needs add_generation_prompt=false", param="continue_final_message")
+    extra = body.chat_template_kwargs or {}
+    if clash := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message, **extra)
     except Exception as exc:  # jinja's raise_exception (e.g. roles must alternate) and friends
         raise APIError(400, f"chat template failed: {exc}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -112,7 +121,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     for field in ("tools", "functions"):
         if getattr(body, field):
             raise APIError(400, f"{field} are not supported", param=field)
-    ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt, config.chat_template)
+    ids = render_chat(engine.tokenizer, body, config.chat_template)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
                                   max_tokens=requested)

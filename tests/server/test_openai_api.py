@@ -170,3 +170,28 @@ def test_chat_template_given_to_the_server_replaces_the_tokenizers(engine):
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(ids)
         # what lm-eval's remote tokenizer reads to format chats itself
         assert httpx.get(url + "/tokenizer_info", timeout=10).json()["chat_template"] == template
+
+
+def test_chat_template_options_reach_the_template(engine, base_url):
+    from tests.server.conftest import serve
+
+    def tokenize(url: str, **fields) -> httpx.Response:
+        return httpx.post(url + "/tokenize", json=fields, timeout=30)
+
+    tok = engine.tokenizer
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    ids = tokenize(base_url, messages=turns, add_generation_prompt=False, continue_final_message=True).json()["tokens"]
+    assert tok.decode(ids).endswith("The answer is")  # the turn left open for the model to go on
+    closed = tokenize(base_url, messages=turns, add_generation_prompt=False).json()["tokens"]
+    assert len(closed) > len(ids) and closed[:len(ids) - 1] == ids[:-1]
+    both = tokenize(base_url, messages=turns, continue_final_message=True)  # add_generation_prompt defaults true
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    body = {"messages": turns, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2}
+    assert httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]["prompt_tokens"] \
+        == len(ids)
+
+    with serve(engine, chat_template="{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}") as url:
+        loud = tokenize(url, messages=turns[:1], chat_template_kwargs={"shout": True}).json()["tokens"]
+        assert loud == tok.encode("LOUD hi", add_special_tokens=False)
+        clash = tokenize(url, messages=turns[:1], chat_template_kwargs={"tokenize": True})
+        assert clash.status_code == 400 and "tokenize" in clash.json()["error"]["message"]
