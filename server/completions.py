@@ -11,7 +11,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, completion_logprobs, token_namer
-from server.params import build_sampling_params, check_model_name, check_prompt_ids
+from server.params import build_sampling_params, check_model_name, check_prompt_ids, truncate_prompt
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
@@ -107,6 +107,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine_requests = []
     request_id = f"cmpl-{uuid.uuid4().hex}"
     for i, (prompt_text, ids) in enumerate(_prompts(body, engine.tokenizer)):
+        kept = truncate_prompt(ids, body.truncate_prompt_tokens, engine.max_model_len)
+        if len(kept) < len(ids):  # echo shows what the model saw
+            prompt_text, ids = None, kept
         max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
                                       max_tokens=body.max_tokens)
         wants_prompt_logprobs = body.echo and body.logprobs is not None

@@ -10,13 +10,35 @@ from server.errors import APIError
 from server.protocol import SamplingFields
 
 _INT64 = 2**63
-_CONSTRAINED_DECODING = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_NO_CONSTRAINED_DECODING = "is not supported (this server has no constrained decoding)"
+# fields that would change the output and that this engine cannot honour: refused, never dropped
+_UNSUPPORTED = {
+    "logit_bias": "is not supported",
+    "guided_json": _NO_CONSTRAINED_DECODING,
+    "guided_regex": _NO_CONSTRAINED_DECODING,
+    "guided_choice": _NO_CONSTRAINED_DECODING,
+    "guided_grammar": _NO_CONSTRAINED_DECODING,
+    "structured_outputs": _NO_CONSTRAINED_DECODING,
+    "allowed_token_ids": "is not supported",
+    "bad_words": "is not supported",
+    "logits_processors": "is not supported",
+    "use_beam_search": "is not supported (sampling and greedy only)",
+}
 
 
 def check_model_name(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(400, f"model {requested!r} is not served here; this server serves {served!r}",
                        param="model")
+
+
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: the context's worth; None: all)."""
+    if keep is None:
+        return prompt_ids
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+    return prompt_ids[-(max_model_len if keep == -1 else keep):]
 
 
 def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: int, max_tokens: int | None) -> int:
@@ -54,15 +76,12 @@ def build_sampling_params(
 
     if req.n > max_n:
         raise APIError(400, f"n must be at most {max_n}, got {req.n}", param="n")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported "
-                            "(this server has no constrained decoding)", param="response_format")
-    constrained = next((f for f in _CONSTRAINED_DECODING if getattr(req, f) is not None), None)
-    if constrained is not None:
-        raise APIError(400, f"{constrained} is not supported (this server has no constrained decoding)",
-                       param=constrained)
+        raise APIError(400, f"response_format other than {{\"type\": \"text\"}} {_NO_CONSTRAINED_DECODING}",
+                       param="response_format")
+    unsupported = next((f for f in _UNSUPPORTED if getattr(req, f)), None)  # empty or false asks nothing
+    if unsupported is not None:
+        raise APIError(400, f"{unsupported} {_UNSUPPORTED[unsupported]}", param=unsupported)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if req.seed is not None and not -_INT64 <= req.seed < _INT64:

@@ -3,7 +3,8 @@
 Requests accept the fields OpenAI clients send plus vLLM's sampling extensions (`top_k`,
 `min_p`, `ignore_eos`, ...). Unknown fields are ignored, because real clients add fields
 (`user`, `metadata`) that change nothing; fields that *would* change the output and that we
-cannot honour (`logit_bias`, `suffix`, tools, constrained decoding) are rejected by the handlers instead.
+cannot honour (`logit_bias`, `suffix`, tools, constrained decoding, beam search, ...) are
+rejected by the handlers instead.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class SamplingFields(_Request):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # vLLM's other output-shaping extensions this engine does not implement
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -98,6 +106,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # extend the last (assistant) message instead of opening a new one
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
+    chat_template: Any = None  # a per-request template: refused (the server's is set with --chat-template)
     tools: list[dict[str, Any]] | None = None
     functions: list[dict[str, Any]] | None = None  # tools' predecessor; refused alike
 

@@ -195,3 +195,13 @@ def test_chat_template_options_reach_the_template(engine, base_url):
         assert loud == tok.encode("LOUD hi", add_special_tokens=False)
         clash = tokenize(url, messages=turns[:1], chat_template_kwargs={"tokenize": True})
         assert clash.status_code == 400 and "tokenize" in clash.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(engine, base_url):
+    ids = list(range(100, 140))
+    body = {"prompt": ids, "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 8}
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == 8
+    assert r["choices"][0]["text"].startswith(engine.tokenizer.decode(ids[-8:]))  # echo: what the model saw
+    chat = {"messages": [{"role": "user", "content": "hello " * 30}], "max_tokens": 1, "truncate_prompt_tokens": 5}
+    assert httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60).json()["usage"]["prompt_tokens"] == 5
