@@ -127,9 +127,8 @@ class ModelRunner:
         slot_parts, groups, kernel_decode = [], [], None
         if decodes and self.backend == "c":
             kernel_decode = self._paged_decode(decodes)
-            last = kernel_decode.context_lens.long() - 1
-            blocks = kernel_decode.block_tables.long().gather(1, (last // bs).unsqueeze(1)).squeeze(1)
-            slot_parts.append(blocks * bs + last % bs)
+            # each decode token sits at position c.start; its slot in plain ints (tensor ops cost more here)
+            slot_parts.append(torch.tensor([c.request.block_ids[c.start // bs] * bs + c.start % bs for c in decodes]))
         elif decodes:
             groups = self._decode_groups(decodes, slot_parts)
         prefill_chunks, prefills, kernel_prefill = chunks[nd:], [], None
@@ -138,7 +137,8 @@ class ModelRunner:
             slot_parts += [self._slots(c.request.block_ids, c.start, c.start + c.num_tokens) for c in prefill_chunks]
         else:
             prefills = self._prefill_spans(prefill_chunks, nd, slot_parts)
-        return AttentionMetadata(torch.cat(slot_parts), nd, groups, prefills, kernel_decode, kernel_prefill)
+        slots = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
+        return AttentionMetadata(slots, nd, groups, prefills, kernel_decode, kernel_prefill)
 
     def _prefill_spans(self, prefill_chunks: list[ScheduledChunk], row: int,
                        slot_parts: list[torch.Tensor]) -> list[PrefillSpan]:

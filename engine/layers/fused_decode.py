@@ -114,8 +114,12 @@ class FusedDecode:
         self._cache_bound: object | None = None
         self._fp8_scales_bound: list[torch.Tensor] = []  # each layer's K and V scale tensors, as bound
         self._fp8_keep: list[torch.Tensor] = []
-        # every module a hook could watch, once each (the rotary table is shared by all layers)
-        self._observable = list(dict.fromkeys([m for layer in layers for m in layer.modules()] + [final_norm]))
+        # the hook dicts of every module a hook could watch (the rotary table is shared by all layers):
+        # torch registers and removes hooks in these same dicts, and testing ~600 dicts for emptiness
+        # costs ~35 µs a step where reading them through each module's attributes cost ~240 µs
+        # (after a step's weights have streamed through the caches, every object is a cache miss)
+        observable = dict.fromkeys([m for layer in layers for m in layer.modules()] + [final_norm])
+        self._hook_dicts = [d for m in observable for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     @classmethod
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module,
@@ -149,7 +153,7 @@ class FusedDecode:
                 and not meta.decode_groups
                 and cache.dtype in CACHE_TYPES and cache.k[0].device.type == "cpu"
                 and not (cache.is_fp8 and any(a.scales_pending for a in self._attention))
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in self._observable))
+                and not any(self._hook_dicts))
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """embeddings [T, hidden] → the final norm's output [T, hidden], the KV cache written."""
