@@ -60,6 +60,14 @@ def _penalized(row: SamplingRow) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum, as torch's). On the CPU numpy's is ~10x faster for a
+    vocabulary-wide fp32 row (4 against 54 µs here), a share of a small model's decode step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            ) -> tuple[list[int], list[LogprobsDict | None]]:
     """logits [N, vocab] fp32 → one token id per row, and top-n logprobs where asked."""
@@ -72,7 +80,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 
     if any(_penalized(r) for r in rows):
         logits = apply_penalties(logits.clone(), rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = _argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         sub = logits[random_rows]
@@ -86,7 +94,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=rows[i].generator or generator)
-        tokens[random_rows] = (probs / noise).argmax(dim=-1)
+        tokens[random_rows] = _argmax(probs / noise)
     token_list = tokens.tolist()
 
     for j, i in enumerate(want_logprobs):

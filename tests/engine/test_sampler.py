@@ -61,3 +61,13 @@ def test_logprobs_are_raw_and_include_chosen():
     ref = logits.log_softmax(-1)[0]
     assert set(ref.topk(3).indices.tolist()) <= set(lps[0])
     assert abs(lps[0][tokens[0]] - ref[tokens[0]].item()) < 1e-6
+
+
+def test_cpu_argmax_is_torchs_first_maximum():
+    from engine.sampler import _argmax
+
+    logits = torch.randn(8, 1000)
+    logits[3, [7, 500]] = 100.0  # a tie: the first index wins, as in torch
+    assert torch.equal(_argmax(logits), logits.argmax(dim=-1)) and _argmax(logits)[3] == 7
+    half = logits.to(torch.bfloat16)  # numpy has no bfloat16: torch's own argmax
+    assert torch.equal(_argmax(half), half.argmax(dim=-1))
