@@ -72,6 +72,12 @@ class ModelRunner:
             return "triton"
         return "c" if cpu_attention.available(kv_cache.dtype, device) else "torch"
 
+    def _decode_slots(self, decodes: list[ScheduledChunk]) -> torch.Tensor:
+        """Cache slots of single-token chunks (each token sits at position c.start), in plain ints:
+        a handful of tensor ops per step cost more than the arithmetic."""
+        bs = self.block_size
+        return torch.tensor([c.request.block_ids[c.start // bs] * bs + c.start % bs for c in decodes])
+
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of one request."""
         pos = torch.arange(start, end)
@@ -111,24 +117,24 @@ class ModelRunner:
         tables = self._block_tables(chunks, torch.int32)
         lengths = [c.num_tokens for c in chunks]
         query_start, seq_lens = self._query_start(chunks), self._context_lens(chunks)
-        owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
-        bs = self.block_size
-        slots = tables[owner, positions // bs].long() * bs + positions % bs
-        splits = 1
-        if num_decodes == len(chunks) and self.num_sms:
-            splits = triton_attention.decode_splits(len(chunks), self.kv_cache.k[0].shape[1], self.num_sms)
+        bs, splits = self.block_size, 1
+        if num_decodes == len(chunks):
+            slots = self._decode_slots(chunks)
+            if self.num_sms:
+                splits = triton_attention.decode_splits(len(chunks), self.kv_cache.k[0].shape[1], self.num_sms)
+        else:
+            owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
+            slots = tables[owner, positions // bs].long() * bs + positions % bs
         batch = TritonBatch(tables, query_start, seq_lens, max(lengths), bs, splits)
         return AttentionMetadata(slots, num_decodes, [], [], triton=batch)
 
     def _torch_metadata(self, chunks: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> AttentionMetadata:
         """Decode groups and one span per prompt chunk, or the C kernels' tables in their place."""
-        bs = self.block_size
         nd = len(decodes)
         slot_parts, groups, kernel_decode = [], [], None
         if decodes and self.backend == "c":
             kernel_decode = self._paged_decode(decodes)
-            # each decode token sits at position c.start; its slot in plain ints (tensor ops cost more here)
-            slot_parts.append(torch.tensor([c.request.block_ids[c.start // bs] * bs + c.start % bs for c in decodes]))
+            slot_parts.append(self._decode_slots(decodes))
         elif decodes:
             groups = self._decode_groups(decodes, slot_parts)
         prefill_chunks, prefills, kernel_prefill = chunks[nd:], [], None
