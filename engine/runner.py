@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
@@ -50,6 +51,8 @@ class ModelRunner:
         self.block_size = block_size
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        # request id → (its block_ids list, that list as int32): see _block_row
+        self.block_rows: dict[str, tuple[list[int], np.ndarray]] = {}
         self.device = kv_cache.k[0].device
         self.backend = self.default_backend(kv_cache) if backend == "auto" else backend
         if self.backend == "triton" and not triton_attention.available(self.device):
@@ -168,9 +171,30 @@ class ModelRunner:
 
     def _block_tables(self, chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
         """[n, max_blocks] block ids of each chunk's request, right-padded with block 0."""
-        width = max(len(c.request.block_ids) for c in chunks)
-        return torch.tensor([c.request.block_ids + [0] * (width - len(c.request.block_ids)) for c in chunks],
-                            dtype=dtype)
+        rows = [self._block_row(c.request) for c in chunks]
+        table = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int32)
+        for i, row in enumerate(rows):
+            table[i, :len(row)] = row
+        return torch.from_numpy(table).to(dtype)
+
+    def _block_row(self, request) -> np.ndarray:
+        """The request's block ids as int32, converted once and extended as blocks are added.
+
+        Converting whole lists each step cost ~1 ms at batch 8 with 32k-token contexts. A block
+        list only grows until the blocks are freed, and freeing gives the request a new list, so
+        a cached row is reused while it comes from the same list object.
+        """
+        ids = request.block_ids
+        cached = self.block_rows.get(request.request_id)
+        if cached is not None and cached[0] is ids:
+            row = cached[1]
+            if len(row) == len(ids):
+                return row
+            row = np.concatenate([row, np.asarray(ids[len(row):], dtype=np.int32)])
+        else:
+            row = np.asarray(ids, dtype=np.int32)
+        self.block_rows[request.request_id] = (ids, row)
+        return row
 
     @staticmethod
     def _context_lens(chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -263,3 +287,4 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
+        self.block_rows.pop(request_id, None)
