@@ -67,7 +67,10 @@ def _chat_template(value: str | None) -> str | None:
         return None
     path = Path(value)
     if path.is_file():
-        value = path.read_text()
+        try:
+            value = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {path}: {e}") from None
     elif "{" not in value:
         raise ValueError(f"--chat-template: no such file, and not a template: {value}")
     try:

@@ -70,7 +70,7 @@ def build_sampling_params(
     SamplingParams' own default."""
     defaults = defaults or {}
 
-    def field(name: str, fallback: float) -> float:
+    def given_or_default(name: str, fallback: float) -> float:
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
 
@@ -94,14 +94,14 @@ def build_sampling_params(
             n=req.n,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
-            temperature=field("temperature", 1.0),
-            top_p=field("top_p", 1.0),
-            top_k=field("top_k", 0),
-            min_p=field("min_p", 0.0),
+            temperature=given_or_default("temperature", 1.0),
+            top_p=given_or_default("top_p", 1.0),
+            top_k=given_or_default("top_k", 0),
+            min_p=given_or_default("min_p", 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=field("repetition_penalty", 1.0),
+            repetition_penalty=given_or_default("repetition_penalty", 1.0),
             stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,

@@ -133,6 +133,9 @@ def test_chat_template_and_generation_config_flags(tmp_path: Path):
         _chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="line 1"):
         _chat_template("{% for m in messages %}")
+    (tmp_path / "binary.jinja").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="cannot read"):
+        _chat_template(str(tmp_path / "binary.jinja"))
     import argparse
 
     parser = argparse.ArgumentParser()
