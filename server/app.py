@@ -49,8 +49,8 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         engine = state.ready_engine()
-        return ModelList(data=[ModelCard(id=config.served_model_name, root=config.model_root,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=config.model_root, max_model_len=engine.max_model_len)
+                               for name in config.model_names])
 
     @app.get("/health")
     async def health() -> Response:
@@ -70,7 +70,7 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         engine = state.ready_engine()
-        check_model_name(body.model, config.served_model_name)
+        check_model_name(body.model, config.model_names)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
@@ -82,7 +82,7 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         engine = state.ready_engine()
-        check_model_name(body.model, config.served_model_name)
+        check_model_name(body.model, config.model_names)
         vocab_size = len(engine.tokenizer)
         bad = next((t for t in body.tokens if t >= vocab_size), None)
         if bad is not None:

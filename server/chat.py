@@ -122,7 +122,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state: ServerState = request.app.state.driftgate
     engine = state.ready_engine()
     config = state.config
-    check_model_name(body.model, config.served_model_name)
+    check_model_name(body.model, config.model_names)
     for field, refusal in _UNSUPPORTED_IN_CHAT.items():
         if getattr(body, field):
             raise APIError(400, refusal, param=field)

@@ -85,7 +85,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder (HF layout, bf16 or a driftgate/compressed-tensors checkpoint)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000, help="0: any free port (the log says which)")
-    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the folder name)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="names clients may use, the first in responses (default: the folder name)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     parser.add_argument("--generation-config", choices=["auto", "none"], default="auto",
@@ -222,7 +223,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         config = ServerConfig(
-            served_model_name=args.served_model_name or Path(args.model).resolve().name,
+            served_model_name=args.served_model_name[0] if args.served_model_name else Path(args.model).resolve().name,
+            aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
             model_root=str(Path(args.model).resolve()),
             api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
             metrics_public=args.metrics_public, max_queue=args.max_queue,

@@ -100,7 +100,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state: ServerState = request.app.state.driftgate
     engine = state.ready_engine()
     config = state.config
-    check_model_name(body.model, config.served_model_name)
+    check_model_name(body.model, config.model_names)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     prompts = []

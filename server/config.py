@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class ServerConfig:
     """What the app needs to know beyond the engine: names, auth, limits."""
 
-    served_model_name: str
+    served_model_name: str  # what responses name the model
     model_root: str | None = None  # the served folder, reported as the model card's `root` (as vLLM does)
     api_key: str | None = None
     metrics_public: bool = False  # /health and /metrics open even when api_key is set
@@ -21,10 +21,15 @@ class ServerConfig:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's (--chat-template)
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call the API ("*": any); none by default
+    aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's extra --served-model-name values)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.aliases)
 
     def __post_init__(self) -> None:
-        if not self.served_model_name:
-            raise ValueError("served_model_name must be non-empty")
+        if not self.served_model_name or not all(self.aliases):
+            raise ValueError("served model names must be non-empty")
         if self.api_key == "":
             raise ValueError("api_key must be non-empty when given")
         if self.max_queue < 1:

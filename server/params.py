@@ -26,10 +26,10 @@ _UNSUPPORTED = {
 }
 
 
-def check_model_name(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(400, f"model {requested!r} is not served here; this server serves {served!r}",
-                       param="model")
+def check_model_name(requested: str | None, names: tuple[str, ...]) -> None:
+    if requested is not None and requested not in names:
+        raise APIError(400, f"model {requested!r} is not served here; this server serves "
+                            f"{', '.join(repr(n) for n in names)}", param="model")
 
 
 def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

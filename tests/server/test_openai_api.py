@@ -205,3 +205,16 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(engine, base_url):
     assert r["choices"][0]["text"].startswith(engine.tokenizer.decode(ids[-8:]))  # echo: what the model saw
     chat = {"messages": [{"role": "user", "content": "hello " * 30}], "max_tokens": 1, "truncate_prompt_tokens": 5}
     assert httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60).json()["usage"]["prompt_tokens"] == 5
+
+
+def test_aliases_are_accepted_and_listed(engine):
+    from tests.server.conftest import serve
+
+    with serve(engine, aliases=("gpt-3.5-turbo",)) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "gpt-3.5-turbo", "prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL_NAME  # responses use the first name
+        assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == [MODEL_NAME,
+                                                                                             "gpt-3.5-turbo"]
+        unknown = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "hi"}, timeout=10)
+        assert unknown.status_code == 400 and "'gpt-3.5-turbo'" in unknown.json()["error"]["message"]

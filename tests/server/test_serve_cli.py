@@ -145,7 +145,7 @@ def test_chat_template_and_generation_config_flags(tmp_path: Path):
         parser.parse_args(["m", "--generation-config", "vllm"])
 
 
-def test_generation_config_none_keeps_the_engine_defaults(tiny_model_dir: Path, tmp_path: Path, monkeypatch):
+def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Path, tmp_path: Path, monkeypatch):
     import shutil
 
     import server.cli
@@ -157,11 +157,15 @@ def test_generation_config_none_keeps_the_engine_defaults(tiny_model_dir: Path, 
     seen = []
 
     def record(app_engine, config):  # stop before serving: only the config matters here
-        seen.append(config.sampling_defaults)
+        seen.append(config)
         raise SystemExit(0)
 
     monkeypatch.setattr(server.cli, "build_app", record)
     for flag, defaults in (("auto", {"temperature": 0.25}), ("none", {})):
         with pytest.raises(SystemExit):
             main([str(folder), "--port", str(_free_port()), "--generation-config", flag])
-        assert seen.pop() == defaults
+        config = seen.pop()
+        assert config.sampling_defaults == defaults and config.model_names == ("model",)  # the folder's name
+    with pytest.raises(SystemExit):
+        main([str(folder), "--port", str(_free_port()), "--served-model-name", "smol", "gpt-4o-mini"])
+    assert seen.pop().model_names == ("smol", "gpt-4o-mini")
