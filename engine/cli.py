@@ -78,47 +78,34 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# `driftgate bench NAME` → (module, function adding its arguments, function running it, one-line help)
+BENCHES = {
+    "offline": ("bench.offline", "add_offline_args", "run_offline", "offline throughput and batch-1 decode vs HF"),
+    "serve": ("bench.serve", "add_bench_serve_args", "run_bench_serve", "load-test an OpenAI-compatible server"),
+    "ppl": ("bench.perplexity", "add_ppl_args", "run_ppl",
+            "WikiText-2 perplexity of checkpoints on a fixed token budget"),
+    "schemes": ("bench.schemes", "add_schemes_args", "run_schemes",
+                "decode and concurrent throughput per quantization scheme, llama.cpp side by side"),
+    "steps": ("bench.steps", "add_steps_args", "run_steps",
+              "engine step time per prefill length and decode batch (cluster-sim --calibrate-from)"),
+    "matmul": ("bench.matmul", "add_matmul_args", "run_matmul",
+               "the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"),
+    "attention": ("bench.attention", "add_attention_args", "run_attention",
+                  "the CPU prompt-attention kernel vs torch SDPA on the model's head shape"),
+    "router": ("bench.router", "add_router_args", "run_router",
+               "routing decisions per second of the coordinated router (fabricated replica states)"),
+}
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True)
-    from bench.attention import add_attention_args
-    from bench.matmul import add_matmul_args
-    from bench.offline import add_offline_args
-    from bench.perplexity import add_ppl_args
-    from bench.router import add_router_args
-    from bench.schemes import add_schemes_args
-    from bench.serve import add_bench_serve_args
-    from bench.steps import add_steps_args
-
-    add_offline_args(sub.add_parser("offline", help="offline throughput and batch-1 decode vs HF"))
-    add_bench_serve_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
-    add_ppl_args(sub.add_parser("ppl", help="WikiText-2 perplexity of checkpoints on a fixed token budget"))
-    add_schemes_args(sub.add_parser("schemes", help="decode and concurrent throughput per quantization scheme, "
-                                                    "llama.cpp side by side"))
-    add_steps_args(sub.add_parser("steps", help="engine step time per prefill length and decode batch "
-                                                "(cluster-sim --calibrate-from)"))
-    add_matmul_args(sub.add_parser("matmul", help="the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"))
-    add_attention_args(sub.add_parser("attention", help="the CPU prompt-attention kernel vs torch SDPA on the model's "
-                                                        "head shape"))
-    add_router_args(sub.add_parser("router", help="routing decisions per second of the coordinated router "
-                                                  "(fabricated replica states)"))
-
-
-# `driftgate bench NAME` → (module, function running it)
-BENCHES = {
-    "offline": ("bench.offline", "run_offline"),
-    "serve": ("bench.serve", "run_bench_serve"),
-    "ppl": ("bench.perplexity", "run_ppl"),
-    "schemes": ("bench.schemes", "run_schemes"),
-    "steps": ("bench.steps", "run_steps"),
-    "matmul": ("bench.matmul", "run_matmul"),
-    "attention": ("bench.attention", "run_attention"),
-    "router": ("bench.router", "run_router"),
-}
+    for name, (module, add_fn, _, help_text) in BENCHES.items():
+        getattr(importlib.import_module(module), add_fn)(sub.add_parser(name, help=help_text))
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """A missing or corrupt model, or missing data, is the user's to fix: one line, exit 2."""
-    module, run_fn = BENCHES[args.bench_command]
+    module, _, run_fn, _ = BENCHES[args.bench_command]
     try:
         return getattr(importlib.import_module(module), run_fn)(args)
     except (ValueError, FileNotFoundError) as e:

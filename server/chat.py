@@ -11,7 +11,13 @@ from engine.outputs import CompletionOutput, RequestOutput
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, chat_logprobs, token_namer
-from server.params import build_sampling_params, check_model_name, check_prompt_ids, truncate_prompt
+from server.params import (
+    build_sampling_params,
+    check_model_name,
+    check_prompt_ids,
+    refuse_unsupported,
+    truncate_prompt,
+)
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -27,11 +33,6 @@ from server.protocol import (
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 
-_UNSUPPORTED_IN_CHAT = {
-    "tools": "tools are not supported",
-    "functions": "functions are not supported",
-    "chat_template": "a request's own chat_template is not accepted; the server's is set with --chat-template",
-}
 # apply_chat_template's own arguments, which chat_template_kwargs must not override
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "chat_template", "tokenize", "add_generation_prompt",
                                  "continue_final_message", "tools", "documents", "return_dict"})
@@ -123,9 +124,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = state.ready_engine()
     config = state.config
     check_model_name(body.model, config.model_names)
-    for field, refusal in _UNSUPPORTED_IN_CHAT.items():
-        if getattr(body, field):
-            raise APIError(400, refusal, param=field)
+    refuse_unsupported(body)
     ids = truncate_prompt(render_chat(engine.tokenizer, body, config.chat_template), body.truncate_prompt_tokens,
                           engine.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -8,10 +8,15 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
-from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, completion_logprobs, token_namer
-from server.params import build_sampling_params, check_model_name, check_prompt_ids, truncate_prompt
+from server.params import (
+    build_sampling_params,
+    check_model_name,
+    check_prompt_ids,
+    refuse_unsupported,
+    truncate_prompt,
+)
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
@@ -101,8 +106,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = state.ready_engine()
     config = state.config
     check_model_name(body.model, config.model_names)
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
+    refuse_unsupported(body)
     prompts = []
     engine_requests = []
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -11,19 +11,34 @@ from server.protocol import SamplingFields
 
 _INT64 = 2**63
 _NO_CONSTRAINED_DECODING = "is not supported (this server has no constrained decoding)"
-# fields that would change the output and that this engine cannot honour: refused, never dropped
+# fields that would change the output and that this server cannot honour: refused by name, never
+# dropped (each route's body has its own subset of them)
 _UNSUPPORTED = {
-    "logit_bias": "is not supported",
-    "guided_json": _NO_CONSTRAINED_DECODING,
-    "guided_regex": _NO_CONSTRAINED_DECODING,
-    "guided_choice": _NO_CONSTRAINED_DECODING,
-    "guided_grammar": _NO_CONSTRAINED_DECODING,
-    "structured_outputs": _NO_CONSTRAINED_DECODING,
-    "allowed_token_ids": "is not supported",
-    "bad_words": "is not supported",
-    "logits_processors": "is not supported",
-    "use_beam_search": "is not supported (sampling and greedy only)",
+    "logit_bias": "logit_bias is not supported",
+    "guided_json": f"guided_json {_NO_CONSTRAINED_DECODING}",
+    "guided_regex": f"guided_regex {_NO_CONSTRAINED_DECODING}",
+    "guided_choice": f"guided_choice {_NO_CONSTRAINED_DECODING}",
+    "guided_grammar": f"guided_grammar {_NO_CONSTRAINED_DECODING}",
+    "structured_outputs": f"structured_outputs {_NO_CONSTRAINED_DECODING}",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "bad_words": "bad_words is not supported",
+    "logits_processors": "logits_processors is not supported",
+    "use_beam_search": "use_beam_search is not supported (sampling and greedy only)",
+    "suffix": "suffix is not supported",
+    "tools": "tools are not supported",
+    "functions": "functions are not supported",
+    "chat_template": "a request's own chat_template is not accepted; the server's is set with --chat-template",
 }
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """A 400 for the first field the body sets that this server cannot honour (empty or false asks nothing)."""
+    if body.response_format is not None and body.response_format != {"type": "text"}:
+        raise APIError(400, f"response_format other than {{\"type\": \"text\"}} {_NO_CONSTRAINED_DECODING}",
+                       param="response_format")
+    for name, message in _UNSUPPORTED.items():
+        if getattr(body, name, None):
+            raise APIError(400, message, param=name)
 
 
 def check_model_name(requested: str | None, names: tuple[str, ...]) -> None:
@@ -76,12 +91,6 @@ def build_sampling_params(
 
     if req.n > max_n:
         raise APIError(400, f"n must be at most {max_n}, got {req.n}", param="n")
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise APIError(400, f"response_format other than {{\"type\": \"text\"}} {_NO_CONSTRAINED_DECODING}",
-                       param="response_format")
-    unsupported = next((f for f in _UNSUPPORTED if getattr(req, f)), None)  # empty or false asks nothing
-    if unsupported is not None:
-        raise APIError(400, f"{unsupported} {_UNSUPPORTED[unsupported]}", param=unsupported)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if req.seed is not None and not -_INT64 <= req.seed < _INT64:

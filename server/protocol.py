@@ -4,7 +4,7 @@ Requests accept the fields OpenAI clients send plus vLLM's sampling extensions (
 `min_p`, `ignore_eos`, ...). Unknown fields are ignored, because real clients add fields
 (`user`, `metadata`) that change nothing; fields that *would* change the output and that we
 cannot honour (`logit_bias`, `suffix`, tools, constrained decoding, beam search, ...) are
-rejected by the handlers instead.
+rejected by `params.refuse_unsupported` instead.
 """
 
 from __future__ import annotations
