@@ -103,8 +103,10 @@ def test_api_key(engine):
 
 
 def test_timeout_is_504_and_frees_the_request(engine):
-    body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True}
-    with serve(engine, request_timeout_s=0.2) as url:
+    # 8 × 400 tokens take ≥ 0.12 s on a fast machine (the tiny model's step is ~0.1 ms), and
+    # their first tokens come within a few ms: a 0.05 s timeout falls between the two
+    body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "n": 8}
+    with serve(engine, request_timeout_s=0.05) as url:
         assert_openai_error(httpx.post(url + "/v1/completions", json=body, timeout=30), 504)
         wait_until_idle(engine, timeout_s=2)
         # a stream that times out after it started ends with an error event, then [DONE]

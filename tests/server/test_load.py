@@ -75,9 +75,13 @@ def test_non_streaming_disconnect_aborts(engine, base_url):
 def test_health_stays_fast_while_saturated(engine, base_url):
     async def probe() -> list[float]:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as http:
-            # near the tiny model's context: the batch must outlast the probes (decode is fast now)
-            body = {**LONG, "max_tokens": 480}
-            load = [asyncio.create_task(http.post(base_url + "/v1/completions", json=body)) for _ in range(8)]
+            probing = True
+
+            async def keep_busy() -> None:  # a new long request as soon as one ends, however fast decode is
+                while probing:
+                    await http.post(base_url + "/v1/completions", json={**LONG, "max_tokens": 480})
+
+            load = [asyncio.create_task(keep_busy()) for _ in range(8)]
             for _ in range(50):  # let the batch fill up
                 await asyncio.sleep(0.05)
                 if engine.stats().num_running == 8:
@@ -91,6 +95,7 @@ def test_health_stays_fast_while_saturated(engine, base_url):
                 assert r.status_code == 200
                 await asyncio.sleep(0.05)
             assert engine.stats().num_running > 0  # still saturated when the last probe returned
+            probing = False
             for task in load:
                 task.cancel()
             await asyncio.gather(*load, return_exceptions=True)
