@@ -172,10 +172,12 @@ class LLMEngine:
         if blocks_needed > self.block_manager.num_blocks:
             raise ValueError(f"the prompt needs {blocks_needed} KV blocks but the cache has "
                              f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes")
+        params.check_vocabulary(self.model.args.vocab_size)
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
-        seq_params = dataclasses.replace(params, stop_token_ids=stop_ids)
+        seq_params = dataclasses.replace(params, stop_token_ids=stop_ids,
+                                         bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         sequences = []
         for i in range(params.n):
             p = seq_params if params.seed is None or i == 0 else dataclasses.replace(seq_params, seed=params.seed + i)
@@ -186,6 +188,12 @@ class LLMEngine:
         prompt_lp = [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
         return _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                              sequences, prompt_lp)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as it would appear at the start of the text and after a space."""
+        variants = {tuple(self.tokenizer.encode(prefix + word.strip(), add_special_tokens=False))
+                    for word in words for prefix in ("", " ")}
+        return sorted(list(v) for v in variants if v)
 
     def submit(self, state: _RequestState) -> str:
         """Queue a request made by `make_request` (engine thread only)."""
@@ -271,7 +279,7 @@ class LLMEngine:
         req = seq.request
         new_text = seq.detok.append(token)
         stops = req.params.stop
-        if stops and new_text and not req.status.is_finished:
+        if stops and new_text and not req.status.is_finished and req.num_output_tokens >= req.params.min_tokens:
             hit = find_stop(seq.detok.text, len(new_text), stops)
             if hit is not None:
                 idx, stop = hit

@@ -1,4 +1,5 @@
-"""Turn next-token logits into tokens, per request: penalties, greedy or filtered sampling, logprobs.
+"""Turn next-token logits into tokens, per request: constraints, penalties, greedy or filtered
+sampling, logprobs.
 
 Logprobs are reported from the raw model distribution (before penalties and temperature), as
 vLLM does by default: they describe the model, which is what the evals compare.
@@ -22,6 +23,34 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded per request; None → the engine's generator
+
+
+def _banned(row: SamplingRow) -> list[int]:
+    """Tokens the row may not take next: stop tokens before min_tokens, and the last token of
+    every bad word whose other tokens end the output so far."""
+    p, output = row.params, row.output_token_ids
+    banned = list(p.stop_token_ids) if len(output) < p.min_tokens else []
+    for *head, last in p.bad_words_token_ids:
+        if not head or output[-len(head):] == head:
+            banned.append(last)
+    return banned
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """allowed_token_ids, logit_bias, then bans (min_tokens, bad_words): vLLM's order, before penalties."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids is not None:
+            allowed = torch.tensor(p.allowed_token_ids)
+            kept = logits[i, allowed]
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        if p.logit_bias:
+            logits[i, torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        banned = _banned(row)
+        if banned:
+            logits[i, banned] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -55,9 +84,12 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _penalized(row: SamplingRow) -> bool:
+def _adjusted(row: SamplingRow) -> bool:
+    """Whether constraints or penalties change the row's logits (the common row skips both)."""
     p = row.params
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                or p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
+                or (p.stop_token_ids and len(row.output_token_ids) < p.min_tokens))
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -71,15 +103,15 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            ) -> tuple[list[int], list[LogprobsDict | None]]:
     """logits [N, vocab] fp32 → one token id per row, and top-n logprobs where asked."""
-    if logits.device.type != "cpu" and not all(r.params.is_greedy and not _penalized(r) for r in rows):
+    if logits.device.type != "cpu" and not all(r.params.is_greedy and not _adjusted(r) for r in rows):
         # sampling parameters and per-request generators live on the CPU; greedy rows stay on the GPU
         logits = logits.cpu()
     logprobs_out: list[LogprobsDict | None] = [None] * len(rows)
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
 
-    if any(_penalized(r) for r in rows):
-        logits = apply_penalties(logits.clone(), rows)
+    if any(_adjusted(r) for r in rows):
+        logits = apply_penalties(apply_constraints(logits.clone(), rows), rows)
     tokens = _argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:

@@ -11,7 +11,10 @@ class SamplingParams:
 
     temperature 0 means exact argmax (greedy). Penalties follow OpenAI's definitions
     (presence/frequency, additive on logits) and vLLM's repetition penalty (divide positive
-    logits, multiply negative ones, over prompt and output tokens).
+    logits, multiply negative ones, over prompt and output tokens). Before them, as in vLLM, the
+    logits are constrained: only `allowed_token_ids` stay, `logit_bias` is added (OpenAI's
+    [-100, 100]), no stop token before `min_tokens`, and no token that would complete one of
+    `bad_words` (the engine tokenizes them into `bad_words_token_ids`).
     """
 
     n: int = 1
@@ -35,10 +38,16 @@ class SamplingParams:
     # context): earlier positions may then come from the prefix cache and are reported as None.
     prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # filled by the engine from bad_words
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.top_k == -1:
             self.top_k = 0
         if self.n < 1:
@@ -65,6 +74,21 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 raise ValueError(f"{name} must be in [0, 20], got {value}")
+        if self.logit_bias is not None:
+            bad = next((v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bad}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if any(not word.strip() for word in self.bad_words):
+            raise ValueError("bad_words must be non-empty words")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids the params name must be rows of the logits (ValueError naming the field)."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = next((t for t in getattr(self, name) or () if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:

@@ -134,7 +134,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                   prompt_logprobs=None, defaults=config.sampling_defaults)
+                                   prompt_logprobs=None, vocab_size=len(engine.tokenizer),
+                                   defaults=config.sampling_defaults)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = RequestRecord(request_id)
     request.state.record = record

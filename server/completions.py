@@ -119,7 +119,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         wants_prompt_logprobs = body.echo and body.logprobs is not None
         params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n, logprobs=body.logprobs,
                                        prompt_logprobs=body.logprobs if wants_prompt_logprobs else None,
-                                       defaults=config.sampling_defaults)
+                                       vocab_size=len(engine.tokenizer), defaults=config.sampling_defaults)
         prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))
         engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params))
 

@@ -14,14 +14,11 @@ _NO_CONSTRAINED_DECODING = "is not supported (this server has no constrained dec
 # fields that would change the output and that this server cannot honour: refused by name, never
 # dropped (each route's body has its own subset of them)
 _UNSUPPORTED = {
-    "logit_bias": "logit_bias is not supported",
     "guided_json": f"guided_json {_NO_CONSTRAINED_DECODING}",
     "guided_regex": f"guided_regex {_NO_CONSTRAINED_DECODING}",
     "guided_choice": f"guided_choice {_NO_CONSTRAINED_DECODING}",
     "guided_grammar": f"guided_grammar {_NO_CONSTRAINED_DECODING}",
     "structured_outputs": f"structured_outputs {_NO_CONSTRAINED_DECODING}",
-    "allowed_token_ids": "allowed_token_ids is not supported",
-    "bad_words": "bad_words is not supported",
     "logits_processors": "logits_processors is not supported",
     "use_beam_search": "use_beam_search is not supported (sampling and greedy only)",
     "suffix": "suffix is not supported",
@@ -77,7 +74,7 @@ def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: i
 
 def build_sampling_params(
     req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None,
-    defaults: dict[str, float] | None = None,
+    vocab_size: int, defaults: dict[str, float] | None = None,
 ) -> SamplingParams:
     """Map OpenAI/vLLM fields onto `SamplingParams`; its own validation errors become 400s.
 
@@ -99,7 +96,11 @@ def build_sampling_params(
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
     try:
-        return SamplingParams(
+        logit_bias = {int(token): bias for token, bias in req.logit_bias.items()} if req.logit_bias else None
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
+    try:
+        params = SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -118,7 +119,12 @@ def build_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=list(req.bad_words or []),
         )
+        params.check_vocabulary(vocab_size)
+        return params
     except ValueError as exc:
         message = str(exc)
         raise APIError(400, message, param=message.split(" ", 1)[0]) from None

@@ -3,7 +3,7 @@
 Requests accept the fields OpenAI clients send plus vLLM's sampling extensions (`top_k`,
 `min_p`, `ignore_eos`, ...). Unknown fields are ignored, because real clients add fields
 (`user`, `metadata`) that change nothing; fields that *would* change the output and that we
-cannot honour (`logit_bias`, `suffix`, tools, constrained decoding, beam search, ...) are
+cannot honour (`suffix`, tools, constrained decoding, beam search, ...) are
 rejected by `params.refuse_unsupported` instead.
 """
 
@@ -48,8 +48,10 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) → bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
     # Accepted so we can refuse them with a clear message instead of silently ignoring them.
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     # constrained decoding (OpenAI's JSON mode / schemas, vLLM's guided_* and structured_outputs): the
     # engine samples from the whole vocabulary, so a client relying on these would get free text
@@ -60,8 +62,6 @@ class SamplingFields(_Request):
     guided_grammar: Any = None
     structured_outputs: Any = None
     # vLLM's other output-shaping extensions this engine does not implement
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
     # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds)

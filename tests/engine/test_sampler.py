@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sampler import SamplingRow, apply_penalties, sample
@@ -71,3 +72,63 @@ def test_cpu_argmax_is_torchs_first_maximum():
     assert torch.equal(_argmax(logits), logits.argmax(dim=-1)) and _argmax(logits)[3] == 7
     half = logits.to(torch.bfloat16)  # numpy has no bfloat16: torch's own argmax
     assert torch.equal(_argmax(half), half.argmax(dim=-1))
+
+
+def test_allowed_token_ids_limit_greedy_and_sampled_choices():
+    logits = torch.randn(2, 50)
+    allowed = [3, 17, 41]
+    g = torch.Generator().manual_seed(0)
+    rows = [_row(temperature=0.0, allowed_token_ids=allowed), _row(temperature=1.0, allowed_token_ids=allowed)]
+    seen = {t for _ in range(200) for t in sample(logits.clone(), rows, g)[0]}
+    assert seen <= set(allowed) and len(seen) > 1
+    assert sample(logits[:1].clone(), rows[:1])[0] == [allowed[int(logits[0, allowed].argmax())]]
+
+
+def test_logit_bias_is_added_before_sampling():
+    logits = torch.zeros(1, 10)
+    logits[0, 2] = 5.0
+    assert sample(logits.clone(), [_row(temperature=0.0, logit_bias={7: 6.0})])[0] == [7]
+    assert sample(logits.clone(), [_row(temperature=0.0, logit_bias={2: -100.0})])[0] != [2]
+
+
+def test_min_tokens_bans_stop_tokens_until_reached():
+    logits = torch.zeros(1, 10)
+    logits[0, 9] = 50.0  # the stop token is by far the likeliest
+    def pick(num_output: int) -> int:
+        row = SamplingRow(SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9]), [1], [4] * num_output, None)
+        return sample(logits.clone(), [row])[0][0]
+    assert [pick(n) for n in range(5)] == [0, 0, 0, 9, 9]
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    logits = torch.zeros(1, 10)
+    logits[0, 5] = 10.0
+    def pick(output: list[int], words: list[list[int]]) -> int:
+        row = SamplingRow(SamplingParams(temperature=0.0), [1], output, None)
+        row.params.bad_words_token_ids = words
+        return sample(logits.clone(), [row])[0][0]
+    assert pick([], [[5]]) != 5  # a one-token word is never sampled
+    assert pick([2, 3], [[3, 5]]) != 5  # the output ends with the word's head
+    assert pick([3, 2], [[3, 5]]) == 5  # it does not
+    assert pick([], [[3, 5]]) == 5
+
+
+def test_constraints_leave_unconstrained_rows_and_raw_logprobs_alone():
+    logits = torch.randn(2, 30)
+    rows = [_row(temperature=0.0, logprobs=1, logit_bias={0: 100.0}), _row(temperature=0.0)]
+    tokens, lps = sample(logits.clone(), rows)
+    assert tokens == [0, int(logits[1].argmax())]
+    assert abs(lps[0][0] - logits.log_softmax(-1)[0, 0].item()) < 1e-6  # logprobs describe the model
+
+
+def test_constraint_params_are_validated():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+    with pytest.raises(ValueError, match="allowed_token_ids token id 99"):
+        SamplingParams(allowed_token_ids=[1, 99]).check_vocabulary(50)
+    with pytest.raises(ValueError, match="logit_bias token id -1"):
+        SamplingParams(logit_bias={-1: 1.0}).check_vocabulary(50)

@@ -119,6 +119,27 @@ def test_token_id_and_batched_prompts(client):
     assert batch.usage.prompt_tokens == 6
 
 
+def _token_ids(choice) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, engine):
+    ids_of = {"return_tokens_as_token_ids": True}
+    forced = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={"42": 100}, extra_body=ids_of)
+    assert _token_ids(forced.choices[0]) == [42] * 4
+    sampled = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, logprobs=0,
+                                        extra_body={**ids_of, "allowed_token_ids": [40, 41]})
+    assert set(_token_ids(sampled.choices[0])) <= {40, 41}
+    word = engine.tokenizer.decode([42])
+    banned = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={"42": 100}, extra_body={**ids_of, "bad_words": [word]})
+    assert 42 not in _token_ids(banned.choices[0])
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3, temperature=0,
+                                          logit_bias={"42": 100})
+    assert chat.choices[0].message.content == word * 3
+
+
 def test_models_tokenize_detokenize_version(base_url):
     with httpx.Client(base_url=base_url, timeout=10) as http:
         models = http.get("/v1/models").json()
