@@ -21,7 +21,7 @@ $(BIN)/driftgate: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e '.[dev,cluster]'
+	$(PYTHON) -m pip install -q -e '.[dev,cluster,structured]'
 	touch $@
 
 setup: $(BIN)/driftgate

@@ -1,8 +1,9 @@
-"""driftgate's inference engine: `from engine import LLM, SamplingParams`."""
+"""driftgate's inference engine: `from engine import LLM, SamplingParams, StructuredOutputs`."""
 
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputs
 
 
 def __getattr__(name: str):
@@ -18,5 +19,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineStats"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "StructuredOutputs", "RequestOutput",
+           "CompletionOutput", "EngineStats"]

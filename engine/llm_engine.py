@@ -20,6 +20,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import Request, RequestStatus
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
 
 
@@ -99,6 +100,7 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, config.max_num_seqs,
                                               self.max_model_len, pad_slot=capacity)
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[str, _RequestState] = {}  # sequence id → its request
         self._counter = itertools.count()
@@ -178,11 +180,12 @@ class LLMEngine:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
         seq_params = dataclasses.replace(params, stop_token_ids=stop_ids,
                                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         sequences = []
         for i in range(params.n):
             p = seq_params if params.seed is None or i == 0 else dataclasses.replace(seq_params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            sequences.append(_SequenceState(Request(seq_id, prompt_ids, p),
+            sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar),
                                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                             [] if params.logprobs is not None else None))
         prompt_lp = [None] * len(prompt_ids) if params.prompt_logprobs is not None else None

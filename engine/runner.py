@@ -23,6 +23,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.outputs import LogprobsDict
 from engine.sampler import SamplingRow, prompt_logprobs, sample
 from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.structured_output import new_matcher
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class ModelRunner:
         self.block_size = block_size
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
         # request id → (its block_ids list, that list as int32): see _block_row
         self.block_rows: dict[str, tuple[list[int], np.ndarray]] = {}
         self.device = kv_cache.k[0].device
@@ -283,8 +285,14 @@ class ModelRunner:
             if gen is None:
                 gen = torch.Generator().manual_seed(request.params.seed)
                 self.request_generators[request.request_id] = gen
-        return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen)
+        matcher = None
+        if request.grammar is not None:
+            matcher = self.request_matchers.get(request.request_id)
+            if matcher is None:
+                matcher = self.request_matchers[request.request_id] = new_matcher(request.grammar)
+        return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen, matcher)
 
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
+        self.request_matchers.pop(request_id, None)
         self.block_rows.pop(request_id, None)

@@ -8,11 +8,13 @@ vLLM does by default: they describe the model, which is what the evals compare.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.outputs import LogprobsDict
 from engine.sampling_params import SamplingParams
+from engine.structured_output import mask_logits
 
 
 @dataclass(slots=True)
@@ -23,6 +25,11 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded per request; None → the engine's generator
+    matcher: Any = None  # the sequence's grammar matcher (structured outputs), advanced by each sampled token
+
+    @property
+    def grammar_active(self) -> bool:
+        return self.matcher is not None and not self.matcher.is_terminated()
 
 
 def _banned(row: SamplingRow) -> list[int]:
@@ -37,7 +44,11 @@ def _banned(row: SamplingRow) -> list[int]:
 
 
 def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """allowed_token_ids, logit_bias, then bans (min_tokens, bad_words): vLLM's order, before penalties."""
+    """Grammars, allowed_token_ids, logit_bias, then bans (min_tokens, bad_words): vLLM's order,
+    before penalties."""
+    grammar_rows = [i for i, row in enumerate(rows) if row.grammar_active]
+    if grammar_rows:
+        mask_logits(logits, grammar_rows, [rows[i].matcher for i in grammar_rows])
     for i, row in enumerate(rows):
         p = row.params
         if p.allowed_token_ids is not None:
@@ -87,7 +98,7 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
 def _adjusted(row: SamplingRow) -> bool:
     """Whether constraints or penalties change the row's logits (the common row skips both)."""
     p = row.params
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or row.grammar_active
                 or p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
                 or (p.stop_token_ids and len(row.output_token_ids) < p.min_tokens))
 
@@ -128,6 +139,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
             noise[j].exponential_(generator=rows[i].generator or generator)
         tokens[random_rows] = _argmax(probs / noise)
     token_list = tokens.tolist()
+    for row, token in zip(rows, token_list, strict=True):
+        if row.grammar_active:
+            row.matcher.accept_token(token)
 
     for j, i in enumerate(want_logprobs):
         row_lp = raw_logprobs[j]

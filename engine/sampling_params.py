@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutputs
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -14,7 +16,8 @@ class SamplingParams:
     logits, multiply negative ones, over prompt and output tokens). Before them, as in vLLM, the
     logits are constrained: only `allowed_token_ids` stay, `logit_bias` is added (OpenAI's
     [-100, 100]), no stop token before `min_tokens`, and no token that would complete one of
-    `bad_words` (the engine tokenizes them into `bad_words_token_ids`).
+    `bad_words` (the engine tokenizes them into `bad_words_token_ids`). `structured_outputs`
+    holds the output to JSON, a schema, a regex, a choice or a grammar.
     """
 
     n: int = 1
@@ -42,6 +45,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # filled by the engine from bad_words
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

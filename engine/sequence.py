@@ -27,10 +27,10 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
-                 "num_cached_tokens", "stop_reason", "first_token_time")
+                 "num_cached_tokens", "stop_reason", "first_token_time", "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, grammar=None):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         self.request_id = request_id
@@ -46,6 +46,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not yet admitted)
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
+        self.grammar = grammar  # params.structured_outputs compiled for this tokenizer, or None
 
     @property
     def num_tokens(self) -> int:

@@ -6,19 +6,14 @@ Everything a client can get wrong is a 400 here, before the engine sees the requ
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputs
 from server.errors import APIError
 from server.protocol import SamplingFields
 
 _INT64 = 2**63
-_NO_CONSTRAINED_DECODING = "is not supported (this server has no constrained decoding)"
 # fields that would change the output and that this server cannot honour: refused by name, never
 # dropped (each route's body has its own subset of them)
 _UNSUPPORTED = {
-    "guided_json": f"guided_json {_NO_CONSTRAINED_DECODING}",
-    "guided_regex": f"guided_regex {_NO_CONSTRAINED_DECODING}",
-    "guided_choice": f"guided_choice {_NO_CONSTRAINED_DECODING}",
-    "guided_grammar": f"guided_grammar {_NO_CONSTRAINED_DECODING}",
-    "structured_outputs": f"structured_outputs {_NO_CONSTRAINED_DECODING}",
     "logits_processors": "logits_processors is not supported",
     "use_beam_search": "use_beam_search is not supported (sampling and greedy only)",
     "suffix": "suffix is not supported",
@@ -30,9 +25,6 @@ _UNSUPPORTED = {
 
 def refuse_unsupported(body: SamplingFields) -> None:
     """A 400 for the first field the body sets that this server cannot honour (empty or false asks nothing)."""
-    if body.response_format is not None and body.response_format != {"type": "text"}:
-        raise APIError(400, f"response_format other than {{\"type\": \"text\"}} {_NO_CONSTRAINED_DECODING}",
-                       param="response_format")
     for name, message in _UNSUPPORTED.items():
         if getattr(body, name, None):
             raise APIError(400, message, param=name)
@@ -72,6 +64,52 @@ def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: i
     return max_tokens
 
 
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _response_format(value: dict) -> dict | None:
+    """OpenAI's response_format as a structured_outputs field (None for plain text)."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise ValueError("json_schema needs json_schema.schema")
+        return {"json": schema}
+    raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputs | None:
+    """The one output constraint the request asks for, from whichever field it used (400 if several)."""
+    asked = {}
+    if req.structured_outputs is not None:
+        asked["structured_outputs"] = req.structured_outputs
+    asked.update({name: {kind: getattr(req, name)} for name, kind in _GUIDED.items() if getattr(req, name) is not None})
+    if req.response_format is not None:
+        try:
+            fields = _response_format(req.response_format)
+        except ValueError as exc:
+            raise APIError(400, f"response_format: {exc}", param="response_format") from None
+        if fields is not None:
+            asked["response_format"] = fields
+    if len(asked) > 1:
+        raise APIError(400, f"give one output constraint, not {' and '.join(asked)}", param=list(asked)[1])
+    if not asked:
+        return None
+    (name, fields), = asked.items()
+    unknown = sorted(set(fields) - set(StructuredOutputs.__dataclass_fields__))
+    if unknown:
+        raise APIError(400, f"{name}: unknown field {unknown[0]!r}; the fields are "
+                            f"{', '.join(StructuredOutputs.__dataclass_fields__)}", param=name)
+    try:
+        return StructuredOutputs(**fields)
+    except (TypeError, ValueError) as exc:  # TypeError: a value of the wrong type for xgrammar
+        raise APIError(400, f"{name}: {exc}", param=name) from None
+
+
 def build_sampling_params(
     req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None,
     vocab_size: int, defaults: dict[str, float] | None = None,
@@ -99,6 +137,7 @@ def build_sampling_params(
         logit_bias = {int(token): bias for token, bias in req.logit_bias.items()} if req.logit_bias else None
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
+    constraint = structured_outputs(req)
     try:
         params = SamplingParams(
             n=req.n,
@@ -122,6 +161,7 @@ def build_sampling_params(
             logit_bias=logit_bias,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=list(req.bad_words or []),
+            structured_outputs=constraint,
         )
         params.check_vocabulary(vocab_size)
         return params

@@ -3,7 +3,7 @@
 Requests accept the fields OpenAI clients send plus vLLM's sampling extensions (`top_k`,
 `min_p`, `ignore_eos`, ...). Unknown fields are ignored, because real clients add fields
 (`user`, `metadata`) that change nothing; fields that *would* change the output and that we
-cannot honour (`suffix`, tools, constrained decoding, beam search, ...) are
+cannot honour (`suffix`, tools, beam search, ...) are
 rejected by `params.refuse_unsupported` instead.
 """
 
@@ -51,16 +51,15 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) → bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
     bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    # structured outputs: OpenAI's JSON mode and schemas, vLLM's structured_outputs and guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted so we can refuse them with a clear message instead of silently ignoring them.
     best_of: int | None = None
-    # constrained decoding (OpenAI's JSON mode / schemas, vLLM's guided_* and structured_outputs): the
-    # engine samples from the whole vocabulary, so a client relying on these would get free text
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     # vLLM's other output-shaping extensions this engine does not implement
     logits_processors: Any = None
     use_beam_search: Any = None

@@ -192,6 +192,9 @@ BODIES = [
     ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 5, "prompt_logprobs": 2, "n": 2,
                          "temperature": 0.8, "seed": 3}),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 8, "guided_regex": "[0-9]{3}-(ab|cd)", "min_tokens": 2,
+                         "logit_bias": {"40": 5}, "bad_words": ["12"], "temperature": 0.8, "seed": 1}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "response_format": {"type": "json_object"}}),
 ]
 
 

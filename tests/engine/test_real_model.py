@@ -80,3 +80,21 @@ def test_chat_generates_coherent_text(real_model_dir):
                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_structured_outputs_on_the_real_model(real_model_dir):
+    """JSON by schema and a choice from SmolLM2 itself: parseable, on schema, and still on topic."""
+    import json
+
+    from engine.structured_output import StructuredOutputs
+
+    llm = LLM(str(real_model_dir))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    question = [{"role": "user", "content": "What is the capital of France? Answer in JSON with city and country."}]
+    constrained = [StructuredOutputs(json=schema), StructuredOutputs(choice=["Paris", "London", "Berlin"])]
+    outs = [llm.chat(question, SamplingParams(temperature=0, max_tokens=48, structured_outputs=c), use_tqdm=False)[0]
+            for c in constrained]
+    answer = json.loads(outs[0].outputs[0].text)
+    assert set(answer) == {"city", "country"} and "Paris" in answer["city"]
+    assert outs[1].outputs[0].text == "Paris" and outs[1].outputs[0].finish_reason == "stop"

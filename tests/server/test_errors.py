@@ -39,9 +39,15 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"prompt": "hi", "bad_words": [""]}, "bad_words"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt": "hi", "guided_choice": ["yes", "no"]}, "guided_choice"),
-    ({"prompt": "hi", "structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
+    ({"prompt": "hi", "guided_choice": []}, "guided_choice"),
+    ({"prompt": "hi", "guided_regex": "[0-9"}, "guided_regex"),
+    ({"prompt": "hi", "guided_json": {"type": 5}}, "guided_json"),
+    ({"prompt": "hi", "guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"prompt": "hi", "structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+    ({"prompt": "hi", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
@@ -65,8 +71,6 @@ def test_malformed_json_and_chat_400s(base_url):
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}, "response_format"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"chat_template": "{{ messages[0]['content'] }}"}, "chat_template"),
 ])
 def test_chat_refuses_what_it_cannot_honour(base_url, extra, param):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import pytest
 
@@ -138,6 +141,26 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client, engine):
     chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3, temperature=0,
                                           logit_bias={"42": 100})
     assert chat.choices[0].message.content == word * 3
+
+
+def test_structured_outputs_through_every_field(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert set(json.loads(chat.choices[0].message.content)) == {"ok"}, chat.choices[0]
+    mode = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=60, temperature=0,
+                                          response_format={"type": "json_object"})
+    assert mode.choices[0].finish_reason == "length" or isinstance(json.loads(mode.choices[0].message.content), dict)
+    choices = ["Paris", "Lyon"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3,
+                                        extra_body=extra)
+        assert {c.text for c in out.choices} <= set(choices)
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", "".join(chunk.choices[0].text for chunk in stream if chunk.choices))
 
 
 def test_models_tokenize_detokenize_version(base_url):

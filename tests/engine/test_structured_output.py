@@ -1,0 +1,67 @@
+"""Structured outputs: every output matches its constraint, sequences keep their own matchers."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.structured_output import StructuredOutputs
+
+pytest.importorskip("xgrammar")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", max_model_len=256)
+
+
+def _generate(llm, constraint: StructuredOutputs | None, n: int = 1, temperature: float = 0.0, max_tokens: int = 48):
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n, seed=3, structured_outputs=constraint)
+    return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_match_choice_regex_and_grammar(llm, temperature):
+    for constraint, accepts in [
+        (StructuredOutputs(choice=["yes", "no", 'say "maybe"']), lambda t: t in ("yes", "no", 'say "maybe"')),
+        (StructuredOutputs(regex=r"[0-9]{3}-(ab|cd)"), lambda t: re.fullmatch(r"[0-9]{3}-(ab|cd)", t)),
+        (StructuredOutputs(grammar='root ::= "x" yz yz "."\nyz ::= "y" | "z"'), lambda t: re.fullmatch(r"x[yz]{2}\.", t)),
+    ]:
+        for out in _generate(llm, constraint, n=3, temperature=temperature):
+            assert accepts(out.text) and out.finish_reason == "stop", (constraint.kind, out.text)
+
+
+def test_json_schema_output_parses_and_follows_the_schema(llm):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m"]}},
+              "required": ["ok", "size"], "additionalProperties": False}
+    for out in _generate(llm, StructuredOutputs(json=schema), n=2, temperature=1.0, max_tokens=120):
+        value = json.loads(out.text)
+        assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and value["size"] in ("s", "m")
+
+
+def test_constrained_and_free_sequences_share_a_batch(llm):
+    free_alone = _generate(llm, None)[0].token_ids
+    constrained = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputs(choice=["ok"]))
+    both = llm.generate([[5, 6, 7], [5, 6, 7]], [constrained, SamplingParams(temperature=0.0, max_tokens=48)],
+                        use_tqdm=False)
+    assert both[0].outputs[0].text == "ok"
+    assert both[1].outputs[0].token_ids == free_alone  # the mask touched only its own row
+    assert not llm.engine.runner.request_matchers  # each finished sequence's matcher is released
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"regex": "[0-9"}, "regex: .*Unclosed"),
+    ({"json": {"type": 5}}, "json: "),
+    ({"json": "{not json"}, "json: .*JSON"),
+    ({"grammar": "root ::= "}, "grammar: "),
+    ({"choice": []}, "choice must be"),
+    ({"regex": 5}, "regex must be a string"),
+])
+def test_bad_constraints_are_refused_with_the_reason(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputs(**kwargs)
