@@ -21,13 +21,14 @@
 #include "rotary.c"
 
 /* A Linear's kernel and operands, as engine/layers/fused_decode.py describes them. */
-enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_FP8 = 4, LINEAR_FP8_DOT = 5 };
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_FP8 = 4, LINEAR_FP8_DOT = 5,
+       LINEAR_INT4 = 6 };
 
 typedef struct {
     int32_t kind, n, k, group_size, act;
     float input_scale;    /* ACT_FP8_STATIC */
     const void *weight;   /* panels in the kernel's layout */
-    const void *scales;   /* int8 and fp8: scale panels; w8a8 and fp8 dot: per-channel scales */
+    const void *scales;   /* int8, int4 and fp8: scale panels; w8a8 and fp8 dot: per-channel scales */
     const int32_t *sums;  /* w8a8: 128 · row sums */
     const float *bias;    /* or NULL */
 } Linear;
@@ -93,6 +94,9 @@ static int linear(const Linear *l, float *y, const float *x, float *staging, int
         return STEP_OK;
     case LINEAR_INT8:
         panel_matmul_i8(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
+        return STEP_OK;
+    case LINEAR_INT4:
+        panel_matmul_i4(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
         return STEP_OK;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case LINEAR_W8A8:

@@ -15,6 +15,9 @@
 
  *   int8 weights: the same panels of int8, and scales [N / 16, K / group, 16], so that
  *                 W[n][k] = panels[n / 16][k][n % 16] * scales[n / 16][k / group][n % 16]
+ *   int4 weights: panels [N / 16, K / 2, 16] of bytes, each holding two signed 4-bit values:
+ *                 W[n][2s] in the low nibble and W[n][2s + 1] in the high one of panels[n / 16][s][n % 16]
+ *                 (half the bytes of int8: batch-1 decode streams them at the same rate), scales as int8
  *   bias   [N] or NULL
  *   y      [M, N]
  *
@@ -51,11 +54,38 @@ static inline __attribute__((always_inline)) panel_vec widen_int8(const int8_t *
 #endif
 }
 
-/* The weight-only kernel's two byte formats. */
-enum { WEIGHTS_INT8 = 0, WEIGHTS_FP8 = 1 };
+/* One nibble of 16 bytes of int4 pairs as floats: the high nibble is the sign-extended byte
+ * shifted right by 4; the low one is shifted to the top of its lane and back. */
+static inline __attribute__((always_inline)) panel_vec widen_int4(const int8_t *p, int high) {
+#if defined(__AVX512F__)
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    v = high ? _mm512_srai_epi32(v, 4) : _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
+    return (panel_vec)_mm512_cvtepi32_ps(v);
+#elif defined(__AVX2__)
+    union { panel_vec v; __m256 half[2]; } u;
+    for (int h = 0; h < 2; h++) {
+        __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        v = high ? _mm256_srai_epi32(v, 4) : _mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28);
+        u.half[h] = _mm256_cvtepi32_ps(v);
+    }
+    return u.v;
+#else
+    panel_vec v;
+    for (int i = 0; i < PANEL; i++) v[i] = high ? p[i] >> 4 : (int8_t)(p[i] << 4) >> 4;
+    return v;
+#endif
+}
 
-static inline __attribute__((always_inline)) panel_vec widen(const int8_t *p, int format) {
-    return format == WEIGHTS_FP8 ? widen_fp8(p) : widen_int8(p);
+/* The weight-only kernel's byte formats. */
+enum { WEIGHTS_INT8 = 0, WEIGHTS_FP8 = 1, WEIGHTS_INT4 = 2 };
+
+/* Bytes of panel per input column: int4 packs two columns' weights into each PANEL bytes. */
+static inline int panel_row_bytes(int format) { return format == WEIGHTS_INT4 ? PANEL / 2 : PANEL; }
+
+/* Column c of a panel run (from an even column for int4) as floats. */
+static inline __attribute__((always_inline)) panel_vec widen(const int8_t *p, int c, int format) {
+    if (format == WEIGHTS_INT4) return widen_int4(p + (c >> 1) * PANEL, c & 1);
+    return format == WEIGHTS_FP8 ? widen_fp8(p + c * PANEL) : widen_int8(p + c * PANEL);
 }
 
 /* Activation rows per register tile: ROW_TILE accumulators plus the weight vector must fit the
@@ -157,11 +187,13 @@ void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const f
 #define WIDE_CHAINS CHAINS
 #endif
 
-/* As row_tile, on int8 panels: each group of input columns sums on its own, then is scaled. */
+/* As row_tile, on int8 / fp8 / int4 panels: each group of input columns sums on its own, then is
+ * scaled. For int4, group and chains are even (engine/layers/panel_matmul.py checks). */
 static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y, const float *restrict x,
                                                               const int8_t *restrict panel, const float *scales,
                                                               const float *bias, int rows, int K, int N, int group,
                                                               int format, int chains) {
+    const int row_bytes = panel_row_bytes(format);
     panel_vec total[WIDE_ROW_TILE_I8];
     for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
     for (int k0 = 0; k0 < K; k0 += group, scales += PANEL) {
@@ -169,15 +201,15 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
         for (int c = 0; c < chains; c++)
             for (int i = 0; i < rows; i++) acc[c][i] = (panel_vec){0};
         int k = k0;
-        for (; k + chains <= k0 + group; k += chains, panel += chains * PANEL) {
+        for (; k + chains <= k0 + group; k += chains, panel += chains * row_bytes) {
             __builtin_prefetch(panel + PREFETCH_BYTES);
             for (int c = 0; c < chains; c++) {
-                panel_vec w = widen(panel + c * PANEL, format);
+                panel_vec w = widen(panel, c, format);
                 for (int i = 0; i < rows; i++) acc[c][i] += x[(int64_t)i * K + k + c] * w;
             }
         }
-        for (; k < k0 + group; k++, panel += PANEL) {
-            panel_vec w = widen(panel, format);
+        for (; k < k0 + group; k++, panel += row_bytes) {
+            panel_vec w = widen(panel, 0, format);
             for (int i = 0; i < rows; i++) acc[0][i] += x[(int64_t)i * K + k] * w;
         }
         panel_vec scale = *(const panel_vec *)scales;
@@ -200,7 +232,7 @@ static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, co
     int num_panels = N / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int p = 0; p < num_panels; p++) {
-        const int8_t *panel = panels + (int64_t)p * K * PANEL;
+        const int8_t *panel = panels + (int64_t)p * K * panel_row_bytes(format);
         const float *scales_p = scales + (int64_t)p * (K / group) * PANEL;
         const float *bias_p = bias ? bias + p * PANEL : 0;
         float *y_p = y + p * PANEL;
@@ -225,6 +257,12 @@ static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, co
 void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
                      int M, int N, int K, int group, int threads) {
     panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_INT8);
+}
+
+/* The same on int4 pairs (K and group multiples of 4). */
+void panel_matmul_i4(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
+                     int M, int N, int K, int group, int threads) {
+    panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_INT4);
 }
 
 /* The same on fp8 e4m3 weight bytes; the scales must be 256 times the weights' own (see widen_fp8). */

@@ -26,7 +26,7 @@ from engine.layers.panel_matmul import ACT_NONE
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
 
-LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8, LINEAR_FP8_DOT = range(6)
+LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8, LINEAR_FP8_DOT, LINEAR_INT4 = range(7)
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
@@ -77,6 +77,8 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         kind = LINEAR_F32 if weight.dtype == torch.float32 else LINEAR_BF16
     elif kernel == "int8panel":
         kind, scales = LINEAR_INT8, linear.kernel_scales
+    elif kernel == "int4panel":
+        kind, scales = LINEAR_INT4, linear.kernel_scales
     elif kernel == "w8a8panel":
         kind, scales, sums = LINEAR_W8A8, linear.kernel_scales, linear.kernel_sums
     elif kernel == "fp8panel":
@@ -85,7 +87,7 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         kind, scales = LINEAR_FP8_DOT, linear.kernel_scales
     else:
         return None
-    group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_FP8) else k
+    group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_INT4, LINEAR_FP8) else k
     act, input_scale = linear.input_rounding() if kind in (LINEAR_FP8, LINEAR_FP8_DOT) else (ACT_NONE, 0.0)
     keep.extend(t for t in (weight, scales, sums, bias) if t is not None)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731

@@ -149,6 +149,34 @@ def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
     return _run(_kernel_8bit(), x, k, num_panels * PANEL, (panels, scales), bias, k // scales.shape[1])
 
 
+def int4_fits(n: int, k: int, num_groups: int) -> bool:
+    """Whether an int4 [N, K] weight with `num_groups` scale groups can run on the nibble kernel,
+    which reads columns four at a time within a group."""
+    return int8_fits(n, k, num_groups) and (k // num_groups) % 4 == 0
+
+
+def pack_int4(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only signed int4 (values in [-8, 7], held in int8) with scale [N, G] → (byte panels
+    [N / 16, K / 2, 16], each byte two weights: column 2s in its low nibble, 2s + 1 in its high;
+    scale panels [N / 16, G, 16]). Half the bytes of `pack_int8`. The caller checks `int4_fits` first."""
+    n, k = qweight.shape
+    if (qweight.device.type != "cpu" or qweight.dtype != torch.int8 or not int4_fits(n, k, scale.shape[1])
+            or qweight.min() < -8 or qweight.max() > 7):
+        raise ValueError(f"the int4 panel kernel does not take a {qweight.dtype} {(n, k)} weight "
+                         f"with {scale.shape[1]} scale groups on {qweight.device}")
+    pairs = (qweight[:, 1::2] * 16) | (qweight[:, 0::2] & 0xF)  # fits int8: [-128, 112] | [0, 15]
+    return _panels(pairs), _panels(scale.float())
+
+
+def matmul_int4(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int4(...)`."""
+    num_panels, half_k, _ = panels.shape
+    k = 2 * half_k
+    return _run(_kernel_8bit("panel_matmul_i4"), x, k, num_panels * PANEL, (panels, scales), bias,
+                k // scales.shape[1])
+
+
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 weight [N, K] with scale [N, G] → (byte panels, scale panels). The kernel widens
     each byte to w / 256 exactly, so the scales are stored times 256. Check `int8_fits` first."""

@@ -110,7 +110,7 @@ needs_int8_panel = pytest.mark.skipif(not panel_matmul.int8_available(), reason=
 @needs_int8_panel
 def test_kernel_choice_follows_dtype():
     assert build(preset("w4a16", group_size=32), 64, [16], torch.bfloat16)[0].kernel == "int4pack_cpu"
-    assert build(preset("w4a16", group_size=32), 64, [16], torch.float32)[0].kernel == "int8panel"
+    assert build(preset("w4a16", group_size=32), 64, [16], torch.float32)[0].kernel == "int4panel"
     assert build(preset("w8a16"), 64, [16], torch.float32)[0].kernel == "int8panel"
     assert build(preset("w8a16"), 64, [8], torch.float32)[0].kernel == "dense"  # out not whole panels
     assert build(preset("w8a16"), 64, [16], torch.bfloat16)[0].kernel == "int8pack"
@@ -121,6 +121,28 @@ def test_kernel_choice_follows_dtype():
     assert build(QuantScheme(preset("fp8-dynamic").weights, None), 64, [16], torch.float32)[0].kernel == "fp8panel"
     assert build(preset("fp8-dynamic"), 64, [16], torch.bfloat16)[0].kernel == "dense"
     assert build(preset("fp8-dynamic"), 64, [8], torch.float32)[0].kernel == "dense"
+
+
+@needs_int8_panel
+@pytest.mark.parametrize("group", [4, 32, 64])
+def test_int4_nibble_panels_compute_exactly_what_int8_panels_do(group):
+    """Two weights a byte, the same arithmetic: equal to the int8 kernel bit for bit, at every
+    row count (wide tiles, narrow tiles, leftovers), and to dequantize-then-matmul."""
+    n, k = 48, 128
+    g = torch.Generator().manual_seed(group)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, k // group, generator=g) + 0.05
+    nibbles, int8 = panel_matmul.pack_int4(q, scale), panel_matmul.pack_int8(q, scale)
+    assert nibbles[0].numel() * 2 == int8[0].numel()
+    dense = (q.float().reshape(n, -1, group) * scale[:, :, None]).reshape(n, k)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 17):
+        x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        y = panel_matmul.matmul_int4(x, *nibbles, bias)
+        assert torch.equal(y, panel_matmul.matmul_int8(x, *int8, bias))
+        assert rel_err(y, x @ dense.t() + bias) < 1e-5
+    with pytest.raises(ValueError, match="int4"):
+        panel_matmul.pack_int4(q * 2, scale)  # values beyond [-8, 7]
+    assert not panel_matmul.int4_fits(n, k, k // 2)  # groups of 2 columns: the kernel reads 4 at a time
 
 
 needs_fp8_dot = pytest.mark.skipif(not panel_matmul.bf16_dot_available(), reason="no AVX-512 BF16 or no C compiler")
