@@ -42,4 +42,8 @@ fi
 step "serving $passed on http://127.0.0.1:8000 (Ctrl-C to stop). Try:"
 echo "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
 echo "       -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+echo "  and the same held to JSON by a schema (structured outputs) with"
+echo "       -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"The capital of France, as JSON\"}],"
+echo "            \"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"city\", \"schema\":"
+echo "            {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}}'"
 exec "$bin/driftgate" serve "$passed" --served-model-name smollm2 --kv-cache-dtype "$kvdtype" $gate_flag
