@@ -27,11 +27,13 @@ from server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    DeltaToolCall,
     TokenizeRequest,
     Usage,
 )
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
+from server.tools import tool_calls, tool_constraint
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not override
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "chat_template", "tokenize", "add_generation_prompt",
@@ -50,7 +52,12 @@ def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_t
     extra = body.chat_template_kwargs or {}
     if clash := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
-    conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+    conversation = [{"role": m.role, "content": m.text()}
+                    | {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v is not None}
+                    for m in body.messages]
+    tools = getattr(body, "tools", None)
+    if tools and body.tool_choice != "none":
+        extra = {**extra, "tools": [tool.model_dump(exclude_none=True) for tool in tools]}
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                              add_generation_prompt=body.add_generation_prompt,
@@ -61,11 +68,13 @@ def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_t
 
 
 class _Renderer:
-    """Builds chat choices and chunks; remembers what each streamed choice already got."""
+    """Builds chat choices and chunks; remembers what each streamed choice already got. With
+    `calls_tools` each choice is a tool call's JSON, sent whole once it is complete."""
 
     def __init__(self, body: ChatCompletionRequest, request_id: str, model: str, text: TokenNamer,
-                 prompt_tokens: int) -> None:
+                 prompt_tokens: int, calls_tools: bool = False) -> None:
         self.body = body
+        self.calls_tools = calls_tools
         self.request_id = request_id
         self.model = model
         self.text = text
@@ -79,11 +88,19 @@ class _Renderer:
             return None
         return chat_logprobs(self.text, c.token_ids[tokens:], list(c.logprobs or [])[tokens:], self.top_n)
 
+    def _message(self, c: CompletionOutput) -> tuple[AssistantMessage, str | None]:
+        """A finished choice's message and finish reason: its tool calls where the request asked for
+        them and the JSON is whole (not cut by max_tokens), else its text."""
+        calls = tool_calls(self.body, c.text) if self.calls_tools and c.finish_reason == "stop" else None
+        if calls:
+            return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+        return AssistantMessage(content=c.text), c.finish_reason
+
     def full(self, finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
         out = finals[0]
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason)
-                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        choices = [ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0), finish_reason=reason)
+                   for c in sorted(out.outputs, key=lambda c: c.index)
+                   for message, reason in [self._message(c)]]
         self.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
@@ -100,9 +117,16 @@ class _Renderer:
             chars, tokens = self.sent[c.index]
             if not (tokens < len(c.token_ids) or chars < len(c.text) or c.finished):
                 continue
-            chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(content=c.text[chars:]),
-                                                      logprobs=self._logprobs(c, tokens),
-                                                      finish_reason=c.finish_reason)))
+            if self.calls_tools:  # a call's JSON goes out whole, at the end
+                if not c.finished:
+                    continue
+                message, reason = self._message(c)
+                calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
+                delta = ChatDelta(content=message.content, tool_calls=calls or None)
+            else:
+                delta, reason = ChatDelta(content=c.text[chars:]), c.finish_reason
+            chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=delta, logprobs=self._logprobs(c, tokens),
+                                                      finish_reason=reason)))
             self.sent[c.index] = (len(c.text), len(c.token_ids))
             if c.finished:
                 self.done.add(c.index)
@@ -125,6 +149,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     config = state.config
     check_model_name(body.model, config.model_names)
     refuse_unsupported(body)
+    calls = tool_constraint(body)
     ids = truncate_prompt(render_chat(engine.tokenizer, body, config.chat_template), body.truncate_prompt_tokens,
                           engine.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -135,12 +160,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                                    prompt_logprobs=None, vocab_size=len(engine.tokenizer),
-                                   defaults=config.sampling_defaults)
+                                   defaults=config.sampling_defaults, tool_constraint=calls)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = RequestRecord(request_id)
     request.state.record = record
     renderer = _Renderer(body, request_id, config.served_model_name,
-                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids))
+                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids),
+                         calls_tools=calls is not None)
     generation = Generation(state, engine, [EngineRequest(request_id, ids, params)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)

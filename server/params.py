@@ -17,8 +17,7 @@ _UNSUPPORTED = {
     "logits_processors": "logits_processors is not supported",
     "use_beam_search": "use_beam_search is not supported (sampling and greedy only)",
     "suffix": "suffix is not supported",
-    "tools": "tools are not supported",
-    "functions": "functions are not supported",
+    "functions": "functions are not supported; send them as tools",
     "chat_template": "a request's own chat_template is not accepted; the server's is set with --chat-template",
 }
 
@@ -112,12 +111,13 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputs | None:
 
 def build_sampling_params(
     req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None,
-    vocab_size: int, defaults: dict[str, float] | None = None,
+    vocab_size: int, defaults: dict[str, float] | None = None, tool_constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """Map OpenAI/vLLM fields onto `SamplingParams`; its own validation errors become 400s.
 
     A sampling field the request leaves out takes `defaults` (the model's generation config), then
-    SamplingParams' own default."""
+    SamplingParams' own default. `tool_constraint` is what a chat request's tool_choice asks of
+    the output (server.tools), which excludes asking for structured outputs as well."""
     defaults = defaults or {}
 
     def given_or_default(name: str, fallback: float) -> float:
@@ -138,6 +138,10 @@ def build_sampling_params(
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
     constraint = structured_outputs(req)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise APIError(400, "tool calls and a structured output format cannot be combined", param="tool_choice")
+        constraint = tool_constraint
     try:
         params = SamplingParams(
             n=req.n,

@@ -86,6 +86,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, for the chat template
+    tool_call_id: str | None = None  # a tool turn's answer to one of them
 
     def text(self) -> str:
         """The message's content as one string (OpenAI allows a list of text parts)."""
@@ -94,6 +96,18 @@ class ChatMessage(_Request):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -106,8 +120,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # extend the last (assistant) message instead of opening a new one
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
     chat_template: Any = None  # a per-request template: refused (the server's is set with --chat-template)
-    tools: list[dict[str, Any]] | None = None
-    functions: list[dict[str, Any]] | None = None  # tools' predecessor; refused alike
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, Any]] | None = None  # tools' predecessor: refused
 
 
 class TokenizeRequest(_Request):
@@ -173,9 +189,25 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -197,6 +229,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -69,7 +69,6 @@ def test_malformed_json_and_chat_400s(base_url):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"chat_template": "{{ messages[0]['content'] }}"}, "chat_template"),
 ])

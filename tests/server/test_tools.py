@@ -1,0 +1,83 @@
+"""Tool calling by constraint: named and required tool_choice give parseable calls, "none" gives
+text, "auto" is a clear 400, and tools and tool turns reach the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server.chat import render_chat
+from server.protocol import ChatCompletionRequest
+from tests.server.conftest import MODEL_NAME
+
+FLAG = {"type": "function", "function": {"name": "set_flag", "description": "Set a flag",
+                                         "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}},
+                                                        "required": ["on"], "additionalProperties": False}}}
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"size": {"enum": ["s", "m"]}}, "required": ["size"], "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "Turn the flag on."}]
+
+
+def test_a_named_tool_choice_returns_that_call_with_valid_arguments(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[FLAG, PICK], max_tokens=200,
+                                         tool_choice={"type": "function", "function": {"name": "pick"}},
+                                         temperature=1.0, n=2, seed=0)
+    for choice in out.choices:
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert call.function.name == "pick" and json.loads(call.function.arguments)["size"] in ("s", "m")
+        assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+
+
+def test_required_picks_among_the_tools_and_streams_the_calls_whole(client):
+    body = dict(model=MODEL_NAME, messages=MESSAGES, tools=[FLAG, PICK], tool_choice="required",
+                parallel_tool_calls=False, max_tokens=400, temperature=0)  # the tiny model pads with whitespace
+    (call,) = client.chat.completions.create(**body).choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert (call.function.name, set(arguments)) in (("set_flag", {"on"}), ("pick", {"size"}))
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "tool_calls"
+    assert [(c.index, c.function.name, c.function.arguments) for c in last.delta.tool_calls] == [
+        (0, call.function.name, call.function.arguments)]
+    assert not any(c.choices[0].delta.content for c in chunks[:-1])  # no JSON fragments as text
+
+
+def test_tool_choice_none_answers_in_text(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[FLAG], tool_choice="none",
+                                         max_tokens=5, temperature=0)
+    assert out.choices[0].message.tool_calls == [] and out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"tools": [FLAG]}, 'tool_choice "auto" needs a parser'),  # OpenAI's default when tools are sent
+    ({"tools": [FLAG], "tool_choice": "auto"}, 'tool_choice "auto" needs a parser'),
+    ({"tools": [FLAG], "tool_choice": {"type": "function", "function": {"name": "pick"}}}, "not among"),
+    ({"tools": [FLAG], "tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [FLAG], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+])
+def test_tool_requests_it_cannot_honour_are_400s(base_url, extra, says):
+    r = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **extra}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and says in r.json()["error"]["message"]
+
+
+def test_tools_and_tool_turns_reach_the_chat_template(engine):
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}(call {{ c.function.name }}){% endfor %}"
+                "{% if m.tool_call_id %}(answers {{ m.tool_call_id }}){% endif %}{% endfor %}")
+    turns = [*MESSAGES, {"role": "assistant", "content": None,
+                         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "set_flag",
+                                                                                      "arguments": "{\"on\": true}"}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+
+    def rendered(**fields) -> str:
+        body = ChatCompletionRequest(messages=turns, tools=[FLAG], **fields)
+        return engine.tokenizer.decode(render_chat(engine.tokenizer, body, template))
+
+    assert rendered(tool_choice="required") == ("[tool set_flag]<user>Turn the flag on.<assistant>(call set_flag)"
+                                                "<tool>done(answers c1)")
+    assert not rendered(tool_choice="none").startswith("[tool")  # "none": the model is not shown the tools
