@@ -98,9 +98,11 @@ class _Renderer:
 
     def full(self, finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
         out = finals[0]
-        choices = [ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0), finish_reason=reason)
-                   for c in sorted(out.outputs, key=lambda c: c.index)
-                   for message, reason in [self._message(c)]]
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            message, reason = self._message(c)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0),
+                                      finish_reason=reason))
         self.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)

@@ -3,7 +3,7 @@
 Requests accept the fields OpenAI clients send plus vLLM's sampling extensions (`top_k`,
 `min_p`, `ignore_eos`, ...). Unknown fields are ignored, because real clients add fields
 (`user`, `metadata`) that change nothing; fields that *would* change the output and that we
-cannot honour (`suffix`, tools, beam search, ...) are
+cannot honour (`suffix`, `functions`, beam search, ...) are
 rejected by `params.refuse_unsupported` instead.
 """
 

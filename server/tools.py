@@ -63,15 +63,12 @@ def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputs | None:
 
 
 def tool_calls(body: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
-    """The calls in a constrained output, or None when it is not complete JSON (cut by max_tokens)."""
+    """The calls in a constrained output, or None when it is not their whole JSON (a stop string cut it)."""
+    named = _named(body)
     try:
         value = json.loads(text)
-    except ValueError:
+        calls = [(named.function.name, value)] if named else [(call["name"], call["parameters"]) for call in value]
+    except (ValueError, KeyError, TypeError):
         return None
-    named = _named(body)
-    if named is not None:
-        calls = [(named.function.name, value)]
-    else:
-        calls = [(call["name"], call["parameters"]) for call in value]
     return [ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=json.dumps(args)))
             for name, args in calls]

@@ -31,6 +31,13 @@ def test_a_named_tool_choice_returns_that_call_with_valid_arguments(client):
         assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
 
 
+def test_a_call_cut_by_max_tokens_stays_text(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[FLAG], max_tokens=2,
+                                         tool_choice={"type": "function", "function": {"name": "set_flag"}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls == [] and choice.message.content
+
+
 def test_required_picks_among_the_tools_and_streams_the_calls_whole(client):
     body = dict(model=MODEL_NAME, messages=MESSAGES, tools=[FLAG, PICK], tool_choice="required",
                 parallel_tool_calls=False, max_tokens=400, temperature=0)  # the tiny model pads with whitespace
