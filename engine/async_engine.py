@@ -84,7 +84,10 @@ class AsyncEngine:
         for a bad request. Cancelling the consumer aborts the request and frees its blocks."""
         if not self.is_alive:
             raise EngineError("the engine is not running")
-        state = self.engine.make_request(request_id, prompt, params)
+        if params.structured_outputs is not None:  # compiling its grammar takes ms (the first 0.1 s): off the loop
+            state = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params)
+        else:
+            state = self.engine.make_request(request_id, prompt, params)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._streams_lock:
