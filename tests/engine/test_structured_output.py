@@ -65,3 +65,15 @@ def test_constrained_and_free_sequences_share_a_batch(llm):
 def test_bad_constraints_are_refused_with_the_reason(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputs(**kwargs)
+
+
+def test_matchers_survive_preemption(tiny_model_dir):
+    """A preempted sequence is recomputed, not resampled: its matcher keeps its place."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=160, num_kv_blocks=20, block_size=8)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m"]}},
+              "required": ["ok", "size"], "additionalProperties": False}
+    params = SamplingParams(temperature=1.0, max_tokens=150, n=4, seed=5, structured_outputs=StructuredOutputs(json=schema))
+    outs = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in (c for o in outs for c in o.outputs):
+        assert set(json.loads(out.text)) == {"ok", "size"}
