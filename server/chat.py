@@ -33,7 +33,7 @@ from server.protocol import (
 )
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
-from server.tools import tool_calls, tool_constraint
+from server.tools import ToolCallReader
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not override
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "chat_template", "tokenize", "add_generation_prompt",
@@ -68,13 +68,13 @@ def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_t
 
 
 class _Renderer:
-    """Builds chat choices and chunks; remembers what each streamed choice already got. With
-    `calls_tools` each choice is a tool call's JSON, sent whole once it is complete."""
+    """Builds chat choices and chunks; remembers what each streamed choice already got. `reader`
+    says which of a choice's output is text and which tool calls."""
 
     def __init__(self, body: ChatCompletionRequest, request_id: str, model: str, text: TokenNamer,
-                 prompt_tokens: int, calls_tools: bool = False) -> None:
+                 prompt_tokens: int, reader: ToolCallReader) -> None:
         self.body = body
-        self.calls_tools = calls_tools
+        self.reader = reader
         self.request_id = request_id
         self.model = model
         self.text = text
@@ -88,21 +88,13 @@ class _Renderer:
             return None
         return chat_logprobs(self.text, c.token_ids[tokens:], list(c.logprobs or [])[tokens:], self.top_n)
 
-    def _message(self, c: CompletionOutput) -> tuple[AssistantMessage, str | None]:
-        """A finished choice's message and finish reason: its tool calls where the request asked for
-        them and the JSON is whole (not cut by max_tokens), else its text."""
-        calls = tool_calls(self.body, c.text) if self.calls_tools and c.finish_reason == "stop" else None
-        if calls:
-            return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
-        return AssistantMessage(content=c.text), c.finish_reason
-
     def full(self, finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
         out = finals[0]
         choices = []
         for c in sorted(out.outputs, key=lambda c: c.index):
-            message, reason = self._message(c)
-            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0),
-                                      finish_reason=reason))
+            content, calls, reason = self.reader.finish(c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                                      logprobs=self._logprobs(c, 0), finish_reason=reason))
         self.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
@@ -117,19 +109,19 @@ class _Renderer:
                                                                                          content=""))))
                 self.sent[c.index] = (0, 0)
             chars, tokens = self.sent[c.index]
-            if not (tokens < len(c.token_ids) or chars < len(c.text) or c.finished):
-                continue
-            if self.calls_tools:  # a call's JSON goes out whole, at the end
-                if not c.finished:
-                    continue
-                message, reason = self._message(c)
-                calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
-                delta = ChatDelta(content=message.content, tool_calls=calls or None)
+            if c.finished:
+                content, calls, reason = self.reader.finish(c.text, c.finish_reason)
+                text = (content or "")[chars:]  # what was streamed is a prefix of the final text
+                delta = ChatDelta(content=text, tool_calls=[DeltaToolCall(index=i, **call.model_dump())
+                                                            for i, call in enumerate(calls)] or None)
             else:
-                delta, reason = ChatDelta(content=c.text[chars:]), c.finish_reason
+                text, reason = self.reader.streamable(c.text)[chars:], None
+                if not (text or (self.top_n is not None and tokens < len(c.token_ids))):
+                    continue
+                delta = ChatDelta(content=text)
             chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=delta, logprobs=self._logprobs(c, tokens),
                                                       finish_reason=reason)))
-            self.sent[c.index] = (len(c.text), len(c.token_ids))
+            self.sent[c.index] = (chars + len(text), len(c.token_ids))
             if c.finished:
                 self.done.add(c.index)
                 self.usage.completion_tokens += len(c.token_ids)
@@ -151,7 +143,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     config = state.config
     check_model_name(body.model, config.model_names)
     refuse_unsupported(body)
-    calls = tool_constraint(body)
+    reader = ToolCallReader(body, config.tool_call_parser)
     ids = truncate_prompt(render_chat(engine.tokenizer, body, config.chat_template), body.truncate_prompt_tokens,
                           engine.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -162,13 +154,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                                    prompt_logprobs=None, vocab_size=len(engine.tokenizer),
-                                   defaults=config.sampling_defaults, tool_constraint=calls)
+                                   defaults=config.sampling_defaults, tool_constraint=reader.constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = RequestRecord(request_id)
     request.state.record = record
     renderer = _Renderer(body, request_id, config.served_model_name,
-                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids),
-                         calls_tools=calls is not None)
+                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids), reader)
     generation = Generation(state, engine, [EngineRequest(request_id, ids, params)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)

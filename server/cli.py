@@ -30,6 +30,7 @@ from engine.generation_config import sampling_defaults
 from server.app import build_app
 from server.config import ServerConfig
 from server.state import ServerState
+from server.tools import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from engine.serving import ServingEngine
@@ -92,6 +93,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                         help="sampling defaults for fields a request leaves out: the model's generation_config.json "
                              "(auto) or none (temperature 1, no top-p/top-k)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                        help='lets tool_choice "auto" (the default with tools) read calls from the model\'s own '
+                             'output format: hermes = <tool_call>{...}</tool_call> (Hermes, Qwen2.5). Without it '
+                             'only "required" and named tool choices work')
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
     parser.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
@@ -231,6 +236,7 @@ def run_serve(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout, max_n=args.max_n,
             sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
             chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
+            tool_call_parser=args.tool_call_parser,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.tools import TOOL_CALL_PARSERS
+
 
 @dataclass(slots=True)
 class ServerConfig:
@@ -22,6 +24,7 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's (--chat-template)
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call the API ("*": any); none by default
     aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's extra --served-model-name values)
+    tool_call_parser: str | None = None  # how tool_choice "auto" finds calls in the output (server.tools)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -40,3 +43,6 @@ class ServerConfig:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be at least 1, got {self.retry_after_s}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; known: "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")

@@ -1,16 +1,20 @@
-"""Tool calling by constraint, as vLLM does without a tool-call parser: a named `tool_choice` holds
-the output to that function's parameters schema, `"required"` to a JSON list of calls, each one
-of the tools with its parameters; the generated JSON then becomes the message's `tool_calls`.
+"""Tool calls, two ways, as in vLLM.
 
-`"auto"` (OpenAI's default when tools are given) would need to recognise calls in free text, in
-each model family's own format (vLLM's --tool-call-parser); it is refused with a 400 saying what
-works instead. `"none"` generates text as if no tools were sent; the tools still reach the chat
-template, which may show them to the model.
+By constraint, for any model: a named `tool_choice` holds the output to that function's
+parameters schema, `"required"` to a JSON list of calls, each one of the tools with its
+parameters; the generated JSON then becomes the message's `tool_calls`.
+
+By parsing, for `"auto"` (OpenAI's default when tools are given): the model decides, in its
+family's own format, which the server must be told (`serve --tool-call-parser`). `hermes` is
+the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format of Hermes and Qwen2.5
+models. Without a parser `"auto"` is a 400 saying what works instead. `"none"` answers in text;
+the tools are then not shown to the chat template.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from engine.structured_output import StructuredOutputs
@@ -33,8 +37,9 @@ def _named(body: ChatCompletionRequest) -> Tool | None:
     return tool
 
 
-def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputs | None:
-    """The output constraint the request's tool_choice asks for, or None (no tools, or "none")."""
+def tool_constraint(body: ChatCompletionRequest, parser: str | None = None) -> StructuredOutputs | None:
+    """The output constraint the request's tool_choice asks for, or None (no tools, "none", or
+    "auto" with a `parser` to find the calls in free text)."""
     if body.tool_choice is None and not body.tools:
         return None
     if body.tool_choice == "none":
@@ -42,9 +47,11 @@ def tool_constraint(body: ChatCompletionRequest) -> StructuredOutputs | None:
     if not body.tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     if body.tool_choice in (None, "auto"):
-        raise APIError(400, 'tool_choice "auto" needs a parser for this model\'s tool-call format, which this '
-                            'server does not have; send tool_choice "required" or name the function',
-                       param="tool_choice")
+        if parser is not None:
+            return None
+        raise APIError(400, 'tool_choice "auto" needs a parser for this model\'s tool-call format (serve '
+                            '--tool-call-parser hermes for Hermes/Qwen2.5-style <tool_call> output); send '
+                            'tool_choice "required" or name the function', param="tool_choice")
     named = _named(body)
     try:
         if named is not None:
@@ -70,5 +77,75 @@ def tool_calls(body: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
         calls = [(named.function.name, value)] if named else [(call["name"], call["parameters"]) for call in value]
     except (ValueError, KeyError, TypeError):
         return None
-    return [ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=json.dumps(args)))
-            for name, args in calls]
+    return [_call(name, args) for name, args in calls]
+
+
+def _call(name: str, arguments: object) -> ToolCall:
+    """A call with a fresh id; arguments as JSON text (a model may already have written them as text)."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=text))
+
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(_HERMES_OPEN) + r"(.*?)" + re.escape(_HERMES_CLOSE), re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Free text → (the text around the calls, or None if there is none; the calls). A block that
+    is not a call's JSON stays in the text, as the model wrote it."""
+    calls, kept, start = [], [], 0
+    for match in _HERMES_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+            parsed = _call(call["name"], call.get("arguments", {}))
+        except (ValueError, KeyError, TypeError):
+            continue
+        kept.append(text[start:match.start()])
+        start = match.end()
+        calls.append(parsed)
+    content = "".join(kept) + text[start:]
+    return (content if content.strip() else None), calls
+
+
+def hermes_streamable(text: str) -> str:
+    """The part of a growing output that can be streamed as text: everything before the first
+    call, less a tail that may be the start of one."""
+    cut = text.find(_HERMES_OPEN)
+    if cut >= 0:
+        return text[:cut]
+    for keep in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+        if _HERMES_OPEN.startswith(text[-keep:]):
+            return text[:-keep]
+    return text
+
+
+TOOL_CALL_PARSERS = {"hermes": (parse_hermes, hermes_streamable)}
+
+
+class ToolCallReader:
+    """What a chat choice's output is to the client: text, tool calls, or both. A request without
+    tools reads as plain text."""
+
+    def __init__(self, body: ChatCompletionRequest, parser: str | None = None):
+        self.body = body
+        self.constraint = tool_constraint(body, parser)
+        auto = bool(body.tools) and body.tool_choice in (None, "auto")
+        self._parse, self._streamable = TOOL_CALL_PARSERS[parser] if parser and auto else (None, None)
+
+    def streamable(self, text: str) -> str:
+        """The part of a growing output that may be streamed as text now."""
+        if self.constraint is not None:
+            return ""  # a call's JSON goes out whole, at the end
+        return self._streamable(text) if self._streamable else text
+
+    def finish(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """A finished output's (text, calls, finish reason)."""
+        if self.constraint is not None and reason == "stop":
+            calls = tool_calls(self.body, text)
+            if calls:
+                return None, calls, "tool_calls"
+        elif self._parse is not None:
+            content, calls = self._parse(text)
+            if calls:
+                return content, calls, "tool_calls"
+        return text, [], reason

@@ -88,3 +88,50 @@ def test_tools_and_tool_turns_reach_the_chat_template(engine):
     assert rendered(tool_choice="required") == ("[tool set_flag]<user>Turn the flag on.<assistant>(call set_flag)"
                                                 "<tool>done(answers c1)")
     assert not rendered(tool_choice="none").startswith("[tool")  # "none": the model is not shown the tools
+
+
+def test_hermes_calls_are_read_from_free_text():
+    from server.tools import hermes_streamable, parse_hermes
+
+    text = ('Let me check. <tool_call>{"name": "pick", "arguments": {"size": "s"}}</tool_call>\n'
+            '<tool_call>{"name": "set_flag", "arguments": "{\\"on\\": true}"}</tool_call> <tool_call>not json</tool_call>')
+    content, calls = parse_hermes(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("pick", {"size": "s"}),
+                                                                                     ("set_flag", {"on": True})]
+    assert content == "Let me check. \n <tool_call>not json</tool_call>"  # a block that is not a call stays text
+    assert parse_hermes("just text") == ("just text", [])
+    assert parse_hermes('<tool_call>{"name": "pick"}</tool_call>')[0] is None  # nothing around the call
+    # streamed text stops before a call, and holds back what may be the start of one
+    assert hermes_streamable("Sure. <tool_call>{") == "Sure. "
+    assert hermes_streamable("Sure. <tool_") == "Sure. "
+    assert hermes_streamable("a < b") == "a < b"
+
+
+def test_auto_tool_choice_with_the_hermes_parser(engine):
+    from tests.server.conftest import serve
+
+    said = '<tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>'
+    # the tiny model cannot decide to call a tool; a regex makes it write the call, as a Hermes model would
+    body = {"messages": MESSAGES, "tools": [FLAG, PICK], "max_tokens": 80, "temperature": 0,
+            "guided_regex": "Sure[.] " + "".join(f"[{ch}]" for ch in said)}  # each character, literally
+    with serve(engine, tool_call_parser="hermes") as url:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        assert r["finish_reason"] == "tool_calls" and r["message"]["content"] == "Sure. "
+        (call,) = r["message"]["tool_calls"]
+        assert call["function"] == {"name": "set_flag", "arguments": '{"on": true}'}
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("content") or "" for d in deltas) == "Sure. "  # no fragment of the call as text
+        assert [t["function"]["name"] for t in deltas[-1]["tool_calls"]] == ["set_flag"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        plain = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={"messages": MESSAGES, "tools": [FLAG], "max_tokens": 3}).json()["choices"][0]
+        assert plain["message"]["tool_calls"] == [] and plain["finish_reason"] in ("stop", "length")
+
+
+def test_an_unknown_parser_is_refused():
+    from server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; known: hermes"):
+        ServerConfig(served_model_name="x", tool_call_parser="mistral")
