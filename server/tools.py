@@ -7,7 +7,9 @@ parameters; the generated JSON then becomes the message's `tool_calls`.
 By parsing, for `"auto"` (OpenAI's default when tools are given): the model decides, in its
 family's own format, which the server must be told (`serve --tool-call-parser`). `hermes` is
 the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format of Hermes and Qwen2.5
-models. Without a parser `"auto"` is a 400 saying what works instead. `"none"` answers in text;
+models; `llama3_json` the Llama 3.1/3.2 one, a reply that is nothing but `{"name": ...,
+"parameters": {...}}` objects (separated by `;`). Without a parser `"auto"` is a 400 saying what
+works instead. `"none"` answers in text;
 the tools are then not shown to the chat template.
 """
 
@@ -50,8 +52,8 @@ def tool_constraint(body: ChatCompletionRequest, parser: str | None = None) -> S
         if parser is not None:
             return None
         raise APIError(400, 'tool_choice "auto" needs a parser for this model\'s tool-call format (serve '
-                            '--tool-call-parser hermes for Hermes/Qwen2.5-style <tool_call> output); send '
-                            'tool_choice "required" or name the function', param="tool_choice")
+                            '--tool-call-parser hermes or llama3_json); send tool_choice "required" or name the '
+                            'function', param="tool_choice")
     named = _named(body)
     try:
         if named is not None:
@@ -119,7 +121,31 @@ def hermes_streamable(text: str) -> str:
     return text
 
 
-TOOL_CALL_PARSERS = {"hermes": (parse_hermes, hermes_streamable)}
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A reply made only of call objects → (None, the calls); any other reply is text."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    body = text.strip()
+    if not body.startswith("{"):
+        return text, []
+    try:
+        while pos < len(body):
+            call, pos = decoder.raw_decode(body, pos)
+            calls.append(_call(call["name"], call.get("parameters", call.get("arguments", {}))))
+            while pos < len(body) and body[pos] in "; \n\t":
+                pos += 1
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return text, []
+    return None, calls
+
+
+def llama3_json_streamable(text: str) -> str:
+    """Nothing while the reply is blank or opens with '{' (it may be a call), all of it otherwise."""
+    head = text.lstrip()
+    return "" if not head or head.startswith("{") else text
+
+
+TOOL_CALL_PARSERS = {"hermes": (parse_hermes, hermes_streamable),
+                     "llama3_json": (parse_llama3_json, llama3_json_streamable)}
 
 
 class ToolCallReader:

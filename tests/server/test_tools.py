@@ -107,22 +107,44 @@ def test_hermes_calls_are_read_from_free_text():
     assert hermes_streamable("a < b") == "a < b"
 
 
-def test_auto_tool_choice_with_the_hermes_parser(engine):
+def test_llama3_json_calls_are_a_reply_of_call_objects_only():
+    from server.tools import llama3_json_streamable, parse_llama3_json
+
+    content, calls = parse_llama3_json('{"name": "pick", "parameters": {"size": "m"}}; {"name": "set_flag", '
+                                       '"arguments": {"on": false}}')
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("pick", {"size": "m"}),
+                                                                                     ("set_flag", {"on": False})]
+    for text in ("Sure, {x} is a set.", '{"name": 1}', '{"no": "name"}', '{"name": "pick"'):
+        assert parse_llama3_json(text) == (text, [])  # text, not calls
+    assert llama3_json_streamable(" {") == "" and llama3_json_streamable("") == ""
+    assert llama3_json_streamable("Sure {") == "Sure {"
+
+
+# what a Hermes / Llama 3.1 model writes to call set_flag, and the text the client should see
+CALLS_AS_WRITTEN = {
+    "hermes": ('Sure. <tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>', "Sure. "),
+    "llama3_json": ('{"name": "set_flag", "parameters": {"on": true}}', None),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(CALLS_AS_WRITTEN))
+def test_auto_tool_choice_with_a_parser(engine, parser):
     from tests.server.conftest import serve
 
-    said = '<tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>'
-    # the tiny model cannot decide to call a tool; a regex makes it write the call, as a Hermes model would
+    said, content = CALLS_AS_WRITTEN[parser]
+    # the tiny model cannot decide to call a tool; a regex makes it write the call, as such a model would
     body = {"messages": MESSAGES, "tools": [FLAG, PICK], "max_tokens": 80, "temperature": 0,
-            "guided_regex": "Sure[.] " + "".join(f"[{ch}]" for ch in said)}  # each character, literally
-    with serve(engine, tool_call_parser="hermes") as url:
+            "guided_regex": "".join(f"[{ch}]" for ch in said)}  # each character, literally
+    with serve(engine, tool_call_parser=parser) as url:
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
-        assert r["finish_reason"] == "tool_calls" and r["message"]["content"] == "Sure. "
+        assert r["finish_reason"] == "tool_calls" and r["message"]["content"] == content
         (call,) = r["message"]["tool_calls"]
         assert call["function"] == {"name": "set_flag", "arguments": '{"on": true}'}
         with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         deltas = [c["choices"][0]["delta"] for c in chunks]
-        assert "".join(d.get("content") or "" for d in deltas) == "Sure. "  # no fragment of the call as text
+        assert "".join(d.get("content") or "" for d in deltas) == (content or "")  # no fragment of the call
         assert [t["function"]["name"] for t in deltas[-1]["tool_calls"]] == ["set_flag"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
         plain = httpx.post(url + "/v1/chat/completions", timeout=60,
@@ -133,5 +155,5 @@ def test_auto_tool_choice_with_the_hermes_parser(engine):
 def test_an_unknown_parser_is_refused():
     from server.config import ServerConfig
 
-    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; known: hermes"):
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; known: hermes, llama3_json"):
         ServerConfig(served_model_name="x", tool_call_parser="mistral")
