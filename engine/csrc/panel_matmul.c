@@ -17,7 +17,7 @@
  *                 W[n][k] = panels[n / 16][k][n % 16] * scales[n / 16][k / group][n % 16]
  *   int4 weights: panels [N / 16, K / 2, 16] of bytes, each holding two signed 4-bit values:
  *                 W[n][2s] in the low nibble and W[n][2s + 1] in the high one of panels[n / 16][s][n % 16]
- *                 (half the bytes of int8: batch-1 decode streams them at the same rate), scales as int8
+ *                 (half the bytes of int8, and batch-1 decode is bound by bytes), scales as int8
  *   bias   [N] or NULL
  *   y      [M, N]
  *
@@ -188,7 +188,8 @@ void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const f
 #endif
 
 /* As row_tile, on int8 / fp8 / int4 panels: each group of input columns sums on its own, then is
- * scaled. For int4, group and chains are even (engine/layers/panel_matmul.py checks). */
+ * scaled. For int4 the group is a multiple of 4 (engine/layers/panel_matmul.py checks), so the
+ * chains (2 or 4) always start on a byte and the one-column tail loop never runs. */
 static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y, const float *restrict x,
                                                               const int8_t *restrict panel, const float *scales,
                                                               const float *bias, int rows, int K, int N, int group,
