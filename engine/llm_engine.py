@@ -317,6 +317,7 @@ class LLMEngine:
                 request.num_computed_tokens = start + n
         finally:
             self.block_manager.free(request)
+            self.runner.release(request.request_id)
         return torch.cat(rows)
 
     def stats(self) -> EngineStats:

@@ -101,6 +101,7 @@ def test_score_full_logprobs_equals_hf(tiny_model_dir, kwargs):
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
     torch.testing.assert_close(llm.score_full_logprobs(prompt), ref, atol=1e-4, rtol=0)
+    assert not llm.engine.runner.block_rows  # scoring leaves no per-request state behind
     assert llm.stats().num_blocks_used == 0
 
 
