@@ -55,9 +55,8 @@ def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_t
     conversation = [{"role": m.role, "content": m.text()}
                     | {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v is not None}
                     for m in body.messages]
-    tools = getattr(body, "tools", None)
-    if tools and body.tool_choice != "none":
-        extra = {**extra, "tools": [tool.model_dump(exclude_none=True) for tool in tools]}
+    if body.tools and getattr(body, "tool_choice", None) != "none":
+        extra = {**extra, "tools": [tool.model_dump(exclude_none=True) for tool in body.tools]}
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                              add_generation_prompt=body.add_generation_prompt,

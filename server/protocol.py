@@ -134,6 +134,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None  # shown to the chat template as a chat request's would be
 
 
 class DetokenizeRequest(_Request):

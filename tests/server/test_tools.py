@@ -72,6 +72,8 @@ def test_tool_requests_it_cannot_honour_are_400s(base_url, extra, says):
 
 
 def test_tools_and_tool_turns_reach_the_chat_template(engine):
+    from tests.server.conftest import serve
+
     template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
                 "{% for c in m.tool_calls or [] %}(call {{ c.function.name }}){% endfor %}"
@@ -85,9 +87,12 @@ def test_tools_and_tool_turns_reach_the_chat_template(engine):
         body = ChatCompletionRequest(messages=turns, tools=[FLAG], **fields)
         return engine.tokenizer.decode(render_chat(engine.tokenizer, body, template))
 
-    assert rendered(tool_choice="required") == ("[tool set_flag]<user>Turn the flag on.<assistant>(call set_flag)"
-                                                "<tool>done(answers c1)")
+    expected = "[tool set_flag]<user>Turn the flag on.<assistant>(call set_flag)<tool>done(answers c1)"
+    assert rendered(tool_choice="required") == expected
     assert not rendered(tool_choice="none").startswith("[tool")  # "none": the model is not shown the tools
+    with serve(engine, chat_template=template) as url:  # /tokenize renders a chat with tools the same way
+        tokens = httpx.post(url + "/tokenize", json={"messages": turns, "tools": [FLAG]}, timeout=30).json()["tokens"]
+    assert engine.tokenizer.decode(tokens) == expected
 
 
 def test_hermes_calls_are_read_from_free_text():
