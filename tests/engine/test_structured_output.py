@@ -77,3 +77,11 @@ def test_matchers_survive_preemption(tiny_model_dir):
     assert llm.engine.scheduler.num_preemptions > 0
     for out in (c for o in outs for c in o.outputs):
         assert set(json.loads(out.text)) == {"ok", "size"}
+
+
+def test_without_xgrammar_a_constraint_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if the `structured` extra were not installed
+    with pytest.raises(ValueError, match=r"pip install 'driftgate\[structured\]'"):
+        StructuredOutputs(regex="[0-9]+")
