@@ -114,14 +114,15 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            ) -> tuple[list[int], list[LogprobsDict | None]]:
     """logits [N, vocab] fp32 → one token id per row, and top-n logprobs where asked."""
-    if logits.device.type != "cpu" and not all(r.params.is_greedy and not _adjusted(r) for r in rows):
+    adjusted = any(_adjusted(r) for r in rows)
+    if logits.device.type != "cpu" and (adjusted or not all(r.params.is_greedy for r in rows)):
         # sampling parameters and per-request generators live on the CPU; greedy rows stay on the GPU
         logits = logits.cpu()
     logprobs_out: list[LogprobsDict | None] = [None] * len(rows)
     want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
 
-    if any(_adjusted(r) for r in rows):
+    if adjusted:
         logits = apply_penalties(apply_constraints(logits.clone(), rows), rows)
     tokens = _argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]

@@ -71,9 +71,9 @@ def tool_constraint(body: ChatCompletionRequest, parser: str | None = None) -> S
         raise APIError(400, f"a tool's parameters schema: {exc}", param="tools") from None
 
 
-def tool_calls(body: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
-    """The calls in a constrained output, or None when it is not their whole JSON (a stop string cut it)."""
-    named = _named(body)
+def tool_calls(named: Tool | None, text: str) -> list[ToolCall] | None:
+    """The calls in an output constrained to the `named` tool (or, None, to "required"'s list), or
+    None when it is not their whole JSON (a stop string cut it)."""
     try:
         value = json.loads(text)
         calls = [(named.function.name, value)] if named else [(call["name"], call["parameters"]) for call in value]
@@ -153,8 +153,8 @@ class ToolCallReader:
     tools reads as plain text."""
 
     def __init__(self, body: ChatCompletionRequest, parser: str | None = None):
-        self.body = body
         self.constraint = tool_constraint(body, parser)
+        self._named = _named(body)
         auto = bool(body.tools) and body.tool_choice in (None, "auto")
         self._parse, self._streamable = TOOL_CALL_PARSERS[parser] if parser and auto else (None, None)
 
@@ -167,7 +167,7 @@ class ToolCallReader:
     def finish(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """A finished output's (text, calls, finish reason)."""
         if self.constraint is not None and reason == "stop":
-            calls = tool_calls(self.body, text)
+            calls = tool_calls(self._named, text)
             if calls:
                 return None, calls, "tool_calls"
         elif self._parse is not None:
