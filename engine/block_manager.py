@@ -164,14 +164,17 @@ class BlockManager:
             hits.pop()
         return hits
 
-    def allocate(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
-        """Give `request` room for `num_new_tokens` more tokens (after any `computed` hit blocks).
+    def allocate(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None,
+                 num_lookahead_tokens: int = 0) -> bool:
+        """Give `request` room for `num_new_tokens` more tokens (after any `computed` hit blocks),
+        plus `num_lookahead_tokens` slots for draft tokens, which are never cached: they may be rejected.
 
         Returns False and changes nothing when there are not enough free blocks.
         """
         computed = computed or []
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        num_needed = -(-num_tokens // self.block_size) - len(request.block_ids) - len(computed)
+        num_slots = num_tokens + num_lookahead_tokens
+        num_needed = -(-num_slots // self.block_size) - len(request.block_ids) - len(computed)
         # hit blocks with no other user are in the free queue: taking them costs capacity too
         num_reclaimed = sum(1 for b in computed if b.ref_count == 0)
         if num_needed + num_reclaimed > self.free_queue.num_free:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.config import KV_SCALES
+from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 
 # name → (module, function adding its arguments, function running it, one-line help)
 COMMANDS = {
@@ -56,13 +57,16 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
+    parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                        help=SPECULATIVE_CONFIG_HELP)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
+                  speculative_config=args.speculative_config)
         if args.kv_scales == "dynamic":
             print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -92,6 +96,8 @@ BENCHES = {
                "the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"),
     "attention": ("bench.attention", "add_attention_args", "run_attention",
                   "the CPU prompt-attention kernel vs torch SDPA on the model's head shape"),
+    "spec": ("bench.spec_decode", "add_spec_args", "run_spec",
+             "prompt-lookup speculative decoding vs plain decoding, per kind of text"),
     "router": ("bench.router", "add_router_args", "run_router",
                "routing decisions per second of the coordinated router (fabricated replica states)"),
 }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.spec_decode import SpeculativeConfig
+
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")  # auto: the model dtype
 KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C kernels on CPU
@@ -35,6 +37,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch is the reference; triton also runs on CPU with TRITON_INTERPRET=1
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     record_kv_events: bool = False
+    # speculative decoding by prompt lookup: a SpeculativeConfig, or its dict / JSON (vLLM's keys)
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -60,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:

@@ -20,6 +20,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import Request, RequestStatus
+from engine.spec_decode import propose_ngram
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
 
@@ -106,6 +107,8 @@ class LLMEngine:
         self._counter = itertools.count()
         self.num_generation_tokens = 0
         self.num_prompt_tokens_computed = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts proposed, and those the sampler kept
+        self.num_accepted_draft_tokens = 0
 
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
@@ -239,12 +242,29 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, update; returns outputs of requests that changed."""
+        if self.config.speculative_config is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         result = self.runner.execute(out)
         self.scheduler.update_from_output(out, result.sampled)
         return self._process(out, result)
+
+    def _propose_drafts(self) -> None:
+        """Prompt-lookup drafts for each decoding sequence, never past its max_tokens or the context."""
+        spec = self.config.speculative_config
+        running = self.scheduler.running
+        if spec.disable_by_batch_size and len(running) > spec.disable_by_batch_size:
+            return
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue  # still in its prompt
+            room = min(spec.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens)
+            request.spec_token_ids = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min,
+                                                   spec.prompt_lookup_max)
+            self.num_draft_tokens += len(request.spec_token_ids)
 
     def _process(self, out, result) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}
@@ -259,14 +279,20 @@ class LLMEngine:
                 first, entries = result.prompt_logprobs[req.request_id]
                 if state.prompt_logprobs is not None and req is state.sequences[0].request:
                     state.prompt_logprobs[first:first + len(entries)] = entries
-            token = result.sampled.get(req.request_id)
-            if token is None:
+            tokens = result.sampled.get(req.request_id)
+            if tokens is None:
                 continue
-            self.num_generation_tokens += 1
+            if chunk.draft_token_ids:
+                self.num_accepted_draft_tokens += len(tokens) - 1
             seq = next(s for s in state.sequences if s.request is req)
-            if seq.logprobs is not None:
-                seq.logprobs.append(result.logprobs[req.request_id])
-            self._append_text(seq, token)
+            first_output = req.num_output_tokens - len(tokens)  # the scheduler appended them all
+            for i, token in enumerate(tokens):
+                if seq.logprobs is not None:
+                    seq.logprobs.append(result.logprobs[req.request_id][i])
+                if self._append_text(seq, token, first_output + i + 1, i == len(tokens) - 1):
+                    req.truncate_output(first_output + i + 1)  # a stop string ended it before the drafts did
+                    break
+            self.num_generation_tokens += len(seq.request.output_token_ids) - first_output
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -278,19 +304,27 @@ class LLMEngine:
                     self._release(seq.request.request_id)
         return outputs
 
-    def _append_text(self, seq: _SequenceState, token: int) -> None:
+    def _append_text(self, seq: _SequenceState, token: int, num_output: int, last: bool) -> bool:
+        """Detokenize the sequence's output token number `num_output`; True if it ends the sequence.
+
+        Only the step's `last` token can be one the scheduler finished the sequence at (EOS,
+        length); a stop string can end it at any token.
+        """
         req = seq.request
         new_text = seq.detok.append(token)
         stops = req.params.stop
-        if stops and new_text and not req.status.is_finished and req.num_output_tokens >= req.params.min_tokens:
+        finished = last and req.status.is_finished
+        if stops and new_text and not finished and num_output >= req.params.min_tokens:
             hit = find_stop(seq.detok.text, len(new_text), stops)
             if hit is not None:
                 idx, stop = hit
                 seq.detok.text = seq.detok.text[: idx + len(stop) if req.params.include_stop_str_in_output else idx]
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        if req.status.is_finished:
+                finished = True
+        if finished:
             seq.finish_reason = "length" if req.status == RequestStatus.FINISHED_LENGTH else "stop"
+        return finished
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -334,4 +368,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens_computed,
             num_generation_tokens=self.num_generation_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
         )

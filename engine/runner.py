@@ -21,15 +21,17 @@ from engine.layers.attention import (
 )
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import LogprobsDict
-from engine.sampler import SamplingRow, prompt_logprobs, sample
+from engine.sampler import SamplingRow, prompt_logprobs, sample, verify
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.structured_output import new_matcher
 
 
 @dataclass(slots=True)
 class StepResult:
-    sampled: dict[str, int]  # request id → next token (only chunks that complete their sequence)
-    logprobs: dict[str, LogprobsDict]
+    # request id → its new tokens (chunks that complete their sequence): the next token, or the
+    # drafts the sampler accepted and one more
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[LogprobsDict]]  # one entry per new token, for requests that asked
     # request id → (index of the first prompt token covered, entries), for prompt_logprobs requests
     prompt_logprobs: dict[str, tuple[int, list[LogprobsDict]]]
 
@@ -89,12 +91,17 @@ class ModelRunner:
         table = torch.tensor(block_ids, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def build_metadata(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """chunks must have the single-token ones first. → (input_ids, positions, metadata)."""
-        input_ids, positions = [], []
+    def build_metadata(self, chunks: list[ScheduledChunk], input_ids: list[int] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """chunks must have the single-token ones first. → (input_ids, positions, metadata).
+
+        `input_ids` overrides the tokens read from the requests (a draft has no place there yet).
+        """
+        positions = []
         for c in chunks:
-            input_ids.extend(c.request.all_token_ids[c.start:c.start + c.num_tokens])
             positions.extend(range(c.start, c.start + c.num_tokens))
+        if input_ids is None:
+            input_ids = [t for c in chunks for t in c.request.all_token_ids[c.start:c.start + c.num_tokens]]
         input_ids_t = torch.tensor(input_ids, dtype=torch.long)
         positions_t = torch.tensor(positions, dtype=torch.long)
         decodes = [c for c in chunks if c.num_tokens == 1]
@@ -226,9 +233,9 @@ class ModelRunner:
         return groups
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def forward(self, chunks: list[ScheduledChunk], input_ids: list[int] | None = None) -> torch.Tensor:
         """Run the model over `chunks` (single-token ones first); hidden states [num_tokens, hidden]."""
-        input_ids, positions, meta = self.build_metadata(chunks)
+        input_ids, positions, meta = self.build_metadata(chunks, input_ids)
         num_tokens = input_ids.shape[0]
         if (self.graphs is not None and meta.num_decode_tokens == num_tokens
                 and self.graphs.padded_size(num_tokens) is not None):
@@ -237,15 +244,34 @@ class ModelRunner:
             input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), self._to_device(meta)
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_cache))
 
+    @staticmethod
+    def _queries(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:
+        """The forward's rows and their tokens: a decode with drafts becomes one single-token query
+        per token, at consecutive positions of its sequence. Each sees the keys up to its own
+        position, all written before attention reads any, so the causal mask comes free and the
+        drafts ride the decode kernels (5 queries cost 1.4x one here, a prompt-style chunk 2x)."""
+        queries, input_ids = [], []
+        for c in chunks:
+            known = c.request.all_token_ids[c.start:c.start + c.num_tokens - len(c.draft_token_ids)]
+            input_ids += known
+            if c.draft_token_ids:
+                input_ids += c.draft_token_ids
+                queries += [ScheduledChunk(c.request, c.start + j, 1) for j in range(c.num_tokens)]
+            else:
+                queries.append(c)
+        return queries, input_ids
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        # decodes first, shortest context first, so similar lengths share a decode group
-        chunks = sorted(out.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
-        hidden = self.forward(chunks)
+        # decodes (with or without drafts) first, shortest context first, so similar lengths share a decode group
+        chunks = sorted(out.chunks, key=lambda c: (not c.is_decode, c.start if c.is_decode else 0))
+        hidden = self.forward(*self._queries(chunks))
 
-        # Rows whose logits are needed: the last row of completing chunks, plus every prompt row
-        # of requests that asked for prompt logprobs.
+        # Rows whose logits are needed: the last row of completing chunks, every row of a decode
+        # with drafts, and every prompt row of requests that asked for prompt logprobs.
         sample_rows, rows, prompt_spans = [], [], []
+        plain = []  # indices into sample_rows of the rows that sample one token
+        drafted = []  # (chunk, its first index into sample_rows, its sampling row)
         offset = 0
         for c in chunks:
             request = c.request
@@ -256,7 +282,11 @@ class ModelRunner:
                 last = min(c.start + c.num_tokens, request.num_prompt_tokens - 1)
                 if first < last:
                     prompt_spans.append((c, offset + first - c.start, first, last - first))
-            if c.completes_sequence:
+            if c.draft_token_ids:
+                drafted.append((c, len(sample_rows), self._sampling_row(request)))
+                sample_rows += range(offset, offset + c.num_tokens)
+            elif c.completes_sequence:
+                plain.append(len(sample_rows))
                 sample_rows.append(offset + c.num_tokens - 1)
                 rows.append(self._sampling_row(request))
             offset += c.num_tokens
@@ -265,18 +295,28 @@ class ModelRunner:
         if sample_rows:
             # every row (a decode-only step): no gather, no index tensor to send to a GPU
             logits = self.model.compute_logits(hidden if len(sample_rows) == len(hidden) else hidden[sample_rows])
-            tokens, logprobs = sample(logits, rows, self.generator)
-            done = [c for c in chunks if c.completes_sequence]
+            if drafted:
+                for c, first, row in drafted:
+                    tokens, logprobs = verify(logits[first:first + c.num_tokens], row, c.draft_token_ids,
+                                              self.generator)
+                    self._record(result, c.request.request_id, tokens, logprobs)
+                logits = logits[plain]
+            tokens, logprobs = sample(logits, rows, self.generator) if rows else ([], [])
+            done = [c for c in chunks if c.completes_sequence and not c.draft_token_ids]
             for c, tok, lp in zip(done, tokens, logprobs, strict=True):
-                result.sampled[c.request.request_id] = tok
-                if lp is not None:
-                    result.logprobs[c.request.request_id] = lp
+                self._record(result, c.request.request_id, [tok], [lp])
         for c, row_start, first, count in prompt_spans:
             logits = self.model.compute_logits(hidden[row_start:row_start + count])
             targets = c.request.all_token_ids[first + 1:first + 1 + count]
             entries = prompt_logprobs(logits, targets, c.request.params.prompt_logprobs)
             result.prompt_logprobs[c.request.request_id] = (first + 1, entries)
         return result
+
+    @staticmethod
+    def _record(result: StepResult, request_id: str, tokens: list[int], logprobs: list[LogprobsDict | None]) -> None:
+        result.sampled[request_id] = tokens
+        if logprobs[0] is not None:
+            result.logprobs[request_id] = logprobs
 
     def _sampling_row(self, request) -> SamplingRow:
         gen = None

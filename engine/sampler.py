@@ -7,7 +7,8 @@ vLLM does by default: they describe the model, which is what the evals compare.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -153,6 +154,35 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
             entry.update(zip(ids.tolist(), values.tolist(), strict=True))
         logprobs_out[i] = entry
     return token_list, logprobs_out
+
+
+def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], generator: torch.Generator | None = None,
+           ) -> tuple[list[int], list[LogprobsDict | None]]:
+    """Speculative decoding's acceptance: logits [1 + len(drafts), vocab], row j scoring the token
+    after draft j − 1 → the drafts kept, then one token of the model's own.
+
+    Row j is sampled as plain decoding would sample it had drafts 0..j−1 been its earlier tokens
+    (penalties, bans and grammar see them), and the walk stops at the first token that differs
+    from its draft. For a draft proposed with certainty (prompt lookup), keeping it when the
+    sample equals it is speculative sampling's rule (accept with probability p(draft), else draw
+    from p without it), so every output token has the distribution plain decoding gives it, and
+    a seeded request draws from its generator once per output token, as without drafts.
+    """
+    p = row.params
+    if p.is_greedy and p.logprobs is None and not _adjusted(row):
+        best = _argmax(logits).tolist()  # one argmax for all rows, no penalties to thread through
+        kept = next((j for j, draft in enumerate(drafts) if best[j] != draft), len(drafts))
+        return best[:kept + 1], [None] * (kept + 1)
+    tokens: list[int] = []
+    logprobs: list[LogprobsDict | None] = []
+    for j in range(len(drafts) + 1):
+        seen = replace(row, output_token_ids=row.output_token_ids + tokens) if tokens else row
+        (token,), (entry,) = sample(logits[j:j + 1], [seen], generator)
+        tokens.append(token)
+        logprobs.append(entry)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return tokens, logprobs
 
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) -> list[LogprobsDict]:

@@ -14,6 +14,7 @@ then costs every running stream a bounded stall per step instead of one long one
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -39,16 +40,26 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at its `start` (= computed count before the step)."""
+    """`num_tokens` tokens of `request`, starting at its `start` (= computed count before the step).
+
+    A decode with drafts (speculative decoding) feeds its last known token, then the drafts:
+    num_tokens = 1 + len(draft_token_ids).
+    """
 
     request: Request
     start: int
     num_tokens: int
+    draft_token_ids: Sequence[int] = ()
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (with or without drafts after it): the runner's decode kernels take it."""
+        return self.num_tokens - len(self.draft_token_ids) == 1
 
     @property
     def completes_sequence(self) -> bool:
         """The chunk reaches the last known token, so the step samples a next token for it."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -89,6 +100,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts, request.spec_token_ids = request.spec_token_ids[:budget - 1], []
+            # drafts never take the last blocks: another sequence's next token must not be preempted for them
+            if (drafts and num_new == 1 and self.block_manager.num_free_blocks > len(self.running)
+                    and self.block_manager.allocate(request, 1, num_lookahead_tokens=len(drafts))):
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1 + len(drafts), drafts))
+                budget -= 1 + len(drafts)
+                i += 1
+                continue  # (drafts that find no room are dropped: the decode alone may still fit)
             if num_new > 1:  # a prompt chunk
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
@@ -155,24 +174,29 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish what hit EOS/stop ids/length."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (one, or accepted drafts and one more),
+        finish what hit EOS/stop ids/length; tokens after a finishing one are cut from `sampled`."""
         finished = []
         for chunk in out.chunks:
             request = chunk.request
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_token(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish(request, status)
-                finished.append(request)
+            tokens = sampled.get(request.request_id, ())
+            # KV is valid up to the last accepted draft; rejected drafts' slots are written over later
+            num_accepted = len(tokens) - 1 if chunk.draft_token_ids else 0
+            request.num_computed_tokens = chunk.start + chunk.num_tokens - len(chunk.draft_token_ids) + num_accepted
+            for i, token in enumerate(tokens):
+                request.append_token(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.finish(request, status)
+                    finished.append(request)
+                    del tokens[i + 1:]
+                    break
         return finished
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

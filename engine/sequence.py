@@ -27,7 +27,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
-                 "num_cached_tokens", "stop_reason", "first_token_time", "grammar")
+                 "num_cached_tokens", "stop_reason", "first_token_time", "grammar", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, grammar=None):
@@ -47,6 +47,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
         self.grammar = grammar  # params.structured_outputs compiled for this tokenizer, or None
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (speculative decoding)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +64,13 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past `num_output_tokens` (a stop string ended the text earlier)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[-drop:]
+            del self.all_token_ids[-drop:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

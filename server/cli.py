@@ -27,6 +27,7 @@ import uvicorn
 
 from engine.config import KV_CACHE_DTYPES, KV_SCALES
 from engine.generation_config import sampling_defaults
+from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from server.app import build_app
 from server.config import ServerConfig
 from server.state import ServerState
@@ -116,6 +117,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=0,
                         help="while any stream decodes, prompt chunks take at most this many tokens per step, "
                              "bounding the stall a long prompt adds to every stream's next token (0: no cap)")
+    parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                        help=SPECULATIVE_CONFIG_HELP)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -181,7 +184,7 @@ def _build_engine(args: argparse.Namespace) -> ServingEngine:
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, device=args.device,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
     )
     if not _is_cluster(args):
         return AsyncEngine(config)

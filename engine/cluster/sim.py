@@ -271,7 +271,7 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
             continue
         node = nodes[what]
         out, node.step = node.step, None
-        sampled = {c.request.request_id: rng.randrange(VOCAB) for c in out.chunks if c.completes_sequence}
+        sampled = {c.request.request_id: [rng.randrange(VOCAB)] for c in out.chunks if c.completes_sequence}
         finished = node.scheduler.update_from_output(out, sampled)
         replica = router.replicas[node.node_id]
         kv_events = node.block_manager.drain_events()

@@ -27,6 +27,7 @@ CONFIGS = {
     "batch-no-prefix-cache": {"enable_prefix_caching": False},
     "chunked-prefill": {"max_num_batched_tokens": 24},
     "preemption": {"num_kv_blocks": 24, "max_num_batched_tokens": 256},
+    "speculative": {"speculative_config": {"num_speculative_tokens": 4, "disable_by_batch_size": 0}},
 }
 
 
@@ -58,6 +59,8 @@ def test_batched_equals_hf(real_model_dir, prompts, hf_reference, name):
     assert stats.num_blocks_used == 0
     if name == "preemption":
         assert stats.num_preemptions > 0
+    if name == "speculative":  # the same tokens and logprobs, with drafts kept along the way
+        assert stats.num_accepted_draft_tokens > 0
     if name == "batch-prefix-cache":  # the chat template's system prompt is shared by all 8
         assert stats.prefix_cache_hits >= 7 * 16
 

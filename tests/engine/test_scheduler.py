@@ -10,7 +10,7 @@ from tests.helpers import make_requests, make_scheduler
 
 def _run_step(sched, token=7):
     out = sched.schedule()
-    sampled = {c.request.request_id: token for c in out.chunks if c.completes_sequence}
+    sampled = {c.request.request_id: [token] for c in out.chunks if c.completes_sequence}
     return out, sched.update_from_output(out, sampled)
 
 

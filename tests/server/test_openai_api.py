@@ -262,3 +262,29 @@ def test_aliases_are_accepted_and_listed(engine):
                                                                                              "gpt-3.5-turbo"]
         unknown = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "hi"}, timeout=10)
         assert unknown.status_code == 400 and "'gpt-3.5-turbo'" in unknown.json()["error"]["message"]
+
+
+def test_speculative_decoding_streams_what_plain_decoding_returns(tiny_model_dir, base_url):
+    """Steps that keep drafts send several tokens at once: the stream, its logprobs and the
+    counters still match a server without drafts, token for token."""
+    from engine import AsyncEngine, EngineConfig
+    from tests.server.conftest import serve
+
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1}
+    plain = httpx.post(base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    spec = AsyncEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, speculative_config={
+        "num_speculative_tokens": 3, "prompt_lookup_min": 1}))
+    spec.start()
+    try:
+        with serve(spec) as url:
+            lines = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+            chunks = [json.loads(line[6:])["choices"][0] for line in lines if line.startswith("data: {")]
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+    finally:
+        spec.shutdown()
+    assert "".join(c["text"] for c in chunks) == plain["text"]
+    assert sum((c["logprobs"]["tokens"] for c in chunks), []) == plain["logprobs"]["tokens"]
+    assert len(chunks) < 40  # some chunks carried accepted drafts
+    accepted = re.search(r"^driftgate:spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M)
+    assert accepted and float(accepted.group(1)) > 0

@@ -169,3 +169,19 @@ def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Pat
     with pytest.raises(SystemExit):
         main([str(folder), "--port", str(_free_port()), "--served-model-name", "smol", "gpt-4o-mini"])
     assert seen.pop().model_names == ("smol", "gpt-4o-mini")
+
+
+def test_speculative_config_flag_is_parsed_and_checked_at_the_command_line(capsys):
+    import argparse
+
+    from server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["m"]).speculative_config is None
+    spec = parser.parse_args(["m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert spec.speculative_config.num_speculative_tokens == 2
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["m", "--speculative-config", '{"method": "eagle", "model": "x"}'])
+    assert exit_info.value.code == 2
+    assert "unknown speculative config key(s): model" in capsys.readouterr().err
