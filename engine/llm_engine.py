@@ -109,6 +109,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts proposed, and those the sampler kept
         self.num_accepted_draft_tokens = 0
+        self._drafts_kept: dict[str, float] = {}  # sequence id → drafts it kept per step, moving average
 
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
@@ -233,6 +234,7 @@ class LLMEngine:
 
     def _release(self, seq_id: str) -> None:
         self._seq_owner.pop(seq_id, None)
+        self._drafts_kept.pop(seq_id, None)
         self.runner.release(seq_id)
 
     # ---- the step ----------------------------------------------------------------------
@@ -252,7 +254,12 @@ class LLMEngine:
         return self._process(out, result)
 
     def _propose_drafts(self) -> None:
-        """Prompt-lookup drafts for each decoding sequence, never past its max_tokens or the context."""
+        """Prompt-lookup drafts for each decoding sequence, never past its max_tokens or the context.
+
+        A lone sequence gets num_speculative_tokens: its step is bound by reading the weights, and
+        4 more query rows cost 1.4x one on the CPU. In a batch, rows cost compute, so each
+        sequence gets one draft more than it has lately kept per step (a moving average).
+        """
         spec = self.config.speculative_config
         running = self.scheduler.running
         if spec.disable_by_batch_size and len(running) > spec.disable_by_batch_size:
@@ -260,11 +267,12 @@ class LLMEngine:
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue  # still in its prompt
-            room = min(spec.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1,
+            kept = self._drafts_kept.setdefault(request.request_id, float(spec.num_speculative_tokens))
+            wanted = spec.num_speculative_tokens if len(running) == 1 else min(spec.num_speculative_tokens, int(kept) + 1)
+            room = min(wanted, request.params.max_tokens - request.num_output_tokens - 1,
                        self.max_model_len - request.num_tokens)
             request.spec_token_ids = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min,
                                                    spec.prompt_lookup_max)
-            self.num_draft_tokens += len(request.spec_token_ids)
 
     def _process(self, out, result) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}
@@ -283,7 +291,9 @@ class LLMEngine:
             if tokens is None:
                 continue
             if chunk.draft_token_ids:
+                self.num_draft_tokens += len(chunk.draft_token_ids)
                 self.num_accepted_draft_tokens += len(tokens) - 1
+                self._drafts_kept[req.request_id] = (self._drafts_kept[req.request_id] + len(tokens) - 1) / 2
             seq = next(s for s in state.sequences if s.request is req)
             first_output = req.num_output_tokens - len(tokens)  # the scheduler appended them all
             for i, token in enumerate(tokens):

@@ -29,7 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # shortest suffix that counts as a match
     # no drafts while more sequences than this are running: a big batch already fills the CPU,
     # and verifying drafts that miss costs more than it saves (0: always draft)
-    disable_by_batch_size: int = 4
+    disable_by_batch_size: int = 2
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

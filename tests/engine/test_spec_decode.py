@@ -259,3 +259,26 @@ def test_verify_keeps_the_agreeing_prefix_then_the_models_token():
     with_logprobs = SamplingRow(SamplingParams(temperature=0.0, logprobs=0), [0], [], None)
     tokens, entries = verify(logits, with_logprobs, [3, 9])
     assert tokens == [3, 3] and [list(e) for e in entries] == [[3], [3]]
+
+
+def test_batched_sequences_draft_about_as_many_tokens_as_they_keep(tiny_model_dir, monkeypatch):
+    """A lone sequence always gets num_speculative_tokens drafts; in a batch, where each row costs
+    compute, drafts that keep being rejected shrink to one per step."""
+    import engine.llm_engine
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=96, speculative_config=SPEC)
+    monkeypatch.setattr(engine.llm_engine, "propose_ngram", lambda tokens, n, lo, hi: [0] * n)
+    lengths, execute = [], llm.engine.runner.execute
+
+    def recording(out):
+        lengths.append([len(c.draft_token_ids) for c in out.chunks])
+        return execute(out)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", recording)
+    never = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={0: -100.0})
+    llm.generate(PROMPTS[:1], never, use_tqdm=False)
+    # after the prompt step, every step drafts 3 (all rejected), then fewer as max_tokens nears
+    assert lengths[1:] == [[3]] * 8 + [[2], [1], [0]]
+    lengths.clear()
+    llm.generate(PROMPTS[:2], never, use_tqdm=False)
+    assert lengths[1:6] == [[3, 3], [2, 2], [1, 1], [1, 1], [1, 1]]
