@@ -100,14 +100,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts, request.spec_token_ids = request.spec_token_ids[:budget - 1], []
-            # drafts never take the last blocks: another sequence's next token must not be preempted for them
-            if (drafts and num_new == 1 and self.block_manager.num_free_blocks > len(self.running)
-                    and self.block_manager.allocate(request, 1, num_lookahead_tokens=len(drafts))):
-                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1 + len(drafts), drafts))
-                budget -= 1 + len(drafts)
+            chunk = self._decode_with_drafts(request, num_new, budget) if request.spec_token_ids else None
+            if chunk is not None:
+                out.chunks.append(chunk)
+                budget -= chunk.num_tokens
                 i += 1
-                continue  # (drafts that find no room are dropped: the decode alone may still fit)
+                continue
             if num_new > 1:  # a prompt chunk
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
@@ -149,6 +147,16 @@ class Scheduler:
             budget -= num_new
             prefill_budget -= num_new
         return out
+
+    def _decode_with_drafts(self, request: Request, num_new: int, budget: int) -> ScheduledChunk | None:
+        """The request's decode and its drafts (cut to the budget), or None, dropping the drafts,
+        when it is not decoding or they find no room (its decode alone may still fit). Drafts never
+        take the last blocks: no other sequence's next token is preempted for a guess."""
+        drafts, request.spec_token_ids = request.spec_token_ids[:budget - 1], []
+        if (not drafts or num_new != 1 or self.block_manager.num_free_blocks <= len(self.running)
+                or not self.block_manager.allocate(request, 1, num_lookahead_tokens=len(drafts))):
+            return None
+        return ScheduledChunk(request, request.num_computed_tokens, 1 + len(drafts), drafts)
 
     def _prefill_budget(self) -> int:
         """Tokens prompt chunks may take this step: capped only while some sequence decodes."""
