@@ -12,7 +12,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu-info.txt"
 timeout 180 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
     tests/engine/test_triton_attention.py tests/engine/test_engine_vs_hf.py \
-    tests/engine/test_triton_fused.py tests/quant/test_triton_fp8.py tests/quant/test_linear.py 2>&1 | tee "$OUT/gpu-tests.log"
+    tests/engine/test_triton_fused.py tests/engine/test_spec_decode.py tests/quant/test_triton_fp8.py \
+    tests/quant/test_linear.py 2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 timeout 270 "$PYTHON" -m bench.gpu --out "$OUT/h200-$(date +%F).json" 2>&1 | tee "$OUT/gpu-bench.log"
 bench=${PIPESTATUS[0]}

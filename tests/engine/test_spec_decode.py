@@ -151,7 +151,8 @@ def test_big_batches_decode_without_drafts(tiny_model_dir):
 
 @pytest.mark.parametrize("device,backend", [
     ("cpu", "torch"),
-    pytest.param("cuda", "triton", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param("cuda", "triton", marks=[pytest.mark.cuda,
+                                          pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
 def test_other_attention_backends_agree(tiny_model_dir, device, backend):
     """Drafts as single-token queries of one sequence on each decode path (CUDA: graphs too)."""
