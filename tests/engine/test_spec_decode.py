@@ -140,6 +140,23 @@ def test_structured_output_with_drafts(plain, spec):
     _assert_same(plain, spec, params)
 
 
+@pytest.mark.parametrize("config", [
+    {"num_kv_blocks": 12, "block_size": 8},  # sequences preempted and recomputed, drafts or not
+    {"max_num_batched_tokens": 6},  # prompts in chunks; drafts cut to what the step has left
+    {"enable_prefix_caching": False},
+], ids=["preemption", "chunked-prefill", "no-prefix-cache"])
+def test_drafts_under_memory_and_budget_pressure(tiny_model_dir, config):
+    plain, spec = (LLM(str(tiny_model_dir), dtype="float32", max_model_len=96, speculative_config=spec_config,
+                       **config) for spec_config in (None, SPEC))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _assert_same(plain, spec, greedy)
+    _assert_same(plain, spec, greedy)  # again, over whatever the first run left in the prefix cache
+    stats = spec.stats()
+    assert stats.num_accepted_draft_tokens > 0
+    if "num_kv_blocks" in config:
+        assert stats.num_preemptions > 0
+
+
 def test_big_batches_decode_without_drafts(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=96,
               speculative_config={**SPEC, "disable_by_batch_size": 2})
