@@ -79,15 +79,15 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; ValueError before the first yield
         for a bad request. Cancelling the consumer aborts the request and frees its blocks."""
         if not self.is_alive:
             raise EngineError("the engine is not running")
         if params.structured_outputs is not None:  # compiling its grammar takes ms (the first 0.1 s): off the loop
-            state = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params)
+            state = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params, priority)
         else:
-            state = self.engine.make_request(request_id, prompt, params)
+            state = self.engine.make_request(request_id, prompt, params, priority)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._streams_lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")  # auto: the model dtype
@@ -37,6 +38,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch is the reference; triton also runs on CPU with TRITON_INTERPRET=1
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     record_kv_events: bool = False
+    scheduling_policy: str = "fcfs"  # or "priority": requests carry a priority, lower values first
     # speculative decoding by prompt lookup: a SpeculativeConfig, or its dict / JSON (vLLM's keys)
     speculative_config: SpeculativeConfig | dict | str | None = None
 
@@ -64,6 +66,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
@@ -75,3 +80,12 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=str(model), **kwargs)
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A request's priority, as vLLM takes it: any integer under "priority", only 0 under "fcfs"."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority {priority} needs the priority scheduling policy (serve --scheduling-policy "
+                         f"priority, or LLM(..., scheduling_policy='priority')); this engine serves in arrival order")

@@ -25,19 +25,23 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`; a bad prompt raises before anything runs."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; a bad prompt raises before anything runs.
+
+        `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else self.default_sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(params) != len(prompts) or len(priority) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params and {len(priority)} priorities "
+                             f"for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(None, prompt, p))
+            for prompt, p, rank in zip(prompts, params, priority, strict=True):
+                ids.append(self.engine.add_request(None, prompt, p, rank))
         except ValueError:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, check_priority
 from engine.cuda_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.generation_config import eos_token_ids, read_generation_config
@@ -93,7 +93,7 @@ class LLMEngine:
                                           record_events=config.record_kv_events)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.max_prefill_tokens_with_decodes),
+                            config.max_prefill_tokens_with_decodes, config.scheduling_policy),
             self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed,
                                   config.attention_backend)
@@ -159,15 +159,18 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.model.args.vocab_size})")
         return list(prompt)
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> str:
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> str:
         """Validate and queue a request; every foreseeable mistake is a ValueError here, not later."""
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.submit(self.make_request(request_id, prompt, params))
+        return self.submit(self.make_request(request_id, prompt, params, priority))
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> _RequestState:
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int = 0) -> _RequestState:
         """Tokenize and validate without touching engine state (safe from any thread)."""
+        check_priority(priority, self.config.scheduling_policy)
         prompt_ids = self.tokenize_prompt(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -189,7 +192,7 @@ class LLMEngine:
         for i in range(params.n):
             p = seq_params if params.seed is None or i == 0 else dataclasses.replace(seq_params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar),
+            sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar, priority=priority),
                                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                             [] if params.logprobs is not None else None))
         prompt_lp = [None] * len(prompt_ids) if params.prompt_logprobs is not None else None

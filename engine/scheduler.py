@@ -9,6 +9,10 @@ freed (their hashes stay cached) and it goes to the front of the waiting queue.
 With `max_prefill_tokens_with_decodes` set, a step that decodes any sequence gives prompt
 chunks at most that many tokens in all (Sarathi-Serve's stall-free batching): a long prompt
 then costs every running stream a bounded stall per step instead of one long one.
+
+With policy "priority" (vLLM's), both queues are kept in (priority, arrival) order, lower
+values first: the waiting queue admits the most urgent request first, the running list gives it
+the step's budget first, and the preemption victim (the last running) is the least urgent.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.sequence import Request, RequestStatus
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -27,8 +33,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     max_prefill_tokens_with_decodes: int = 0  # 0: prompt chunks are bounded by the step budget alone
+    policy: str = "fcfs"  # or "priority": requests ordered by (priority, arrival)
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if self.max_prefill_tokens_with_decodes < 0:
             raise ValueError("max_prefill_tokens_with_decodes must be 0 (no cap) or positive, "
                              f"got {self.max_prefill_tokens_with_decodes}")
@@ -87,7 +96,10 @@ class Scheduler:
         self.prefix_hits = 0
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.config.policy == "priority":
+            _insert_in_order(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -142,7 +154,10 @@ class Scheduler:
                 self.prefix_hits += num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.config.policy == "priority":
+                _insert_in_order(self.running, request)
+            else:
+                self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_hit, num_new))
             budget -= num_new
             prefill_budget -= num_new
@@ -184,7 +199,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        if self.config.policy == "priority":
+            _insert_in_order(self.waiting, request)  # its early arrival puts it first among its peers
+        else:
+            self.waiting.appendleft(request)
         self.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -226,3 +244,13 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = status
+
+
+def _insert_in_order(queue: deque[Request] | list[Request], request: Request) -> None:
+    """Put `request` after every request of lower or equal (priority, arrival); searching from the
+    back, where a new arrival usually belongs."""
+    key = (request.priority, request.arrival_time)
+    i = len(queue)
+    while i > 0 and (queue[i - 1].priority, queue[i - 1].arrival_time) > key:
+        i -= 1
+    queue.insert(i, request)

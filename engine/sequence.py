@@ -27,10 +27,11 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
-                 "num_cached_tokens", "stop_reason", "first_token_time", "grammar", "spec_token_ids")
+                 "num_cached_tokens", "stop_reason", "first_token_time", "grammar", "spec_token_ids",
+                 "priority")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, grammar=None):
+                 arrival_time: float | None = None, grammar=None, priority: int = 0):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         self.request_id = request_id
@@ -48,6 +49,7 @@ class Request:
         self.first_token_time: float | None = None
         self.grammar = grammar  # params.structured_outputs compiled for this tokenizer, or None
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (speculative decoding)
+        self.priority = priority  # lower is more urgent; used by the "priority" scheduling policy
 
     @property
     def num_tokens(self) -> int:

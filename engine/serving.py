@@ -35,8 +35,9 @@ class ServingEngine(Protocol):
         ...
 
     def generate(self, prompt: str | list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs until finished; ValueError before the first one for a bad request."""
+                 request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs until finished; ValueError before the first one for a bad request
+        (a non-zero `priority` included, unless the engine schedules by priority)."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -159,7 +159,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request.state.record = record
     renderer = _Renderer(body, request_id, config.served_model_name,
                          token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids), reader)
-    generation = Generation(state, engine, [EngineRequest(request_id, ids, params)], record)
+    generation = Generation(state, engine, [EngineRequest(request_id, ids, params, body.priority)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)
     try:

@@ -27,6 +27,7 @@ import uvicorn
 
 from engine.config import KV_CACHE_DTYPES, KV_SCALES
 from engine.generation_config import sampling_defaults
+from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from server.app import build_app
 from server.config import ServerConfig
@@ -117,6 +118,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=0,
                         help="while any stream decodes, prompt chunks take at most this many tokens per step, "
                              "bounding the stall a long prompt adds to every stream's next token (0: no cap)")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="fcfs: arrival order; priority: requests' `priority` field first (lower values "
+                             "first, then arrival), and the least urgent running request is the one preempted")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,
                         help=SPECULATIVE_CONFIG_HELP)
     parser.add_argument("--block-size", type=int, default=16)
@@ -185,6 +189,7 @@ def _build_engine(args: argparse.Namespace) -> ServingEngine:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, device=args.device,
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
+        scheduling_policy=args.scheduling_policy,
     )
     if not _is_cluster(args):
         return AsyncEngine(config)

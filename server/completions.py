@@ -121,7 +121,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                                        prompt_logprobs=body.logprobs if wants_prompt_logprobs else None,
                                        vocab_size=len(engine.tokenizer), defaults=config.sampling_defaults)
         prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))
-        engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params))
+        engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params, body.priority))
 
     record = RequestRecord(request_id)
     request.state.record = record

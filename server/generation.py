@@ -32,6 +32,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 class _Done:
@@ -62,7 +63,8 @@ class Generation:
 
     async def _pump(self, index: int, request: EngineRequest) -> None:
         try:
-            async for out in self._engine.generate(request.prompt_token_ids, request.params, request.request_id):
+            async for out in self._engine.generate(request.prompt_token_ids, request.params, request.request_id,
+                                                   request.priority):
                 self._queue.put_nowait((index, out))
         except Exception as exc:  # handed to the consumer, which decides the status
             self._queue.put_nowait((index, exc))

@@ -65,6 +65,8 @@ class SamplingFields(_Request):
     use_beam_search: Any = None
     # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM's: lower is served first; other than 0 only under serve --scheduling-policy priority
+    priority: int = 0
 
 
 class CompletionRequest(SamplingFields):

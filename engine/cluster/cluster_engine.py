@@ -41,7 +41,7 @@ from engine.async_engine import EngineError
 from engine.cluster.index import ReplicaState
 from engine.cluster.replica import ReplicaReport, ReplicaShape, launch_replicas
 from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_priority
 from engine.outputs import ClusterStats, EngineStats, ReplicaStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -143,8 +143,9 @@ class ClusterEngine:
         Returns an engine not started yet; its `shutdown` also kills the replicas, and stops
         Ray when this call started it.
         """
-        router_config = RouterConfig(policy=policy, block_size=config.block_size,
-                                     prefix_caching=config.enable_prefix_caching)  # fail before Ray starts
+        router_config = RouterConfig(policy=policy, block_size=config.block_size,  # fail before Ray starts
+                                     prefix_caching=config.enable_prefix_caching,
+                                     scheduling_policy=config.scheduling_policy)
         started_ray = not ray.is_initialized()
         init_ray(ray_address, num_replicas)
         try:
@@ -210,10 +211,11 @@ class ClusterEngine:
     # ---- requests (any thread, any loop) ------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs from whichever replica the router picks (and re-picks)."""
         if not self.is_alive:
             raise EngineError("the cluster engine is not running")
+        check_priority(priority, self.router.config.scheduling_policy)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         with self._ids_lock:
             if request_id in self._ids:
@@ -226,7 +228,7 @@ class ClusterEngine:
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
                 caller.call_soon_threadsafe(outputs.put_nowait, item)
 
-        flight = _Flight(RouteRequest(request_id, token_ids, params.max_tokens * params.n), params, deliver)
+        flight = _Flight(RouteRequest(request_id, token_ids, params.max_tokens * params.n, priority), params, deliver)
         self._loop.call_soon_threadsafe(self._begin, flight)
         ended = False  # the router side is done (an error or _End): the id may already be reused
         try:
@@ -379,7 +381,7 @@ class ClusterEngine:
         yielded = over = withdrawn = stopped = False
         try:
             stream = self.actors[replica_id].generate.options(num_returns="streaming").remote(
-                flight.request.token_ids, flight.params, request_id)
+                flight.request.token_ids, flight.params, request_id, flight.request.priority)
             async for ref in stream:
                 out: RequestOutput = await ref
                 self.router.on_progress(replica_id, request_id, sum(len(c.token_ids) for c in out.outputs))

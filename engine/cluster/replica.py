@@ -61,8 +61,8 @@ class Replica:
                             self.engine.config.max_num_seqs, self.engine.max_model_len)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(prompt_token_ids, params, request_id):
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(prompt_token_ids, params, request_id, priority):
             yield out
 
     def abort(self, request_id: str) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import hash_token_blocks
 from engine.cluster.index import ReplicaState
 from engine.cluster.lengths import OutputLengths
+from engine.scheduler import SCHEDULING_POLICIES
 
 
 class Policy(enum.Enum):
@@ -59,6 +60,9 @@ class RouterConfig:
     max_overtakes: int = 32
     # the replicas cache prefixes; off: every prompt is computed and held in full, nothing shared
     prefix_caching: bool = True
+    # "priority": requests carry one (lower first) and the global queue keeps that order, as the
+    # replicas' schedulers do; "fcfs": every priority is 0, so the queue is in arrival order
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):
@@ -79,6 +83,8 @@ class RouterConfig:
             raise ValueError("pending_prefix_weight must be in [0, 1]")
         if self.max_overtakes < 0:
             raise ValueError("max_overtakes must be ≥ 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
 
 
 @dataclass(slots=True)
@@ -88,6 +94,7 @@ class RouteRequest:
     request_id: str
     token_ids: Sequence[int]
     max_tokens: int
+    priority: int = 0  # lower is more urgent (only non-zero under the "priority" policy)
     block_hashes: list[bytes] = field(default_factory=list)
     excluded: set[int] = field(default_factory=set)  # replicas it was withdrawn from
     num_overtaken: int = 0  # later requests placed while it waited at the head of the queue
@@ -128,7 +135,10 @@ class Router:
         # n completions of one prompt may add up to more than a replica holds; its engine then
         # runs them in turn (preempting within the request), so plan on at most a whole replica
         request.max_tokens = min(request.max_tokens, room)
-        self.queue.append(request)
+        i = len(self.queue)  # behind every request as urgent or more (all of them, when priorities are 0)
+        while i > 0 and self.queue[i - 1].priority > request.priority:
+            i -= 1
+        self.queue.insert(i, request)
         return self.dispatch_ready()
 
     def dispatch_ready(self) -> list[Dispatch]:
@@ -206,12 +216,16 @@ class Router:
         return replica.unstarted_request_ids()
 
     def withdrawn(self, replica_id: int, requests: list[RouteRequest]) -> list[Dispatch]:
-        """The replica gave these back unstarted: queue them ahead of newer arrivals, elsewhere."""
+        """The replica gave these back unstarted: queue them ahead of newer arrivals of their
+        priority (of any, when priorities are 0), elsewhere."""
         replica = self.replicas[replica_id]
-        for request in reversed(requests):  # appendleft in reverse keeps their order
+        for request in reversed(requests):  # each in front of its class, in reverse: their order is kept
             replica.release(request.request_id)
             request.excluded.add(replica_id)
-            self.queue.appendleft(request)
+            i = 0
+            while i < len(self.queue) and self.queue[i].priority < request.priority:
+                i += 1
+            self.queue.insert(i, request)
         self.num_migrated += len(requests)
         return self.dispatch_ready()
 

@@ -266,3 +266,53 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster):
     assert "error" in outcomes[:6]  # replica 0 had streamed tokens when it died
     assert outcomes[6:] == ["completed"] * 4
     assert num_after_rejoin >= 1
+
+
+@pytest.mark.parametrize("policy", ["coordinated", "least-loaded"])  # waiting in the router's queue / the replica's
+def test_priority_reaches_the_router_queue_and_the_replica(cluster, tiny_model_dir, policy):
+    """One replica with one slot, busy: of two requests waiting, the more urgent one runs first;
+    a router serving in arrival order refuses a priority it would ignore."""
+    _, tokenizer = cluster
+    ranked = EngineConfig(str(tiny_model_dir), block_size=BLOCK_SIZE, num_kv_blocks=128, max_num_seqs=1,
+                          scheduling_policy="priority")
+    actors = launch_replicas(ranked, 1, num_cpus=0.5)
+    router = RouterConfig(policy=policy, block_size=BLOCK_SIZE, scheduling_policy="priority")
+    engine = ClusterEngine(actors, router, tokenizer, 0.01)
+    finished: list[str] = []
+
+    async def complete(request_id: str, priority: int, max_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        async for out in engine.generate([5, 6, 7, len(request_id)], params, request_id, priority):
+            if out.finished:
+                finished.append(request_id)
+
+    async def scenario() -> None:
+        blocker = asyncio.create_task(complete("blocker", 0, 400))
+        while engine.stats().cluster.replicas[0].stats.num_running == 0:
+            await asyncio.sleep(0.005)
+        low = asyncio.create_task(complete("low", 5, 2))
+        while (stats := engine.stats().cluster).num_queued + stats.replicas[0].stats.num_waiting == 0:
+            await asyncio.sleep(0.005)  # low waits, in the router's queue or the replica's
+        await asyncio.gather(blocker, low, complete("high", -1, 2))
+
+    engine.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+        for actor in actors:
+            ray.kill(actor)
+    # (the blocker's 400 outputs may still be in flight when the short ones end: its place varies)
+    assert sorted(finished) == ["blocker", "high", "low"] and finished.index("high") < finished.index("low")
+    fcfs = ClusterEngine(cluster[0], RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01)
+
+    async def refused() -> None:
+        async for _ in fcfs.generate([5, 6], SamplingParams(max_tokens=1), "ranked", priority=1):
+            pass
+
+    fcfs.start()
+    try:
+        with pytest.raises(ValueError, match="priority scheduling policy"):
+            asyncio.run(refused())
+    finally:
+        fcfs.shutdown()

@@ -363,6 +363,22 @@ def test_withdrawn_requests_queue_ahead_of_new_arrivals():
     assert [r.request_id for r in router.queue] == ["old", "new"]
 
 
+def test_the_global_queue_keeps_priority_order_and_migrants_lead_their_class():
+    router = make_router(num_replicas=1, num_blocks=10, scheduling_policy="priority", max_overtakes=0)
+    router.submit(req("resident", 28, max_tokens=8))  # fills the replica: the rest queue
+    for rid, priority in [("late-low", 2), ("urgent", 0), ("mid", 1), ("urgent-2", 0)]:
+        request = req(rid, 28, max_tokens=8, seed=len(rid))
+        request.priority = priority
+        assert router.submit(request) == []
+    assert [r.request_id for r in router.queue] == ["urgent", "urgent-2", "mid", "late-low"]
+    migrant = req("migrant", 28, max_tokens=8, seed=9)
+    migrant.priority = 1
+    router.replicas[0].on_dispatch("migrant", [], 28, 8, 28)
+    router.withdrawn(0, [migrant])
+    assert [r.request_id for r in router.queue] == ["urgent", "urgent-2", "migrant", "mid", "late-low"]
+    assert router.on_complete(0, "resident") == [Dispatch("urgent", 0)]
+
+
 def test_baselines_never_migrate():
     router = make_router("least-loaded", num_replicas=2)
     router.replicas[0].on_dispatch("a", [], 12, 4, 12)

@@ -288,3 +288,26 @@ def test_speculative_decoding_streams_what_plain_decoding_returns(tiny_model_dir
     assert len(chunks) < 40  # some chunks carried accepted drafts
     accepted = re.search(r"^driftgate:spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M)
     assert accepted and float(accepted.group(1)) > 0
+
+
+def test_priority_is_refused_without_the_priority_policy_and_served_with_it(tiny_model_dir, base_url):
+    from engine import AsyncEngine, EngineConfig
+    from tests.server.conftest import serve
+
+    body = {"model": MODEL_NAME, "prompt": "Once upon a", "max_tokens": 2, "priority": 3}
+    refused = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400 and "--scheduling-policy priority" in refused.json()["error"]["message"]
+    assert httpx.post(base_url + "/v1/completions", json={**body, "priority": 0}, timeout=30).status_code == 200
+    ranked = AsyncEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=1,
+                                      scheduling_policy="priority"))
+    ranked.start()
+    try:
+        with serve(ranked) as url:
+            chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "priority": -5}
+            assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
+            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+            bad = httpx.post(url + "/v1/completions", json={**body, "priority": "high"}, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    finally:
+        ranked.shutdown()
