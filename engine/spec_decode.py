@@ -84,16 +84,25 @@ def propose_ngram(token_ids: list[int], num_drafts: int, min_n: int, max_n: int)
 
     The latest occurrence with `num_drafts` tokens after it wins (recent text predicts best);
     failing that, the earliest (the most tokens after it, as in a run of one repeated token).
+    One pass finds the earlier places of the last token; only those are extended backwards, so a
+    step costs O(context + matches x max_n), whatever max_n is.
     """
     if num_drafts < 1 or len(token_ids) <= min_n:
         return []
     tokens = np.asarray(token_ids)
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        # windows starting at 0 .. len − n − 1: every occurrence but the suffix itself
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if len(hits):
-            full = hits[hits + n + num_drafts <= len(tokens)]
-            start = int(full[-1] if len(full) else hits[0]) + n
-            return tokens[start:start + num_drafts].tolist()
-    return []
+    last = len(tokens) - 1
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier occurrence could end
+    lengths = np.ones(len(ends), dtype=np.int64)  # how many tokens of the suffix each one matches
+    alive = np.ones(len(ends), dtype=bool)
+    for k in range(1, min(max_n, last)):
+        alive &= ends >= k
+        alive[alive] = tokens[ends[alive] - k] == tokens[last - k]
+        if not alive.any():
+            break
+        lengths += alive
+    if not len(ends) or lengths.max() < min_n:
+        return []
+    hits = ends[lengths == lengths.max()]
+    full = hits[hits + 1 + num_drafts <= len(tokens)]
+    start = int(full[-1] if len(full) else hits[0]) + 1
+    return tokens[start:start + num_drafts].tolist()

@@ -192,6 +192,30 @@ def test_propose_ngram_takes_the_longest_suffix_at_its_latest_occurrence():
     assert propose_ngram([1, 2, 1], 0, 1, 3) == []
 
 
+def _lookup_oracle(tokens: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """propose_ngram's rule, spelled out: longest suffix first, every earlier occurrence of it."""
+    if num_drafts < 1:
+        return []
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if starts:
+            full = [i for i in starts if i + n + num_drafts <= len(tokens)]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start:start + num_drafts]
+    return []
+
+
+def test_propose_ngram_matches_a_plain_search():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(0, 30))]
+        num_drafts, min_n = rng.randint(0, 5), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 6)
+        assert propose_ngram(tokens, num_drafts, min_n, max_n) == _lookup_oracle(tokens, num_drafts, min_n, max_n)
+
+
 def test_speculative_config_refuses_what_it_cannot_do():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').num_speculative_tokens == 2
     for bad, match in [('{"method": "eagle"}', "not supported"), ('{"num_speculative_tokens": 0}', "at least 1"),
