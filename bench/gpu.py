@@ -113,12 +113,16 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def decode(model: LlamaForCausalLM, batch: int, context: int, kv_dtype: torch.dtype, steps: int = 30,
-           graphs: bool = True) -> dict:
-    """Median decode step (ms) of `batch` sequences at `context` tokens, and output tokens/s."""
+           graphs: bool = True, drafts: int = 0) -> dict:
+    """Median decode step (ms) of `batch` sequences at `context` tokens, and output tokens/s.
+
+    With `drafts`, each sequence also verifies that many draft tokens a step (speculative
+    decoding's query rows; random weights reject them, so tokens/s counts one a sequence)."""
     from engine.cuda_graphs import DecodeGraphs
 
     args = model.args
-    blocks_per_seq = -(-(context + 1) // PAGE)
+    rows = batch * (1 + drafts)
+    blocks_per_seq = -(-(context + 1 + drafts) // PAGE)
     slots = batch * blocks_per_seq * PAGE
     device = next(model.parameters()).device
     cache = KVCache(args.num_layers, slots + 1, args.num_kv_heads, args.head_dim, kv_dtype, device)
@@ -126,19 +130,20 @@ def decode(model: LlamaForCausalLM, batch: int, context: int, kv_dtype: torch.dt
         layer.copy_(torch.randn(layer.shape, device=device).to(kv_dtype))
     runner = ModelRunner(model, cache, PAGE)
     if graphs and device.type == "cuda":
-        runner.graphs = DecodeGraphs(model, cache, PAGE, batch, blocks_per_seq * PAGE, pad_slot=slots)
+        runner.graphs = DecodeGraphs(model, cache, PAGE, rows, blocks_per_seq * PAGE, pad_slot=slots)
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     chunks = []
     for i in range(batch):
         request = Request(f"r{i}", [(7 * i + t) % 500 for t in range(context + 1)], greedy)
         request.block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        chunks.append(ScheduledChunk(request, context, 1))  # the same position each step
+        # the same position each step
+        chunks.append(ScheduledChunk(request, context, 1 + drafts, [3 + t for t in range(drafts)]))
     step_ms = median_ms(lambda: runner.execute(SchedulerOutput(chunks)), reps=steps)
     result = {"batch": batch, "context": context, "kv_dtype": str(kv_dtype).removeprefix("torch."),
-              "step_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms,
+              "drafts": drafts, "step_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms,
               "kv_cache_bytes": 2 * sum(t.nbytes for t in cache.k)}
     if runner.graphs is not None:  # the model's GPU time alone; the rest of a step is host work + lm_head
-        graph, _ = runner.graphs.graphs[runner.graphs.padded_size(batch)]
+        graph, _ = runner.graphs.graphs[runner.graphs.padded_size(rows)]
         result["graph_replay_ms"] = median_ms(graph.replay, reps=steps)
     return result
 
@@ -276,6 +281,8 @@ def _decode_section(report: dict, config: dict, weights: str, device: str, tiny:
     if weights != "bf16":
         return
     report["decode_bf16_eager_batch1"] = decode(model, 1, 512, torch.bfloat16, graphs=False)
+    # what speculative decoding's drafts cost a lone sequence: the step with 2 and 4 draft rows
+    report["spec_verify_batch1"] = [decode(model, 1, 512, torch.bfloat16, drafts=d) for d in (2, 4)]
     long_context = 1024 if tiny else 32768
     budget = 4 << 20 if tiny else 32 << 30  # 32 GiB: 8 sequences of 32k tokens in bf16
     capacity = kv_capacity(model.args, budget, long_context)
@@ -334,6 +341,8 @@ def summary(report: dict) -> str:
                      f"step {r['step_ms']:.2f} ms, graph {r.get('graph_replay_ms', 0):.2f} ms")
     if "decode_bf16_eager_batch1" in report:
         lines.append(f"decode bf16 b1 eager (no graphs): {report['decode_bf16_eager_batch1']['tokens_per_s']:.1f} tok/s")
+    for row in report.get("spec_verify_batch1", []):
+        lines.append(f"decode bf16 b1 with {row['drafts']} draft rows: step {row['step_ms']:.2f} ms")
     kv = report.get("fp8_kv", {"long_context": [], "capacity": {"sequences": {}}})
     for r in kv["long_context"]:
         lines.append(f"ctx {r['context']} b{r['batch']} kv {r['kv_dtype']:14s}: {r['step_ms']:.2f} ms/step")

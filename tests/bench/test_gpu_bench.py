@@ -14,6 +14,8 @@ def test_random_model_decodes_and_counts_its_weight_bytes():
     assert gpu.weight_bytes(model) == sum(m.weight.nbytes for m in linears)
     row = gpu.decode(model, batch=2, context=40, kv_dtype=torch.bfloat16, steps=2)
     assert row["batch"] == 2 and row["tokens_per_s"] > 0 and row["kv_cache_bytes"] > 0
+    drafted = gpu.decode(model, batch=2, context=40, kv_dtype=torch.bfloat16, steps=2, drafts=4)
+    assert drafted["drafts"] == 4 and drafted["step_ms"] > 0
 
 
 def test_fp8_kv_fits_twice_the_sequences():
