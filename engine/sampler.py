@@ -61,7 +61,12 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             logits[i, torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
         banned = _banned(row)
         if banned:
+            kept = logits[i, banned].clone() if row.grammar_active else None
             logits[i, banned] = float("-inf")
+            if kept is not None and not torch.isfinite(logits[i]).any():
+                # the grammar allows nothing but what min_tokens bans (its output is complete):
+                # the grammar wins, or the row would sample from nothing
+                logits[i, banned] = kept
     return logits
 
 

@@ -227,7 +227,9 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        if request.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
+        # before min_tokens the sampler bans stop tokens, unless a grammar allows nothing else (it is complete)
+        if token in params.stop_token_ids and (request.num_output_tokens >= params.min_tokens
+                                               or request.grammar is not None):
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:

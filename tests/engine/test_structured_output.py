@@ -34,6 +34,17 @@ def test_outputs_match_choice_regex_and_grammar(llm, temperature):
             assert accepts(out.text) and out.finish_reason == "stop", (constraint.kind, out.text)
 
 
+def test_a_complete_grammar_ends_the_output_before_min_tokens(llm):
+    """min_tokens bans the stop tokens; once the grammar allows nothing else it wins, instead of
+    the row sampling from an empty distribution (tokens outside the grammar, then a late stop)."""
+    choice = StructuredOutputs(choice=["yes", "no"])
+    plain = _generate(llm, choice)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=48, min_tokens=len(plain.token_ids) + 10,
+                            structured_outputs=choice)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.token_ids, out.finish_reason) == (plain.text, plain.token_ids, "stop")
+
+
 def test_json_schema_output_parses_and_follows_the_schema(llm):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m"]}},
               "required": ["ok", "size"], "additionalProperties": False}
