@@ -151,14 +151,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
             row.matcher.accept_token(token)
 
     for j, i in enumerate(want_logprobs):
-        row_lp = raw_logprobs[j]
-        entry = {token_list[i]: row_lp[token_list[i]].item()}
-        n = rows[i].params.logprobs
-        if n:
-            values, ids = row_lp.topk(n)
-            entry.update(zip(ids.tolist(), values.tolist(), strict=True))
-        logprobs_out[i] = entry
+        logprobs_out[i] = _logprobs_entry(raw_logprobs[j], token_list[i], rows[i].params.logprobs)
     return token_list, logprobs_out
+
+
+def _logprobs_entry(row_logprobs: torch.Tensor, token: int, top_n: int) -> LogprobsDict:
+    """The sampled token's logprob, then the top-n (the sampled one may be among them)."""
+    entry = {token: row_logprobs[token].item()}
+    if top_n:
+        values, ids = row_logprobs.topk(top_n)
+        entry.update(zip(ids.tolist(), values.tolist(), strict=True))
+    return entry
 
 
 def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], generator: torch.Generator | None = None,
@@ -174,10 +177,14 @@ def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], genera
     a seeded request draws from its generator once per output token, as without drafts.
     """
     p = row.params
-    if p.is_greedy and p.logprobs is None and not _adjusted(row):
-        best = _argmax(logits).tolist()  # one argmax for all rows, no penalties to thread through
+    if p.is_greedy and not _adjusted(row):  # one argmax for all rows, no penalties to thread through
+        best = _argmax(logits).tolist()
         kept = next((j for j, draft in enumerate(drafts) if best[j] != draft), len(drafts))
-        return best[:kept + 1], [None] * (kept + 1)
+        tokens = best[:kept + 1]
+        if p.logprobs is None:
+            return tokens, [None] * len(tokens)
+        rows_logprobs = logits[:len(tokens)].log_softmax(dim=-1)
+        return tokens, [_logprobs_entry(lp, t, p.logprobs) for lp, t in zip(rows_logprobs, tokens, strict=True)]
     tokens: list[int] = []
     logprobs: list[LogprobsDict | None] = []
     for j in range(len(drafts) + 1):

@@ -82,7 +82,8 @@ def test_greedy_tokens_match_plain_decoding(plain, spec, kw):
 
 def test_seeded_sampling_draws_the_same_tokens(plain, spec):
     # one generator draw per output token with or without drafts, so seeded outputs agree
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, n=2, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, n=2, max_tokens=30, ignore_eos=True,
+                            logprobs=2)
     drafted, accepted = _run_counting(plain, spec, params)
     assert 0 < accepted < drafted  # both outcomes of the verification ran
 
