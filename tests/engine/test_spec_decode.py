@@ -52,7 +52,7 @@ def _assert_same(plain, spec, params) -> None:
 
 
 def _run_counting(plain, spec, params) -> tuple[int, int]:
-    """_assert_same, returning (drafts proposed, drafts accepted) on the way."""
+    """_assert_same, returning (drafts verified, drafts accepted) on the way."""
     before = spec.stats()
     _assert_same(plain, spec, params)
     after = spec.stats()
