@@ -6,11 +6,12 @@ tokens/s (medians of `--runs`), their ratio, and the share of drafts the sampler
 stop at EOS or `--max-tokens`, as a user's would: text forced past EOS tends to repeat and
 flatters lookup.
 
-The JSON records whether the greedy outputs were identical. They are wherever a sequence's math
-does not depend on what else is in the step (fp32 and weight-only checkpoints here). Draft rows
-make a step several rows wide, which moves some fp32 sums by ~1e-6; schemes that quantize
-activations (W8A8, FP8) can round such a value the other way and part at a near-tie, exactly as
-those checkpoints do when a request shares a batch with others without drafts.
+The JSON records whether the greedy outputs were identical; for fp32 and weight-only checkpoints
+they were in every run here. Draft rows make a step several rows wide, and the CPU attention
+kernel then splits each context across threads differently, which moves fp32 sums in the last
+bits: too little to flip those models' choices, but schemes that quantize activations (W8A8,
+FP8) can round such a value the other way and part at a near-tie, exactly as those checkpoints
+do when a request shares a batch with others without drafts.
 
 Workloads: `rewrite` (copy a WikiText paragraph with small edits: lookup's best case),
 `gsm8k` (step-by-step arithmetic, the gate's task: numbers and phrases recur), `chat`
