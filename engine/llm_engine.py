@@ -107,7 +107,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self.num_generation_tokens = 0
         self.num_prompt_tokens_computed = 0
-        self.num_draft_tokens = 0  # speculative decoding: drafts proposed, and those the sampler kept
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and those the sampler kept
         self.num_accepted_draft_tokens = 0
         self._drafts_kept: dict[str, float] = {}  # sequence id → drafts it kept per step, moving average
 

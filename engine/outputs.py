@@ -53,7 +53,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # tokens prefilled (computed, excluding cache hits)
     num_generation_tokens: int = 0
-    num_draft_tokens: int = 0  # speculative decoding: drafts proposed
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_draft_tokens: int = 0  # ... and kept by the sampler
     extra: dict[str, float] = field(default_factory=dict)
     cluster: ClusterStats | None = None  # set by a cluster: the counters above are its replicas' sums

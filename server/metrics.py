@@ -46,7 +46,7 @@ class _EngineCollector:
             "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions),
             "prompt_tokens": ("Prompt tokens prefilled.", stats.num_prompt_tokens),
             "generation_tokens": ("Tokens generated.", stats.num_generation_tokens),
-            "spec_decode_num_draft_tokens": ("Draft tokens proposed (speculative decoding).", stats.num_draft_tokens),
+            "spec_decode_num_draft_tokens": ("Draft tokens verified (speculative decoding).", stats.num_draft_tokens),
             "spec_decode_num_accepted_tokens": ("Draft tokens the sampler kept.", stats.num_accepted_draft_tokens),
         }
         for name, (doc, value) in counters.items():
