@@ -17,6 +17,7 @@ the step's budget first, and the preemption victim (the last running) is the lea
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if self.config.policy == "priority":
-            _insert_in_order(self.waiting, request)
+            insort(self.waiting, request, key=_urgency)
         else:
             self.waiting.append(request)
 
@@ -155,7 +156,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             if self.config.policy == "priority":
-                _insert_in_order(self.running, request)
+                insort(self.running, request, key=_urgency)
             else:
                 self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_hit, num_new))
@@ -200,7 +201,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         if self.config.policy == "priority":
-            _insert_in_order(self.waiting, request)  # its early arrival puts it first among its peers
+            insort(self.waiting, request, key=_urgency)  # its early arrival puts it first among its peers
         else:
             self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -248,11 +249,5 @@ class Scheduler:
         request.status = status
 
 
-def _insert_in_order(queue: deque[Request] | list[Request], request: Request) -> None:
-    """Put `request` after every request of lower or equal (priority, arrival); searching from the
-    back, where a new arrival usually belongs."""
-    key = (request.priority, request.arrival_time)
-    i = len(queue)
-    while i > 0 and (queue[i - 1].priority, queue[i - 1].arrival_time) > key:
-        i -= 1
-    queue.insert(i, request)
+def _urgency(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time

@@ -27,6 +27,7 @@ exactly one place: in flight on a replica, or in the router's queue.
 from __future__ import annotations
 
 import enum
+from bisect import insort_left, insort_right
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -135,10 +136,8 @@ class Router:
         # n completions of one prompt may add up to more than a replica holds; its engine then
         # runs them in turn (preempting within the request), so plan on at most a whole replica
         request.max_tokens = min(request.max_tokens, room)
-        i = len(self.queue)  # behind every request as urgent or more (all of them, when priorities are 0)
-        while i > 0 and self.queue[i - 1].priority > request.priority:
-            i -= 1
-        self.queue.insert(i, request)
+        # behind every request as urgent or more (all of them, when priorities are 0)
+        insort_right(self.queue, request, key=_priority)
         return self.dispatch_ready()
 
     def dispatch_ready(self) -> list[Dispatch]:
@@ -222,10 +221,7 @@ class Router:
         for request in reversed(requests):  # each in front of its class, in reverse: their order is kept
             replica.release(request.request_id)
             request.excluded.add(replica_id)
-            i = 0
-            while i < len(self.queue) and self.queue[i].priority < request.priority:
-                i += 1
-            self.queue.insert(i, request)
+            insort_left(self.queue, request, key=_priority)
         self.num_migrated += len(requests)
         return self.dispatch_ready()
 
@@ -291,3 +287,7 @@ class Router:
 
         # ties (e.g. an idle cluster) go to the fewest in-flight, then the lowest id
         return max(candidates, key=lambda r: (score(r), -r.num_in_flight, -r.replica_id))
+
+
+def _priority(request: RouteRequest) -> int:
+    return request.priority
