@@ -5,9 +5,10 @@
  * byte crosses memory three times (read, write, read again); at batch 32 that traffic is as large
  * as the weights'. Here each sequence's task walks its block table once for K (scores) and once
  * for V (weighted sum), a whole slot (every KV head) at a time, with the G = H / KV query heads
- * of a KV head sharing each of its loads. When there are fewer sequences than threads can share
- * evenly (batch 1), each context is cut into ranges whose partial softmax sums merge exactly
- * afterwards.
+ * of a KV head sharing each of its loads. Each context is cut into ranges at fixed offsets whose
+ * partial softmax sums merge exactly afterwards, so that a sequence's result does not depend on
+ * its batch, and a batch of fewer sequences than threads can share evenly (batch 1) spreads each
+ * context's ranges over several tasks.
  *
  * Layouts (all contiguous):
  *   q, out       float32 [num_seqs, num_heads, head_dim]
@@ -103,21 +104,42 @@ static inline int64_t slot_prefetching(const void *cache, const int32_t *table, 
     return slot_of(table, block_shift, t);
 }
 
-/* scores[h] ← exp(scores[h] - m[h]) over a range of `span` tokens, for every query head h, with
- * m[h] the range's largest score and l[h] the sum of the exponentials. */
-static inline void softmax_rows(float *scores, int heads, int span, float *m, float *l) {
+/* scores[h][t] ← exp(scores[h][t] - m[h]) over tokens t < n (rows `stride` apart), for every query
+ * head h, with m[h] the largest score and l[h] the sum of the exponentials. */
+static inline void softmax_rows(float *scores, int heads, int stride, int n, float *m, float *l) {
     for (int h = 0; h < heads; h++) {
-        float *s = scores + (int64_t)h * span;
+        float *s = scores + (int64_t)h * stride;
         float max = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : max)
-        for (int t = 0; t < span; t++) max = s[t] > max ? s[t] : max;
+        for (int t = 0; t < n; t++) max = s[t] > max ? s[t] : max;
 #pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < span; t++) {
+        for (int t = 0; t < n; t++) {
             s[t] = expf(s[t] - max);
             sum += s[t];
         }
         m[h] = max;
         l[h] = sum;
+    }
+}
+
+/* The partial sums of each range of `range_tokens` in [begin, end) (begin on a range boundary) as
+ * attend_range_body leaves them, `stride` floats apart: m [heads], l [heads], acc [heads, head_dim]. */
+typedef struct {
+    float *first;
+    size_t stride;
+    int range_tokens;
+} Partials;
+
+static inline float *range_partials(Partials p, int r) { return p.first + p.stride * (size_t)r; }
+
+/* Softmax of each range's scores on its own (scores [heads, end - begin]); its acc zeroed. */
+static inline void softmax_ranges(float *scores, int heads, int head_dim, int begin, int end, Partials p) {
+    const int span = end - begin;
+    for (int r = 0; r * p.range_tokens < span; r++) {
+        const int first = r * p.range_tokens, n = span - first < p.range_tokens ? span - first : p.range_tokens;
+        float *m = range_partials(p, r);
+        softmax_rows(scores + first, heads, span, n, m, m + heads);
+        memset(m + 2 * heads, 0, sizeof(float) * (size_t)heads * head_dim);
     }
 }
 
@@ -128,7 +150,7 @@ static inline void softmax_rows(float *scores, int heads, int span, float *m, fl
 static inline __attribute__((always_inline)) void attend_streaming(
     const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int block_shift, int begin,
     int end, int kv_heads, int group, int head_dim, float scale, int cache_type, const float *k_table,
-    const float *v_table, float *scores, float *upcast, float *m, float *l, float *acc) {
+    const float *v_table, float *scores, float *upcast, Partials partials) {
     const int heads = kv_heads * group, slot_bytes = kv_heads * head_dim * ELEMENT_BYTES[cache_type];
     const int span = end - begin;
     /* pass 1: scores[h][t] = q_h · k_t * scale */
@@ -140,11 +162,11 @@ static inline __attribute__((always_inline)) void attend_streaming(
                 scores[(int64_t)h * span + (t - begin)] = dot(q + h * head_dim, k, head_dim) * scale;
         }
     }
-    softmax_rows(scores, heads, span, m, l);
-    /* pass 2: acc_h = Σ_t p[h][t] · v_t */
-    memset(acc, 0, sizeof(float) * (size_t)heads * head_dim);
+    softmax_ranges(scores, heads, head_dim, begin, end, partials);
+    /* pass 2: acc_h = Σ_t p[h][t] · v_t, each range's in its own */
     for (int t = begin; t < end; t++) {
         const int64_t slot = slot_prefetching(v_cache, table, block_shift, t, end, slot_bytes);
+        float *acc = range_partials(partials, (t - begin) / partials.range_tokens) + 2 * heads;
         for (int kv = 0; kv < kv_heads; kv++) {
             const float *v = head_row(v_cache, slot, kv, kv_heads, head_dim, cache_type, v_table, upcast);
             for (int h = kv * group; h < (kv + 1) * group; h++) {
@@ -180,7 +202,7 @@ static inline __attribute__((always_inline)) void stage_tile(const void *cache, 
 static inline __attribute__((always_inline)) void attend_tiled(
     const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int block_shift, int begin,
     int end, int kv_heads, int group, int head_dim, float scale, int cache_type, const float *k_table,
-    const float *v_table, float *scores, float *tile, float *m, float *l, float *acc) {
+    const float *v_table, float *scores, float *tile, Partials partials) {
     const int heads = kv_heads * group;
     const int span = end - begin, runs = (head_dim + 15) / 16;
     const int slot_floats = kv_heads * head_dim;
@@ -202,11 +224,11 @@ static inline __attribute__((always_inline)) void attend_tiled(
             }
         }
     }
-    softmax_rows(scores, heads, span, m, l);
-    /* pass 2: acc_h = Σ_t p[h][t] · v_t */
-    memset(acc, 0, sizeof(float) * (size_t)heads * head_dim);
+    softmax_ranges(scores, heads, head_dim, begin, end, partials);
+    /* pass 2: acc_h = Σ_t p[h][t] · v_t, each range's in its own (a tile lies in one range) */
     for (int t = begin; t < end; t += TILE) {
         const int n = end - t < TILE ? end - t : TILE;
+        float *acc = range_partials(partials, (t - begin) / partials.range_tokens) + 2 * heads;
         stage_tile(v_cache, table, block_shift, t, n, end, kv_heads, head_dim, cache_type, v_table, tile);
         for (int kv = 0; kv < kv_heads; kv++) {
             const float *p = scores + (int64_t)kv * group * span + (t - begin);
@@ -230,22 +252,25 @@ static inline __attribute__((always_inline)) void attend_tiled(
     }
 }
 
-/* One sequence over its tokens [begin, end), for every query head h: the largest score m[h], the
- * sum l[h] of exp(score - m[h]), and acc[h] = sum over t of exp(score_t - m[h]) * v_t, not yet
- * divided by l[h]. Ranges of one sequence merge exactly (flash-decoding), so a short batch can
- * split its context across threads. Both walks take every KV head of a slot because a slot holds
- * them side by side: reading whole slots, one contiguous run per block, streams 1.2-1.6x faster
- * than a task per KV head reading a third of each slot at a stride (batch 22, context 400). */
+/* One sequence over its tokens [begin, end), range by range, for every query head h: the range's
+ * largest score m[h], the sum l[h] of exp(score - m[h]), and acc[h] = sum over its t of
+ * exp(score_t - m[h]) * v_t, not yet divided by l[h]. Ranges merge exactly (flash-decoding), so a
+ * short batch can split a context across threads. The keys of all [begin, end) stream in one
+ * walk, then the values in another (a walk per range missed its first tokens' prefetch: fp8,
+ * batch 32, context 300, 64-token ranges: 1.3x slower). Both walks take every KV head of a slot
+ * because a slot holds them side by side: reading whole slots, one contiguous run per block,
+ * streams 1.2-1.6x faster than a task per KV head reading a third of each slot at a stride
+ * (batch 22, context 400). */
 static inline __attribute__((always_inline)) void attend_range_body(
     const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int block_shift, int begin,
     int end, int kv_heads, int group, int head_dim, float scale, int cache_type, const float *k_table,
-    const float *v_table, float *scores, float *tile, float *m, float *l, float *acc) {
+    const float *v_table, float *scores, float *tile, Partials partials) {
     if (cache_type == CACHE_F32)
         attend_streaming(q, k_cache, v_cache, table, block_shift, begin, end, kv_heads, group, head_dim, scale,
-                         cache_type, k_table, v_table, scores, tile, m, l, acc);
+                         cache_type, k_table, v_table, scores, tile, partials);
     else
         attend_tiled(q, k_cache, v_cache, table, block_shift, begin, end, kv_heads, group, head_dim, scale,
-                     cache_type, k_table, v_table, scores, tile, m, l, acc);
+                     cache_type, k_table, v_table, scores, tile, partials);
 }
 
 /* attend_range_body compiled for common (query heads per KV head, head_dim) pairs as constants,
@@ -254,29 +279,38 @@ static inline __attribute__((always_inline)) void attend_range_body(
 static void attend_range(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
                          int block_shift, int begin, int end, int kv_heads, int group, int head_dim, float scale,
                          int cache_type, const float *k_table, const float *v_table, float *scores, float *tile,
-                         float *m, float *l, float *acc) {
+                         Partials partials) {
 #define FIXED_SHAPE(G, D)                                                                                          \
     if (group == G && head_dim == D) {                                                                             \
         attend_range_body(q, k_cache, v_cache, table, block_shift, begin, end, kv_heads, G, D, scale, cache_type,  \
-                          k_table, v_table, scores, tile, m, l, acc);                                              \
+                          k_table, v_table, scores, tile, partials);                                               \
         return;                                                                                                    \
     }
     FIXED_SHAPE(1, 64) FIXED_SHAPE(3, 64) FIXED_SHAPE(4, 64) FIXED_SHAPE(1, 128) FIXED_SHAPE(4, 128) FIXED_SHAPE(8, 128)
 #undef FIXED_SHAPE
     attend_range_body(q, k_cache, v_cache, table, block_shift, begin, end, kv_heads, group, head_dim, scale,
-                      cache_type, k_table, v_table, scores, tile, m, l, acc);
+                      cache_type, k_table, v_table, scores, tile, partials);
 }
 
-/* How many ranges to cut each sequence's context into: enough tasks to keep every thread busy
- * (batch 1 has a single task), never ranges shorter than MIN_SPLIT_TOKENS. */
-enum { MIN_SPLIT_TOKENS = 64 };
+/* Every context is cut into ranges of RANGE_TOKENS at fixed offsets (twice, four times... as many
+ * tokens a range where that would make more than MAX_RANGES), each range's partial sums are kept,
+ * and the merge folds them in order: a sequence's output depends on its own tokens alone, not on
+ * which sequences share the batch or how many threads run it. Cutting a context by the batch's
+ * needs (4 ranges at batch 1, 2 at batch 3, 1 from batch 4) gave last-bit differences that
+ * per-token int8 activations amplify into different greedy tokens (W8A8, FP8). */
+enum { RANGE_TOKENS = 64, MAX_RANGES = 64 };
 
-static int context_splits(int num_seqs, int max_context, int num_threads) {
+static int tokens_per_range(int context) {
+    int tokens = RANGE_TOKENS;
+    while ((context + tokens - 1) / tokens > MAX_RANGES) tokens *= 2;
+    return tokens;
+}
+
+/* How many tasks share each sequence's ranges (consecutive runs of them): enough to keep every
+ * thread busy when the batch has few sequences; a task left without a range does nothing. */
+static int tasks_per_sequence(int num_seqs, int num_threads) {
     const int wanted = 2 * num_threads;
-    if (num_seqs >= wanted) return 1;
-    int splits = (wanted + num_seqs - 1) / num_seqs;
-    const int most = max_context / MIN_SPLIT_TOKENS;
-    return splits < most ? splits : (most > 1 ? most : 1);
+    return num_seqs >= wanted ? 1 : (wanted + num_seqs - 1) / num_seqs;
 }
 
 /* Returns 0; -1 when the scratch allocation failed, -2 when block_size is not a power of two
@@ -286,54 +320,65 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
                            int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
                            float scale, int cache_type, const float *k_table, const float *v_table,
                            int num_threads) {
-    int max_context = 0;
-    for (int i = 0; i < num_seqs; i++) max_context = context_lens[i] > max_context ? context_lens[i] : max_context;
     const int group = num_heads / num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (block_size < 1 || (block_size & (block_size - 1))) return -2;
     int block_shift = 0;
     while ((1 << block_shift) < block_size) block_shift++;
-    const int splits = context_splits(num_seqs, max_context, num_threads);
+    /* first_range[s]: where sequence s's ranges start among all sequences' (first_range[num_seqs]: their count) */
+    int *first_range = malloc(sizeof(int) * ((size_t)num_seqs + 1));
+    if (first_range == NULL) return -1;
+    int widest_range = 0, widest_ranges = 0; /* the most tokens in a range, and ranges in a sequence */
+    first_range[0] = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int tokens = tokens_per_range(context_lens[s]), ranges = (context_lens[s] + tokens - 1) / tokens;
+        widest_range = tokens > widest_range ? tokens : widest_range;
+        widest_ranges = ranges > widest_ranges ? ranges : widest_ranges;
+        first_range[s + 1] = first_range[s] + ranges;
+    }
+    const int splits = tasks_per_sequence(num_seqs, num_threads);
     const int num_tasks = num_seqs * splits;
-    /* per-thread scratch: scores [num_heads, max_context] and a tile of slots [TILE, num_kv_heads, head_dim];
-     * per task (a range of one sequence): m and l [num_heads], acc [num_heads, head_dim] */
-    const size_t per_thread = (size_t)num_heads * max_context + (size_t)TILE * num_kv_heads * head_dim;
-    const size_t per_task = (size_t)num_heads * (2 + head_dim);
-    float *scratch = malloc(sizeof(float) * (per_thread * (size_t)num_threads + per_task * (size_t)num_tasks));
-    if (scratch == NULL) return -1;
+    /* per thread: scores [num_heads, the longest task] and a tile of slots [TILE, num_kv_heads, head_dim];
+     * per range: m and l [num_heads], acc [num_heads, head_dim] */
+    const int longest_task = ((widest_ranges + splits - 1) / splits) * widest_range;
+    const size_t per_thread = (size_t)num_heads * longest_task + (size_t)TILE * num_kv_heads * head_dim;
+    const size_t per_range = (size_t)num_heads * (2 + head_dim);
+    float *scratch = malloc(sizeof(float) * (per_thread * (size_t)num_threads + per_range * (size_t)first_range[num_seqs]));
+    if (scratch == NULL) {
+        free(first_range);
+        return -1;
+    }
     float *partials = scratch + per_thread * (size_t)num_threads;
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = scratch + per_thread * (size_t)omp_get_thread_num();
-        float *tile = scores + (size_t)num_heads * max_context;
+        float *tile = scores + (size_t)num_heads * longest_task;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < num_tasks; task++) {
             const int seq = task / splits, split = task % splits;
-            const int chunk = (context_lens[seq] + splits - 1) / splits;
-            const int begin = split * chunk;
-            const int end = begin + chunk < context_lens[seq] ? begin + chunk : context_lens[seq];
-            float *m = partials + per_task * (size_t)task, *l = m + num_heads, *acc = l + num_heads;
-            if (begin >= end) { /* a short sequence leaves some ranges empty: they weigh nothing */
-                for (int h = 0; h < num_heads; h++) m[h] = -INFINITY, l[h] = 0.0f;
-                memset(acc, 0, sizeof(float) * (size_t)num_heads * head_dim);
-                continue;
-            }
+            const int ranges = first_range[seq + 1] - first_range[seq], tokens = tokens_per_range(context_lens[seq]);
+            const int per_task = (ranges + splits - 1) / splits;
+            const int begin = split * per_task * tokens;
+            const int end = begin + per_task * tokens < context_lens[seq] ? begin + per_task * tokens : context_lens[seq];
+            if (begin >= end) continue; /* a short context leaves its last tasks nothing */
+            const Partials mine = {partials + per_range * (size_t)(first_range[seq] + split * per_task), per_range,
+                                   tokens};
             attend_range(q + (int64_t)seq * num_heads * head_dim, k_cache, v_cache,
                          block_tables + (int64_t)seq * max_blocks, block_shift, begin, end, num_kv_heads, group,
-                         head_dim, scale, cache_type, k_table, v_table, scores, tile, m, l, acc);
+                         head_dim, scale, cache_type, k_table, v_table, scores, tile, mine);
         }
-        /* merge each (sequence, query head)'s ranges: rescale to the common max, divide by the total weight */
+        /* merge each (sequence, query head)'s ranges in order: rescale to the common max, divide by the total weight */
 #pragma omp for
         for (int pair = 0; pair < num_seqs * num_heads; pair++) {
             const int seq = pair / num_heads, h = pair % num_heads;
-            const float *first = partials + per_task * (size_t)seq * splits;
+            const float *first = partials + per_range * (size_t)first_range[seq];
+            const int ranges = first_range[seq + 1] - first_range[seq];
             float top = -INFINITY, total = 0.0f;
-            for (int s = 0; s < splits; s++) top = first[per_task * s + h] > top ? first[per_task * s + h] : top;
+            for (int r = 0; r < ranges; r++) top = first[per_range * r + h] > top ? first[per_range * r + h] : top;
             float *o = out + (int64_t)pair * head_dim;
             memset(o, 0, sizeof(float) * (size_t)head_dim);
-            for (int s = 0; s < splits; s++) {
-                const float *part = first + per_task * s;
-                if (part[num_heads + h] == 0.0f) continue; /* an empty range */
+            for (int r = 0; r < ranges; r++) {
+                const float *part = first + per_range * r;
                 const float weight = expf(part[h] - top);
                 total += weight * part[num_heads + h];
                 const float *acc = part + 2 * num_heads + (size_t)h * head_dim;
@@ -346,5 +391,6 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
         }
     }
     free(scratch);
+    free(first_range);
     return 0;
 }

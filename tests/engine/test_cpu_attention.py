@@ -53,19 +53,20 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale):
 )
 def test_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed,
                                           per_head_scales):
-    """Contexts past 128 in batches of fewer sequences than twice the threads take the split-context
-    path; fp8 caches have one scale, or one per KV head (compressed-tensors' ``attn_head``). bf16 and
+    """Contexts past 64 tokens merge several ranges, shared among tasks in batches of fewer
+    sequences than twice the threads; fp8 caches have one scale, or one per KV head (compressed-tensors' ``attn_head``). bf16 and
     fp8 caches take the tiled walk: contexts end mid-tile, head_dim 8 and 24 end mid-vector, and
     8 query heads of 128 dims hold more weighted sums than its registers."""
     _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("lens", [[1, 257], [300], [129, 64, 2]])
+@pytest.mark.parametrize("lens", [[1, 257], [300], [129, 64, 2], [4200]])
 def test_split_contexts_merge_to_the_reference(lens, cache_dtype):
-    """Few sequences: each context is cut into ranges across threads (a 1-token one leaves a range empty)."""
+    """Few sequences: each context's ranges are shared among tasks across threads (a 1-token one
+    leaves tasks without a range); past 64 ranges a range grows to 128 tokens."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the split count depends on the thread count: pin it
+    torch.set_num_threads(2)  # the tasks per sequence depend on the thread count: pin it
     try:
         _check_against_reference(cache_dtype, 1, 3, 64, 16, lens, 0)
     finally:
