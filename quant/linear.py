@@ -363,9 +363,9 @@ class WeightOnlyIntLinear(_IntWeightLinear):
     """W4A16 / W8A16: int weights (tensor/channel/group, sym or asym, optional g_idx), float activations.
 
     Kernels, chosen at ``finalize`` by device and model dtype:
-    - CPU, fp32 model: ``panel_matmul_i4`` (engine/csrc/panel_matmul.c) for symmetric int4, two
-      weights a byte with their group scales, fp32 arithmetic; ``panel_matmul_i8`` otherwise, int8
-      panels (asymmetric int4 with the zero point folded in, which no longer fits 4 bits).
+    - CPU, fp32 model: ``panel_matmul_i4`` (engine/csrc/panel_matmul.c) for int4, two weights a
+      byte with their group scales (and zero points, subtracted as each weight is widened), fp32
+      arithmetic; ``panel_matmul_i8`` otherwise, int8 panels (zero points folded into q).
     - CPU, bf16 model: ``torch._weight_int4pack_mm_for_cpu`` (int4, consecutive groups of
       32/64/128/256 dividing in, out a multiple of 16) or ``torch._weight_int8pack_mm`` (symmetric per-channel int8).
       These beat fp32 only with bf16 activations (10-80x slower with fp32).
@@ -383,9 +383,13 @@ class WeightOnlyIntLinear(_IntWeightLinear):
         self.kernel = self._pick_kernel()
         if self.kernel == "int8pack":
             self.register_buffer("kernel_scales", self.weight_scale[:, 0].to(torch.bfloat16), persistent=False)
-        elif self.kernel in ("int8panel", "int4panel"):
-            pack = panel_matmul.pack_int4 if self.kernel == "int4panel" else panel_matmul.pack_int8
-            panels, scales = pack(self._zero_folded(), self.weight_scale)
+        elif self.kernel == "int4panel":
+            panels, scales, zeros = panel_matmul.pack_int4(self.qweight, self.weight_scale, self.weight_zero_point)
+            self.register_buffer("kernel_weight", panels, persistent=False)
+            self.register_buffer("kernel_scales", scales, persistent=False)
+            self.register_buffer("kernel_zeros", zeros, persistent=False)
+        elif self.kernel == "int8panel":
+            panels, scales = panel_matmul.pack_int8(self._zero_folded(), self.weight_scale)
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
         elif self.kernel.startswith("int4pack"):
@@ -407,7 +411,7 @@ class WeightOnlyIntLinear(_IntWeightLinear):
         if (self.dtype == torch.float32 and self.g_idx is None and not self.qweight.is_cuda
                 and (self.weight_zero_point is None or w.num_bits <= 7)
                 and panel_matmul.int8_fits(self.output_size, self.input_size, self.weight_scale.shape[1])):
-            if (w.num_bits == 4 and self.weight_zero_point is None
+            if (w.num_bits == 4
                     and panel_matmul.int4_fits(self.output_size, self.input_size, self.weight_scale.shape[1])):
                 return "int4panel"
             return "int8panel"
@@ -453,9 +457,11 @@ class WeightOnlyIntLinear(_IntWeightLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "dense":
             return self._add_bias(dense_matmul(x.to(self.dtype), self.weight_dense)).to(x.dtype)
-        if self.kernel in ("int8panel", "int4panel"):
-            matmul = panel_matmul.matmul_int4 if self.kernel == "int4panel" else panel_matmul.matmul_int8
-            return matmul(x, self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
+        if self.kernel == "int4panel":
+            return panel_matmul.matmul_int4(x, self.kernel_weight, self.kernel_scales, self.kernel_zeros,
+                                            self.bias).to(x.dtype)
+        if self.kernel == "int8panel":
+            return panel_matmul.matmul_int8(x, self.kernel_weight, self.kernel_scales, self.bias).to(x.dtype)
         x2d = x.reshape(-1, self.input_size).to(torch.bfloat16)
         if self.kernel == "int8pack":
             y = torch._weight_int8pack_mm(x2d, self.qweight, self.kernel_scales)

@@ -205,13 +205,15 @@ def _fp8(strategy: str, **kw: Any) -> QuantArgs:
 
 
 FP8_KV = _fp8("tensor")
-PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w8a16")
+PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16")
 
 
 def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> QuantScheme:
-    """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``W8A8``, ``W4A16``; w8a16 is per-channel).
+    """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``W8A8``, ``W4A16``, ``W4A16_ASYM``; w8a16
+    is per-channel). w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
+    span the group's [min, max] rather than ±absmax (AWQ's and most GPTQ exports' choice).
 
-    ``group_size`` applies to w4a16 only (it must divide each Linear's input size for the fast
+    ``group_size`` applies to w4a16 and w4a16-asym only (it must divide each Linear's input size for the fast
     CPU kernel: 32 or 64 for hidden 576). w8a16 is per-channel because the CPU int8 kernel takes
     one scale per output row.
     """
@@ -221,8 +223,9 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
         return QuantScheme(_fp8("tensor"), _fp8("tensor", observer="static_minmax"), "float-quantized")
     if name == "w8a8-int8":
         return QuantScheme(QuantArgs(strategy="channel"), QuantArgs(strategy="token", dynamic=True), "int-quantized")
-    if name == "w4a16":
-        weights = QuantArgs(num_bits=4, strategy="group", group_size=group_size, actorder=actorder)
+    if name in ("w4a16", "w4a16-asym"):
+        weights = QuantArgs(num_bits=4, strategy="group", group_size=group_size, actorder=actorder,
+                            symmetric=name == "w4a16")
         return QuantScheme(weights, None, "pack-quantized")
     if name == "w8a16":
         return QuantScheme(QuantArgs(strategy="channel", actorder=actorder), None, "pack-quantized")
@@ -241,6 +244,6 @@ CT_PRESETS = {
     "W8A8": lambda: preset("w8a8-int8"),
     "INT8": lambda: preset("w8a8-int8"),
     "W4A16": lambda: preset("w4a16"),
-    "W4A16_ASYM": lambda: replace(preset("w4a16"), weights=replace(preset("w4a16").weights, symmetric=False)),
+    "W4A16_ASYM": lambda: preset("w4a16-asym"),
     "W8A16": lambda: QuantScheme(QuantArgs(strategy="group", group_size=128), None, "pack-quantized"),
 }

@@ -30,6 +30,7 @@ typedef struct {
     const void *weight;   /* panels in the kernel's layout */
     const void *scales;   /* int8, int4 and fp8: scale panels; w8a8 and fp8 dot: per-channel scales */
     const int32_t *sums;  /* w8a8: 128 · row sums */
+    const float *zeros;   /* asymmetric int4: zero-point panels, else NULL */
     const float *bias;    /* or NULL */
 } Linear;
 
@@ -96,7 +97,11 @@ static int linear(const Linear *l, float *y, const float *x, float *staging, int
         panel_matmul_i8(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
         return STEP_OK;
     case LINEAR_INT4:
-        panel_matmul_i4(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
+        if (l->zeros)
+            panel_matmul_i4_zero(y, x, l->weight, l->scales, l->zeros, l->bias, rows, l->n, l->k, l->group_size,
+                                 threads);
+        else
+            panel_matmul_i4(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
         return STEP_OK;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case LINEAR_W8A8:

@@ -17,7 +17,9 @@
  *                 W[n][k] = panels[n / 16][k][n % 16] * scales[n / 16][k / group][n % 16]
  *   int4 weights: panels [N / 16, K / 2, 16] of bytes, each holding two signed 4-bit values:
  *                 W[n][2s] in the low nibble and W[n][2s + 1] in the high one of panels[n / 16][s][n % 16]
- *                 (half the bytes of int8, and batch-1 decode is bound by bytes), scales as int8
+ *                 (half the bytes of int8, and batch-1 decode is bound by bytes), scales as int8;
+ *                 asymmetric int4 adds zero points as floats in the scales' layout, and
+ *                 W[n][k] = (nibble - zero) * scale
  *   bias   [N] or NULL
  *   y      [M, N]
  *
@@ -76,15 +78,17 @@ static inline __attribute__((always_inline)) panel_vec widen_int4(const int8_t *
 #endif
 }
 
-/* The weight-only kernel's byte formats. */
-enum { WEIGHTS_INT8 = 0, WEIGHTS_FP8 = 1, WEIGHTS_INT4 = 2 };
+/* The weight-only kernel's byte formats (INT4_ZERO: int4 with a zero point per group). */
+enum { WEIGHTS_INT8 = 0, WEIGHTS_FP8 = 1, WEIGHTS_INT4 = 2, WEIGHTS_INT4_ZERO = 3 };
+
+static inline int is_int4(int format) { return format == WEIGHTS_INT4 || format == WEIGHTS_INT4_ZERO; }
 
 /* Bytes of panel per input column: int4 packs two columns' weights into each PANEL bytes. */
-static inline int panel_row_bytes(int format) { return format == WEIGHTS_INT4 ? PANEL / 2 : PANEL; }
+static inline int panel_row_bytes(int format) { return is_int4(format) ? PANEL / 2 : PANEL; }
 
 /* Column c of a panel run (from an even column for int4) as floats. */
 static inline __attribute__((always_inline)) panel_vec widen(const int8_t *p, int c, int format) {
-    if (format == WEIGHTS_INT4) return widen_int4(p + (c >> 1) * PANEL, c & 1);
+    if (is_int4(format)) return widen_int4(p + (c >> 1) * PANEL, c & 1);
     return format == WEIGHTS_FP8 ? widen_fp8(p + c * PANEL) : widen_int8(p + c * PANEL);
 }
 
@@ -189,15 +193,18 @@ void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const f
 
 /* As row_tile, on int8 / fp8 / int4 panels: each group of input columns sums on its own, then is
  * scaled. For int4 the group is a multiple of 4 (engine/layers/panel_matmul.py checks), so the
- * chains (2 or 4) always start on a byte and the one-column tail loop never runs. */
+ * chains (2 or 4) always start on a byte and the one-column tail loop never runs. With zero
+ * points each widened weight has its group's zero subtracted: the same floats, in the same
+ * order, as int8 panels holding q - zero, at half the bytes. */
 static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y, const float *restrict x,
                                                               const int8_t *restrict panel, const float *scales,
-                                                              const float *bias, int rows, int K, int N, int group,
-                                                              int format, int chains) {
+                                                              const float *zeros, const float *bias, int rows,
+                                                              int K, int N, int group, int format, int chains) {
     const int row_bytes = panel_row_bytes(format);
     panel_vec total[WIDE_ROW_TILE_I8];
     for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
-    for (int k0 = 0; k0 < K; k0 += group, scales += PANEL) {
+    for (int k0 = 0; k0 < K; k0 += group, scales += PANEL, zeros += format == WEIGHTS_INT4_ZERO ? PANEL : 0) {
+        const panel_vec zero = format == WEIGHTS_INT4_ZERO ? *(const panel_vec *)zeros : (panel_vec){0};
         panel_vec acc[CHAINS][WIDE_ROW_TILE_I8];
         for (int c = 0; c < chains; c++)
             for (int i = 0; i < rows; i++) acc[c][i] = (panel_vec){0};
@@ -206,6 +213,7 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
             __builtin_prefetch(panel + PREFETCH_BYTES);
             for (int c = 0; c < chains; c++) {
                 panel_vec w = widen(panel, c, format);
+                if (format == WEIGHTS_INT4_ZERO) w -= zero;
                 for (int i = 0; i < rows; i++) acc[c][i] += x[(int64_t)i * K + k + c] * w;
             }
         }
@@ -224,26 +232,28 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
     for (int i = 0; i < rows; i++) *(panel_vec *)(y + (int64_t)i * N) = total[i] + b;
 }
 
-#define TAIL_I8(r) case r: row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, r, K, N, \
-                                       group, format, CHAINS); break;
+#define TAIL_I8(r) case r: row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, zeros_p, bias_p, \
+                                       r, K, N, group, format, CHAINS); break;
 
 static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, const float *x, const int8_t *panels,
-                                                                    const float *scales, const float *bias, int M,
-                                                                    int N, int K, int group, int threads, int format) {
+                                                                    const float *scales, const float *zeros,
+                                                                    const float *bias, int M, int N, int K, int group,
+                                                                    int threads, int format) {
     int num_panels = N / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int p = 0; p < num_panels; p++) {
         const int8_t *panel = panels + (int64_t)p * K * panel_row_bytes(format);
         const float *scales_p = scales + (int64_t)p * (K / group) * PANEL;
+        const float *zeros_p = zeros ? zeros + (int64_t)p * (K / group) * PANEL : 0;
         const float *bias_p = bias ? bias + p * PANEL : 0;
         float *y_p = y + p * PANEL;
         int m = 0;
         for (; m + WIDE_ROW_TILE_I8 <= M; m += WIDE_ROW_TILE_I8)
-            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, WIDE_ROW_TILE_I8, K, N,
-                        group, format, WIDE_CHAINS);
+            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, zeros_p, bias_p,
+                        WIDE_ROW_TILE_I8, K, N, group, format, WIDE_CHAINS);
         for (; m + ROW_TILE_I8 <= M; m += ROW_TILE_I8)
-            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, bias_p, ROW_TILE_I8, K, N, group,
-                        format, CHAINS);
+            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, zeros_p, bias_p, ROW_TILE_I8,
+                        K, N, group, format, CHAINS);
         switch (M - m) {
             TAIL_I8(1)
 #if ROW_TILE_I8 > 2
@@ -257,19 +267,25 @@ static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, co
 /* group must divide K (group = K: one scale per output channel). */
 void panel_matmul_i8(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
                      int M, int N, int K, int group, int threads) {
-    panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_INT8);
+    panel_matmul_8bit(y, x, panels, scales, NULL, bias, M, N, K, group, threads, WEIGHTS_INT8);
 }
 
 /* The same on int4 pairs (K and group multiples of 4). */
 void panel_matmul_i4(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
                      int M, int N, int K, int group, int threads) {
-    panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_INT4);
+    panel_matmul_8bit(y, x, panels, scales, NULL, bias, M, N, K, group, threads, WEIGHTS_INT4);
+}
+
+/* Asymmetric int4: zero points as floats in the scales' layout, [N / 16, K / group, 16]. */
+void panel_matmul_i4_zero(float *y, const float *x, const int8_t *panels, const float *scales, const float *zeros,
+                          const float *bias, int M, int N, int K, int group, int threads) {
+    panel_matmul_8bit(y, x, panels, scales, zeros, bias, M, N, K, group, threads, WEIGHTS_INT4_ZERO);
 }
 
 /* The same on fp8 e4m3 weight bytes; the scales must be 256 times the weights' own (see widen_fp8). */
 void panel_matmul_fp8(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
                       int M, int N, int K, int group, int threads) {
-    panel_matmul_8bit(y, x, panels, scales, bias, M, N, K, group, threads, WEIGHTS_FP8);
+    panel_matmul_8bit(y, x, panels, scales, NULL, bias, M, N, K, group, threads, WEIGHTS_FP8);
 }
 
 /* What an FP8 W8A8 kernel sees of x [rows, k]: x / scale saturated to ±448, rounded to e4m3,
@@ -294,7 +310,7 @@ int panel_matmul_fp8_rounded(float *y, const float *x, const int8_t *panels, con
     float *rounded = malloc(sizeof(float) * (size_t)M * K);
     if (!rounded) return -1;
     fake_quantize_fp8(rounded, x, M, K, act, static_scale, threads);
-    panel_matmul_8bit(y, rounded, panels, scales, bias, M, N, K, group, threads, WEIGHTS_FP8);
+    panel_matmul_8bit(y, rounded, panels, scales, NULL, bias, M, N, K, group, threads, WEIGHTS_FP8);
     free(rounded);
     return 0;
 }

@@ -35,7 +35,7 @@ class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("group_size", ctypes.c_int32), ("act", ctypes.c_int32), ("input_scale", ctypes.c_float),
                 ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("sums", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("sums", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -72,13 +72,13 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         return None
     bias = _float32(linear.bias)
     n, k = sum(linear.output_sizes), linear.input_size
-    scales = sums = None
+    scales = sums = zeros = None
     if kernel is None and weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16):
         kind = LINEAR_F32 if weight.dtype == torch.float32 else LINEAR_BF16
     elif kernel == "int8panel":
         kind, scales = LINEAR_INT8, linear.kernel_scales
     elif kernel == "int4panel":
-        kind, scales = LINEAR_INT4, linear.kernel_scales
+        kind, scales, zeros = LINEAR_INT4, linear.kernel_scales, linear.kernel_zeros
     elif kernel == "w8a8panel":
         kind, scales, sums = LINEAR_W8A8, linear.kernel_scales, linear.kernel_sums
     elif kernel == "fp8panel":
@@ -89,9 +89,10 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         return None
     group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_INT4, LINEAR_FP8) else k
     act, input_scale = linear.input_rounding() if kind in (LINEAR_FP8, LINEAR_FP8_DOT) else (ACT_NONE, 0.0)
-    keep.extend(t for t in (weight, scales, sums, bias) if t is not None)
+    keep.extend(t for t in (weight, scales, sums, zeros, bias) if t is not None)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return _Linear(kind, n, k, group, act, input_scale, weight.data_ptr(), ptr(scales), ptr(sums), ptr(bias))
+    return _Linear(kind, n, k, group, act, input_scale, weight.data_ptr(), ptr(scales), ptr(sums), ptr(zeros),
+                   ptr(bias))
 
 
 class FusedDecode:

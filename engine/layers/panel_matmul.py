@@ -113,6 +113,7 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)
+_ARGTYPES_INT4_ZERO = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 5)  # int8's, with zero points after the scales
 # How FP8 W8A8 kernels round their rows through fp8 (engine/csrc/fp8.h's ACT_*): not at all, per
 # token, one scale for all rows, or a fixed scale.
 ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
@@ -155,26 +156,34 @@ def int4_fits(n: int, k: int, num_groups: int) -> bool:
     return int8_fits(n, k, num_groups) and (k // num_groups) % 4 == 0
 
 
-def pack_int4(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only signed int4 (values in [-8, 7], held in int8) with scale [N, G] → (byte panels
+def pack_int4(qweight: torch.Tensor, scale: torch.Tensor,
+              zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Weight-only signed int4 (values in [-8, 7], held in int8) with scale [N, G], and for
+    asymmetric schemes zero_point [N, G] (W = (q − zero point) · scale) → (byte panels
     [N / 16, K / 2, 16], each byte two weights: column 2s in its low nibble, 2s + 1 in its high;
-    scale panels [N / 16, G, 16]). Half the bytes of `pack_int8`. The caller checks `int4_fits` first."""
+    scale panels [N / 16, G, 16]; zero-point panels as floats, or None). Half the bytes of
+    `pack_int8`. The caller checks `int4_fits` first."""
     n, k = qweight.shape
     if (qweight.device.type != "cpu" or qweight.dtype != torch.int8 or not int4_fits(n, k, scale.shape[1])
-            or qweight.min() < -8 or qweight.max() > 7):
+            or qweight.min() < -8 or qweight.max() > 7
+            or (zero_point is not None and zero_point.shape != scale.shape)):
         raise ValueError(f"the int4 panel kernel does not take a {qweight.dtype} {(n, k)} weight "
                          f"with {scale.shape[1]} scale groups on {qweight.device}")
     pairs = (qweight[:, 1::2] * 16) | (qweight[:, 0::2] & 0xF)  # fits int8: [-128, 112] | [0, 15]
-    return _panels(pairs), _panels(scale.float())
+    zeros = None if zero_point is None else _panels(zero_point.float())
+    return _panels(pairs), _panels(scale.float()), zeros
 
 
-def matmul_int4(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+def matmul_int4(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int4(...)`."""
     num_panels, half_k, _ = panels.shape
     k = 2 * half_k
-    return _run(_kernel_8bit("panel_matmul_i4"), x, k, num_panels * PANEL, (panels, scales), bias,
-                k // scales.shape[1])
+    if zeros is None:
+        return _run(_kernel_8bit("panel_matmul_i4"), x, k, num_panels * PANEL, (panels, scales), bias,
+                    k // scales.shape[1])
+    kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_i4_zero", _ARGTYPES_INT4_ZERO, None)
+    return _run(kernel, x, k, num_panels * PANEL, (panels, scales, zeros), bias, k // scales.shape[1])
 
 
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

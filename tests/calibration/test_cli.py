@@ -169,6 +169,7 @@ def test_kv_only_checkpoint_keeps_weights_dense(tmp_path, tiny_model_dir, calib_
 @pytest.mark.parametrize(("scheme", "algo"), [
     ("fp8-dynamic", "rtn"), ("w8a8-int8", "rtn"), ("w8a8-int8", "gptq"),
     ("w8a16", "rtn"), ("w8a16", "gptq"), ("w8a16", "awq"), ("w4a16", "gptq"), ("w4a16", "awq"),
+    ("w4a16-asym", "rtn"), ("w4a16-asym", "gptq"), ("w4a16-asym", "awq"),
 ])
 def test_every_scheme_and_algorithm_reloads(tmp_path, tiny_model_dir, calib_file, scheme, algo):
     from engine.loader import load_model
@@ -176,7 +177,8 @@ def test_every_scheme_and_algorithm_reloads(tmp_path, tiny_model_dir, calib_file
 
     out = tmp_path / f"{scheme}-{algo}"
     assert _quantize(tiny_model_dir, calib_file, out, "--scheme", scheme, "--algo", algo) == 0
-    assert read_quantization_config(out).scheme_for("model.layers.1.mlp.up_proj") is not None
+    scheme_read = read_quantization_config(out).scheme_for("model.layers.1.mlp.up_proj")
+    assert scheme_read is not None and scheme_read.weights.symmetric == (scheme != "w4a16-asym")
     report = json.loads((out / "calibration.json").read_text())
     assert report["algorithm"] == algo
     assert all(0 < layer["output_error"] < 1 for layer in report["layers"])

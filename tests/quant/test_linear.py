@@ -145,6 +145,28 @@ def test_int4_nibble_panels_compute_exactly_what_int8_panels_do(group):
     assert not panel_matmul.int4_fits(n, k, k // 2)  # groups of 2 columns: the kernel reads 4 at a time
 
 
+@needs_int8_panel
+@pytest.mark.parametrize("group", [4, 32, 128])
+def test_asymmetric_int4_nibbles_compute_exactly_what_folded_int8_panels_do(group):
+    """Zero points subtracted from the widened nibbles give the floats int8 panels holding q − zero
+    point give (which no longer fit 4 bits), bit for bit, and dequantize-then-matmul's result."""
+    n, k = 48, 128
+    g = torch.Generator().manual_seed(group)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+    zero = torch.randint(-8, 8, (n, k // group), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, k // group, generator=g) + 0.05
+    folded = (q.float().reshape(n, -1, group) - zero[:, :, None]).reshape(n, k)
+    nibbles, int8 = panel_matmul.pack_int4(q, scale, zero), panel_matmul.pack_int8(folded.to(torch.int8), scale)
+    dense = (folded.reshape(n, -1, group) * scale[:, :, None]).reshape(n, k)
+    for m in (1, 3, 8, 9, 17):
+        x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        y = panel_matmul.matmul_int4(x, *nibbles, bias)
+        assert torch.equal(y, panel_matmul.matmul_int8(x, *int8, bias))
+        assert rel_err(y, x @ dense.t() + bias) < 1e-5
+    with pytest.raises(ValueError, match="int4"):
+        panel_matmul.pack_int4(q, scale, zero[:1])  # zero points for one row only
+
+
 needs_fp8_dot = pytest.mark.skipif(not panel_matmul.bf16_dot_available(), reason="no AVX-512 BF16 or no C compiler")
 
 
@@ -250,7 +272,7 @@ def test_asymmetric_and_g_idx_int4():
         module = make_quantized_linear(asym, k, [32], bias=False, dtype=dtype)
         module.load_shard(0, quantize_weight(w.to(dtype), asym))
         module.finalize()
-        fp32_kernel = "int8panel" if panel_matmul.int8_available() else "dense"  # zero point folded into q
+        fp32_kernel = "int4panel" if panel_matmul.int8_available() else "dense"
         assert module.kernel == ("int4pack_cpu" if dtype == torch.bfloat16 else fp32_kernel)
         x = torch.randn(3, k).to(dtype)
         assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[dtype]
