@@ -1,5 +1,6 @@
 """driftgate's inference engine: `from engine import LLM, SamplingParams, StructuredOutputs`."""
 
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -19,5 +20,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "StructuredOutputs", "RequestOutput",
-           "CompletionOutput", "EngineStats"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputs",
+           "RequestOutput", "CompletionOutput", "EngineStats"]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
@@ -47,6 +48,23 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                    params: BeamSearchParams) -> list[RequestOutput]:
+        """Beam search (engine/beam_search.py) for each prompt, all prompts' beams batched in each
+        step; each output holds its beam_width best hypotheses, best first."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        searches = [BeamSearch(self.engine.tokenize_prompt(p), params, self.engine.eos_token_ids,
+                               self.engine.max_model_len) for p in prompts]
+        step = params.step_params()
+        while live := [s for s in searches if not s.done]:
+            outputs = iter(self.generate([seq for s in live for seq in s.pending()], step, use_tqdm=False))
+            for search in live:
+                search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.beams])
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return [search.output(f"beam-{i}", p if isinstance(p, str) else None, decode)
+                for i, (search, p) in enumerate(zip(searches, prompts, strict=True))]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -16,6 +16,7 @@ from engine.sampling_params import SamplingParams
 class ServingEngine(Protocol):
     tokenizer: Any  # a Hugging Face tokenizer
     max_model_len: int
+    eos_token_ids: list[int]  # every id that ends a sequence
 
     @property
     def is_alive(self) -> bool:

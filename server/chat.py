@@ -12,9 +12,9 @@ from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, chat_logprobs, token_namer
 from server.params import (
-    build_sampling_params,
     check_model_name,
     check_prompt_ids,
+    engine_params,
     refuse_unsupported,
     truncate_prompt,
 )
@@ -150,7 +150,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                   max_tokens=requested)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n,
+    params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                                    prompt_logprobs=None, vocab_size=len(engine.tokenizer),
                                    defaults=config.sampling_defaults, tool_constraint=reader.constraint)

@@ -11,9 +11,9 @@ from engine.outputs import CompletionOutput, RequestOutput
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, completion_logprobs, token_namer
 from server.params import (
-    build_sampling_params,
     check_model_name,
     check_prompt_ids,
+    engine_params,
     refuse_unsupported,
     truncate_prompt,
 )
@@ -117,7 +117,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
                                       max_tokens=body.max_tokens)
         wants_prompt_logprobs = body.echo and body.logprobs is not None
-        params = build_sampling_params(body, max_tokens=max_tokens, max_n=config.max_n, logprobs=body.logprobs,
+        params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n, logprobs=body.logprobs,
                                        prompt_logprobs=body.logprobs if wants_prompt_logprobs else None,
                                        vocab_size=len(engine.tokenizer), defaults=config.sampling_defaults)
         prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from starlette.types import Receive
 
+from engine.beam_search import BeamSearch, BeamSearchParams, search_async
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
@@ -31,7 +32,7 @@ T = TypeVar("T")
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     priority: int = 0
 
 
@@ -63,13 +64,24 @@ class Generation:
 
     async def _pump(self, index: int, request: EngineRequest) -> None:
         try:
-            async for out in self._engine.generate(request.prompt_token_ids, request.params, request.request_id,
-                                                   request.priority):
+            async for out in self._outputs(request):
                 self._queue.put_nowait((index, out))
         except Exception as exc:  # handed to the consumer, which decides the status
             self._queue.put_nowait((index, exc))
         else:
             self._queue.put_nowait((index, _Done()))
+
+    def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if isinstance(request.params, BeamSearchParams):
+            return self._beam_search(request)
+        return self._engine.generate(request.prompt_token_ids, request.params, request.request_id, request.priority)
+
+    async def _beam_search(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """One finished output once the search ends (its one-token requests stop with the pump)."""
+        engine = self._engine
+        search = BeamSearch(request.prompt_token_ids, request.params, engine.eos_token_ids, engine.max_model_len)
+        await search_async(engine.generate, search, request.request_id, request.priority)
+        yield search.output(request.request_id, None, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
 
     def _observe(self, index: int, out: RequestOutput) -> None:
         """Latency metrics and the request record, from the growth in generated tokens."""

@@ -5,6 +5,7 @@ Everything a client can get wrong is a 400 here, before the engine sees the requ
 
 from __future__ import annotations
 
+from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputs
 from server.errors import APIError
@@ -15,7 +16,6 @@ _INT64 = 2**63
 # dropped (each route's body has its own subset of them)
 _UNSUPPORTED = {
     "logits_processors": "logits_processors is not supported",
-    "use_beam_search": "use_beam_search is not supported (sampling and greedy only)",
     "suffix": "suffix is not supported",
     "functions": "functions are not supported; send them as tools",
     "chat_template": "a request's own chat_template is not accepted; the server's is set with --chat-template",
@@ -109,6 +109,44 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputs | None:
         raise APIError(400, f"{name}: {exc}", param=name) from None
 
 
+# What each field asks of beam search when left at this value: nothing. Set otherwise it is a 400,
+# as beam search ranks whole continuations by their raw logprobs and honours none of them.
+_NOT_WITH_BEAM_SEARCH = {
+    "stop": None, "stop_token_ids": None, "min_tokens": 0, "presence_penalty": None, "frequency_penalty": None,
+    "repetition_penalty": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+    "response_format": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "logprobs": None,
+}
+
+
+def engine_params(req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None,
+                  prompt_logprobs: int | None, vocab_size: int, defaults: dict[str, float] | None = None,
+                  tool_constraint: StructuredOutputs | None = None) -> SamplingParams | BeamSearchParams:
+    """What the engine runs for the request: beam search when it asks for it, else sampling."""
+    if not req.use_beam_search:
+        return build_sampling_params(req, max_tokens=max_tokens, max_n=max_n, logprobs=logprobs,
+                                     prompt_logprobs=prompt_logprobs, vocab_size=vocab_size, defaults=defaults,
+                                     tool_constraint=tool_constraint)
+    _check_n(req, max_n)
+    for name, neutral in _NOT_WITH_BEAM_SEARCH.items():
+        if getattr(req, name, neutral) not in (neutral, [], {}, False):
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name)
+    if tool_constraint is not None:
+        raise APIError(400, "tool_choice cannot be combined with use_beam_search", param="tool_choice")
+    try:
+        return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                length_penalty=req.length_penalty)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="n") from None
+
+
+def _check_n(req: SamplingFields, max_n: int) -> None:
+    if req.n > max_n:
+        raise APIError(400, f"n must be at most {max_n}, got {req.n}", param="n")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+
+
 def build_sampling_params(
     req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None,
     vocab_size: int, defaults: dict[str, float] | None = None, tool_constraint: StructuredOutputs | None = None,
@@ -124,10 +162,7 @@ def build_sampling_params(
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    if req.n > max_n:
-        raise APIError(400, f"n must be at most {max_n}, got {req.n}", param="n")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    _check_n(req, max_n)
     if req.seed is not None and not -_INT64 <= req.seed < _INT64:
         raise APIError(400, "seed must fit in a signed 64-bit integer", param="seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

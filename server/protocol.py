@@ -58,11 +58,13 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search: n beams, the n best continuations returned (sampling fields do not apply)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # hypotheses rank by summed logprob / generated length ** length_penalty
     # Accepted so we can refuse them with a clear message instead of silently ignoring them.
     best_of: int | None = None
     # vLLM's other output-shaping extensions this engine does not implement
     logits_processors: Any = None
-    use_beam_search: Any = None
     # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     # vLLM's: lower is served first; other than 0 only under serve --scheduling-policy priority

@@ -117,6 +117,7 @@ class ClusterEngine:
             state.prefix.mark_stale()  # replicas may hold blocks cached before this router existed
         self.tokenizer = tokenizer
         self.max_model_len = min(s.max_model_len for s in shapes)
+        self.eos_token_ids = shapes[0].eos_token_ids
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.num_dispatched = [0] * len(actors)

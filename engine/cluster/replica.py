@@ -37,6 +37,7 @@ class ReplicaShape:
     block_size: int
     max_num_seqs: int
     max_model_len: int
+    eos_token_ids: list[int]
 
 
 class Replica:
@@ -58,7 +59,7 @@ class Replica:
         if self.refused is not None:
             raise self.refused
         return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
-                            self.engine.config.max_num_seqs, self.engine.max_model_len)
+                            self.engine.config.max_num_seqs, self.engine.max_model_len, self.engine.eos_token_ids)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:

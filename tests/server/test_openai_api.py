@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import MODEL_NAME, wait_until_idle
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -311,3 +311,29 @@ def test_priority_is_refused_without_the_priority_policy_and_served_with_it(tiny
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
     finally:
         ranked.shutdown()
+
+
+def test_beam_search_returns_the_engines_best_beams(client, base_url, engine, tiny_model_dir):
+    """use_beam_search with n beams: the n hypotheses LLM.beam_search finds, best first, on both
+    routes, streamed or not; sampling fields are ignored (beam search does not sample)."""
+    from engine import LLM
+    from engine.beam_search import BeamSearchParams
+
+    prompt = engine.tokenizer.encode(PROMPT)
+    expected = LLM(str(tiny_model_dir)).beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=8))[0]
+    extra = {"use_beam_search": True, "length_penalty": 1.0}
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, temperature=0.7,
+                                    extra_body=extra)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [c.text for c in expected.outputs]
+    assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in expected.outputs]
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, stream=True,
+                                              extra_body=extra))
+    texts = ["".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in expected.outputs]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, n=2, extra_body=extra)
+    assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
+    refused = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "use_beam_search": True,
+                                                                  "response_format": {"type": "json_object"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    wait_until_idle(engine)  # every beam's one-token requests ended and freed their blocks
