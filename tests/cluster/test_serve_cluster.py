@@ -195,6 +195,7 @@ BODIES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 8, "guided_regex": "[0-9]{3}-(ab|cd)", "min_tokens": 2,
                          "logit_bias": {"40": 5}, "bad_words": ["12"], "temperature": 0.8, "seed": 1}),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "response_format": {"type": "json_object"}}),
+    ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 6, "n": 3, "use_beam_search": True}),
 ]
 
 
