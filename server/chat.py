@@ -31,6 +31,7 @@ from server.protocol import (
     TokenizeRequest,
     Usage,
 )
+from server.reasoning import split_reasoning
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
@@ -67,18 +68,20 @@ def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_t
 
 
 class _Renderer:
-    """Builds chat choices and chunks; remembers what each streamed choice already got. `reader`
-    says which of a choice's output is text and which tool calls."""
+    """Builds chat choices and chunks; remembers what each streamed choice already got.
+    `reasoning_parser` (or None) tells a reasoning model's thinking from its answer; `reader` says
+    which of the answer is text and which tool calls."""
 
     def __init__(self, body: ChatCompletionRequest, request_id: str, model: str, text: TokenNamer,
-                 prompt_tokens: int, reader: ToolCallReader) -> None:
+                 prompt_tokens: int, reader: ToolCallReader, reasoning_parser: str | None = None) -> None:
         self.body = body
         self.reader = reader
+        self.reasoning_parser = reasoning_parser
         self.request_id = request_id
         self.model = model
         self.text = text
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None
-        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars sent, tokens sent)
+        self.sent: dict[int, tuple[int, int, int]] = {}  # choice index -> (thinking chars, chars, tokens sent)
         self.done: set[int] = set()
         self.usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=0)
 
@@ -87,13 +90,24 @@ class _Renderer:
             return None
         return chat_logprobs(self.text, c.token_ids[tokens:], list(c.logprobs or [])[tokens:], self.top_n)
 
+    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
+        """(thinking, answer) of an output so far: what may be sent of each."""
+        return split_reasoning(text, self.reasoning_parser, final) if self.reasoning_parser else (None, text)
+
+    def _finish(self, c: CompletionOutput) -> tuple[str | None, str | None, list, str | None]:
+        """A finished choice's (thinking, content, tool calls, finish reason)."""
+        reasoning, answer = self._split(c.text, final=True)
+        content, calls, reason = self.reader.finish(answer, c.finish_reason)
+        return reasoning, (content or None) if reasoning is not None else content, calls, reason
+
     def full(self, finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
         out = finals[0]
         choices = []
         for c in sorted(out.outputs, key=lambda c: c.index):
-            content, calls, reason = self.reader.finish(c.text, c.finish_reason)
-            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
-                                      logprobs=self._logprobs(c, 0), finish_reason=reason))
+            reasoning, content, calls, reason = self._finish(c)
+            message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0),
+                                      finish_reason=reason))
         self.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
@@ -106,21 +120,23 @@ class _Renderer:
             if c.index not in self.sent:  # OpenAI opens every choice with the role alone
                 chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
                                                                                          content=""))))
-                self.sent[c.index] = (0, 0)
-            chars, tokens = self.sent[c.index]
+                self.sent[c.index] = (0, 0, 0)
+            thought, chars, tokens = self.sent[c.index]
             if c.finished:
-                content, calls, reason = self.reader.finish(c.text, c.finish_reason)
-                text = (content or "")[chars:]  # what was streamed is a prefix of the final text
-                delta = ChatDelta(content=text, tool_calls=[DeltaToolCall(index=i, **call.model_dump())
-                                                            for i, call in enumerate(calls)] or None)
+                reasoning, content, calls, reason = self._finish(c)
+                thinking, text = (reasoning or "")[thought:], (content or "")[chars:]  # streamed: prefixes of these
+                delta = ChatDelta(content=text, reasoning_content=thinking or None,
+                                  tool_calls=[DeltaToolCall(index=i, **call.model_dump())
+                                              for i, call in enumerate(calls)] or None)
             else:
-                text, reason = self.reader.streamable(c.text)[chars:], None
-                if not (text or (self.top_n is not None and tokens < len(c.token_ids))):
+                reasoning, answer = self._split(c.text, final=False)
+                thinking, text, reason = (reasoning or "")[thought:], self.reader.streamable(answer)[chars:], None
+                if not (thinking or text or (self.top_n is not None and tokens < len(c.token_ids))):
                     continue
-                delta = ChatDelta(content=text)
+                delta = ChatDelta(content=text if text or not thinking else None, reasoning_content=thinking or None)
             chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=delta, logprobs=self._logprobs(c, tokens),
                                                       finish_reason=reason)))
-            self.sent[c.index] = (chars + len(text), len(c.token_ids))
+            self.sent[c.index] = (thought + len(thinking), chars + len(text), len(c.token_ids))
             if c.finished:
                 self.done.add(c.index)
                 self.usage.completion_tokens += len(c.token_ids)
@@ -158,7 +174,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     record = RequestRecord(request_id)
     request.state.record = record
     renderer = _Renderer(body, request_id, config.served_model_name,
-                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids), reader)
+                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids), reader,
+                         config.reasoning_parser)
     generation = Generation(state, engine, [EngineRequest(request_id, ids, params, body.priority)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)

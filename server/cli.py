@@ -31,6 +31,7 @@ from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from server.app import build_app
 from server.config import ServerConfig
+from server.reasoning import REASONING_PARSERS
 from server.state import ServerState
 from server.tools import TOOL_CALL_PARSERS
 
@@ -95,6 +96,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                         help="sampling defaults for fields a request leaves out: the model's generation_config.json "
                              "(auto) or none (temperature 1, no top-p/top-k)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="return a reasoning model's <think> ... </think> as the chat message's "
+                             "reasoning_content, apart from its content: deepseek_r1 (the template opens the "
+                             "block; DeepSeek-R1 and its distills) or qwen3 (only an output that opens one)")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help='lets tool_choice "auto" (the default with tools) read calls from the model\'s own '
                              'output format: hermes = <tool_call>{...}</tool_call> (Hermes, Qwen2.5); llama3_json = '
@@ -245,7 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout, max_n=args.max_n,
             sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
             chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
-            tool_call_parser=args.tool_call_parser,
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.reasoning import REASONING_PARSERS
 from server.tools import TOOL_CALL_PARSERS
 
 
@@ -25,6 +26,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call the API ("*": any); none by default
     aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's extra --served-model-name values)
     tool_call_parser: str | None = None  # how tool_choice "auto" finds calls in the output (server.tools)
+    reasoning_parser: str | None = None  # how a reasoning model's thinking is told from its answer (server.reasoning)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -43,6 +45,9 @@ class ServerConfig:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be at least 1, got {self.retry_after_s}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; known: "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; known: "
                              f"{', '.join(TOOL_CALL_PARSERS)}")

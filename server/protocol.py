@@ -212,6 +212,7 @@ class DeltaToolCall(ToolCall):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with serve --reasoning-parser: the thinking before the answer
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -234,6 +235,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -167,8 +167,10 @@ def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Pat
         config = seen.pop()
         assert config.sampling_defaults == defaults and config.model_names == ("model",)  # the folder's name
     with pytest.raises(SystemExit):
-        main([str(folder), "--port", str(_free_port()), "--served-model-name", "smol", "gpt-4o-mini"])
-    assert seen.pop().model_names == ("smol", "gpt-4o-mini")
+        main([str(folder), "--port", str(_free_port()), "--served-model-name", "smol", "gpt-4o-mini",
+              "--reasoning-parser", "deepseek_r1"])
+    config = seen.pop()
+    assert config.model_names == ("smol", "gpt-4o-mini") and config.reasoning_parser == "deepseek_r1"
 
 
 def test_speculative_config_flag_is_parsed_and_checked_at_the_command_line(capsys):

@@ -1,0 +1,87 @@
+"""`serve --reasoning-parser`: thinking returned apart from the answer, whole or streamed."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.reasoning import split_reasoning
+from tests.server.conftest import serve
+from tests.server.test_openai_api import MESSAGES
+
+
+@pytest.mark.parametrize(("parser", "text", "expected"), [
+    ("deepseek_r1", "hmm</think>\n\nParis", ("hmm", "\n\nParis")),
+    ("deepseek_r1", "<think>hmm</think>Paris", ("hmm", "Paris")),  # a template that leaves the tag to the model
+    ("deepseek_r1", "still thinking", ("still thinking", "")),  # cut off by max_tokens
+    ("deepseek_r1", "</think>", ("", "")),
+    ("qwen3", "<think>\nhmm\n</think>\n\nParis", ("\nhmm\n", "\n\nParis")),
+    ("qwen3", "Paris", (None, "Paris")),  # thinking off (enable_thinking=false): all answer
+    ("qwen3", "a </think> b", (None, "a </think> b")),
+    ("qwen3", "<think>cut off", ("cut off", "")),
+])
+def test_final_split(parser, text, expected):
+    assert split_reasoning(text, parser, final=True) == expected
+
+
+PIECES = ["<think>", "</think>", "<", "</", "</th", "<thi", "think>", "abc", " ", "\n", ">"]
+
+
+@given(st.sampled_from(["deepseek_r1", "qwen3"]), st.lists(st.sampled_from(PIECES), max_size=8))
+def test_what_is_streamed_is_a_prefix_of_the_final_parts(parser, pieces):
+    """Every streamed prefix of thinking and answer is a prefix of the final ones, so deltas never
+    have to be taken back, and no fragment of a tag is sent as text."""
+    text = "".join(pieces)
+    final_thinking, final_answer = split_reasoning(text, parser, final=True)
+    sent_thinking = sent_answer = ""
+    for end in range(len(text) + 1):
+        thinking, answer = split_reasoning(text[:end], parser, final=False)
+        assert (thinking or "").startswith(sent_thinking) and answer.startswith(sent_answer)
+        sent_thinking, sent_answer = thinking or "", answer
+        assert (final_thinking or "").startswith(sent_thinking) and final_answer.startswith(sent_answer)
+
+
+def _literally(text: str) -> str:
+    return "".join(f"[{ch}]" for ch in text)
+
+
+def test_chat_returns_the_thinking_as_reasoning_content(engine):
+    """The tiny model cannot think; a regex makes it write what a reasoning model writes."""
+    said = "<think>hmm, France.</think>Paris"
+    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "guided_regex": _literally(said)}
+    with serve(engine, reasoning_parser="qwen3") as url:
+        message = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("hmm, France.", "Paris")
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "hmm, France."
+        assert "".join(d.get("content") or "" for d in deltas) == "Paris"
+        # the thinking streams before the answer is known
+        assert any(d.get("reasoning_content") for d in deltas[:-1])
+    with serve(engine) as url:  # without a parser the thinking stays in the content
+        message = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (None, said)
+
+
+def test_tool_calls_are_read_from_the_answer_after_the_thinking(engine):
+    from tests.server.test_tools import FLAG
+
+    said = '<think>set it</think><tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>'
+    body = {"messages": MESSAGES, "tools": [FLAG], "max_tokens": 90, "temperature": 0,
+            "guided_regex": _literally(said)}
+    with serve(engine, reasoning_parser="qwen3", tool_call_parser="hermes") as url:
+        choice = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "set it"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["set_flag"]
+
+
+def test_an_unknown_reasoning_parser_is_refused():
+    from server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="unknown reasoning parser 'o1'; known: deepseek_r1, qwen3"):
+        ServerConfig(served_model_name="x", reasoning_parser="o1")
