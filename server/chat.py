@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, chat_logprobs, token_namer
@@ -35,6 +39,9 @@ from server.reasoning import split_reasoning
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
+
+if TYPE_CHECKING:
+    from engine.serving import ServingEngine
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not override
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "chat_template", "tokenize", "add_generation_prompt",
@@ -152,8 +159,18 @@ class _Renderer:
         return [ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=self.usage)]
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.driftgate
+@dataclass(slots=True)
+class ChatJob:
+    """A chat request checked and turned into engine input: what both chat-shaped routes run."""
+
+    engine: ServingEngine
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    reader: ToolCallReader
+
+
+def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
+    """Validate a chat body (400s) and render its conversation to token ids."""
     engine = state.ready_engine()
     config = state.config
     check_model_name(body.model, config.model_names)
@@ -167,16 +184,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n,
-                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                   prompt_logprobs=None, vocab_size=len(engine.tokenizer),
-                                   defaults=config.sampling_defaults, tool_constraint=reader.constraint)
+                           logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                           prompt_logprobs=None, vocab_size=len(engine.tokenizer),
+                           defaults=config.sampling_defaults, tool_constraint=reader.constraint)
+    return ChatJob(engine, ids, params, reader)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.driftgate
+    job = prepare_chat(body, state)
+    config = state.config
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = RequestRecord(request_id)
     request.state.record = record
     renderer = _Renderer(body, request_id, config.served_model_name,
-                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(ids), reader,
-                         config.reasoning_parser)
-    generation = Generation(state, engine, [EngineRequest(request_id, ids, params, body.priority)], record)
+                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(job.prompt_token_ids),
+                         job.reader, config.reasoning_parser)
+    generation = Generation(state, job.engine, [EngineRequest(request_id, job.prompt_token_ids, job.params,
+                                                              body.priority)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)
     try:

@@ -23,9 +23,9 @@ from server.state import RequestRecord
 Render = Callable[[int, RequestOutput], list[BaseModel]]
 
 
-def sse(payload: BaseModel | dict) -> str:
+def sse(payload: BaseModel | dict, event: str | None = None) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"data: {data}\n\n" if event is None else f"event: {event}\ndata: {data}\n\n"
 
 
 async def stream_response(
@@ -34,13 +34,18 @@ async def stream_response(
     record: RequestRecord,
     render: Render,
     finish: Callable[[], list[BaseModel]],
+    typed_events: bool = False,
 ) -> StreamingResponse:
     """Start streaming once the first output exists; `generation` is closed however it ends.
 
     Args:
         render: the chunks for one new output (may be empty when nothing visible changed).
         finish: the chunks after the last output (the usage chunk, when asked for).
+        typed_events: the Responses API's stream: each event named by its `type`, no `[DONE]`.
     """
+    def send(chunk: BaseModel | dict) -> str:
+        return sse(chunk, chunk["type"] if typed_events else None)
+
     outputs = generation.outputs()
     try:
         first = await until_disconnect(anext(outputs), request.receive, record)
@@ -51,17 +56,18 @@ async def stream_response(
     async def events() -> AsyncIterator[str]:
         try:
             for chunk in render(*first):
-                yield sse(chunk)
+                yield send(chunk)
             async for index, out in outputs:
                 for chunk in render(index, out):
-                    yield sse(chunk)
+                    yield send(chunk)
             for chunk in finish():
-                yield sse(chunk)
+                yield send(chunk)
         except APIError as exc:
-            yield sse(error_body(exc.status, exc.message, exc.param))
+            yield sse(error_body(exc.status, exc.message, exc.param), "error" if typed_events else None)
         finally:
             await generation.aclose()
-        yield "data: [DONE]\n\n"
+        if not typed_events:
+            yield "data: [DONE]\n\n"
 
     # The background task also closes the generation when starlette drops the body iterator
     # while it is parked at a `yield` (client gone during a send), where `finally` won't run yet.

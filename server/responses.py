@@ -1,0 +1,220 @@
+"""`POST /v1/responses`: OpenAI's Responses API over the chat route's machinery.
+
+A Responses body is turned into a chat body (instructions become the system message, input
+items the conversation, `text.format` the response format) and runs as a chat request; the
+output is shaped as a response: a message item of output text, preceded by a reasoning item
+when `--reasoning-parser` finds thinking. Streaming sends the API's typed events
+(`response.created` ... `response.output_text.delta` ... `response.completed`). Nothing is
+stored, so `previous_response_id` is a 400; so are tools (use /v1/chat/completions for them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import Field
+
+from engine.outputs import RequestOutput
+from server.chat import prepare_chat
+from server.errors import APIError
+from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.protocol import ChatCompletionRequest, ChatMessage, _Request
+from server.reasoning import split_reasoning
+from server.state import RequestRecord, ServerState
+from server.streaming import stream_response
+
+
+class ContentPart(_Request):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's sampling extensions, as on the other routes
+    seed: int | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension, as on the chat route
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    previous_response_id: str | None = None
+    background: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    priority: int = 0
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chat route's response_format for the Responses API's `text.format`."""
+    fmt = (text or {}).get("format") or {"type": "text"}
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    raise APIError(400, f"text.format type {kind!r} is not one of text, json_object, json_schema", param="text")
+
+
+def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request this response runs as; the Responses fields it cannot honour are 400s."""
+    for name, given in (("tools", body.tools), ("previous_response_id", body.previous_response_id),
+                        ("background", body.background)):
+        if given:
+            raise APIError(400, f"{name} is not supported on /v1/responses (nothing is stored; tools: use "
+                                f"/v1/chat/completions)", param=name)
+    conversation = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else [
+        {"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+        for m in body.input]
+    if body.instructions:
+        conversation.insert(0, {"role": "system", "content": body.instructions})
+    return ChatCompletionRequest(
+        model=body.model, messages=[ChatMessage(**m) for m in conversation], max_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        response_format=_response_format(body.text), structured_outputs=body.structured_outputs,
+        priority=body.priority)
+
+
+class _Renderer:
+    """The response object and, while streaming, its events; reasoning (with a parser) comes as
+    an output item of its own before the message."""
+
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str, prompt_tokens: int,
+                 reasoning_parser: str | None) -> None:
+        self.body = body
+        self.response_id = response_id
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.reasoning_parser = reasoning_parser
+        self.created_at = int(time.time())
+        self.item_ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
+        self.sequence_number = 0
+        self.opened: list[str] = []  # output items opened so far, in order ("reasoning", "message")
+        self.sent = {"reasoning": "", "message": ""}  # the text of each streamed so far
+
+    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
+        return split_reasoning(text, self.reasoning_parser, final) if self.reasoning_parser else (None, text)
+
+    def _item(self, kind: str, text: str, status: str) -> dict[str, Any]:
+        if kind == "reasoning":
+            return {"type": "reasoning", "id": self.item_ids[kind], "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": text}]}
+        return {"type": "message", "id": self.item_ids[kind], "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    def response(self, out: RequestOutput | None) -> dict[str, Any]:
+        """The response object: in progress (no output yet), or finished from the final output."""
+        output, status, incomplete, output_tokens = [], "in_progress", None, 0
+        if out is not None:
+            completion = out.outputs[0]
+            reasoning, text = self._split(completion.text, final=True)
+            if reasoning is not None:
+                output.append(self._item("reasoning", reasoning, "completed"))
+            output.append(self._item("message", text, "completed"))
+            output_tokens = len(completion.token_ids)
+            status = "incomplete" if completion.finish_reason == "length" else "completed"
+            incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        body = self.body
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": output, "incomplete_details": incomplete, "error": None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
+            "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "previous_response_id": None,
+            "store": False, "metadata": body.metadata or {},
+            "usage": None if out is None else {
+                "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + output_tokens},
+        }
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence_number += 1
+        return {"type": kind, "sequence_number": self.sequence_number - 1, **fields}
+
+    def _where(self, kind: str) -> dict[str, Any]:
+        return {"item_id": self.item_ids[kind], "output_index": self.opened.index(kind), "content_index": 0}
+
+    def _open(self, kind: str) -> list[dict[str, Any]]:
+        self.opened.append(kind)
+        part = self._item(kind, "", "in_progress")["content"][0]
+        return [self._event("response.output_item.added", output_index=len(self.opened) - 1,
+                            item={**self._item(kind, "", "in_progress"), "content": []}),
+                self._event("response.content_part.added", **self._where(kind), part=part)]
+
+    def _close(self, kind: str, text: str) -> list[dict[str, Any]]:
+        item = self._item(kind, text, "completed")
+        done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+        return [self._event(done, **self._where(kind), text=text),
+                self._event("response.content_part.done", **self._where(kind), part=item["content"][0]),
+                self._event("response.output_item.done", output_index=self.opened.index(kind), item=item)]
+
+    def _send(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """Events for `kind`'s text so far: its item opened (closing the reasoning before the
+        message), then the new characters."""
+        events = []
+        if kind not in self.opened:
+            if kind == "message" and "reasoning" in self.opened:
+                events += self._close("reasoning", self.sent["reasoning"])
+            events += self._open(kind)
+        new = text[len(self.sent[kind]):]  # what was sent is a prefix of text
+        if new:
+            delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            events.append(self._event(delta, **self._where(kind), delta=new))
+            self.sent[kind] = text
+        return events
+
+    def delta(self, _: int, out: RequestOutput) -> list[dict[str, Any]]:
+        events = []
+        if not self.sequence_number:
+            events += [self._event("response.created", response=self.response(None)),
+                       self._event("response.in_progress", response=self.response(None))]
+        completion = out.outputs[0]
+        reasoning, text = self._split(completion.text, final=completion.finished)
+        if reasoning and "message" not in self.opened:
+            events += self._send("reasoning", reasoning)
+        if text or completion.finished:
+            events += self._send("message", text)
+        if completion.finished:
+            events += self._close("message", text)
+            # a response cut off by max_output_tokens ends like any other, its status "incomplete"
+            # (as vLLM does; the openai client's stream helper waits for response.completed)
+            events.append(self._event("response.completed", response=self.response(out)))
+        return events
+
+
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.driftgate
+    job = prepare_chat(as_chat(body), state)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    record = RequestRecord(response_id)
+    request.state.record = record
+    renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
+                         state.config.reasoning_parser)
+    generation = Generation(state, job.engine, [EngineRequest(response_id, job.prompt_token_ids, job.params,
+                                                              body.priority)], record)
+    if body.stream:
+        return await stream_response(request, generation, record, renderer.delta, lambda: [], typed_events=True)
+    try:
+        finals = await until_disconnect(collect(generation), request.receive, record)
+    finally:
+        await generation.aclose()
+    return Response(json.dumps(renderer.response(finals[0])), media_type="application/json")

@@ -1,0 +1,90 @@
+"""`POST /v1/responses` through the official `openai` client: the chat route's answers, shaped
+as responses, whole or as the API's typed event stream."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME, serve, wait_until_idle
+
+INSTRUCTIONS = "You are terse."
+QUESTION = "What is the capital of France?"
+
+
+def _chat_text(client, **kw) -> tuple[str, str]:
+    chat = client.chat.completions.create(model=MODEL_NAME, temperature=0, messages=[
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}], **kw)
+    return chat.choices[0].message.content, chat.choices[0].finish_reason
+
+
+def test_a_response_is_the_chat_answer(client, engine):
+    text, finish = _chat_text(client, max_tokens=12)
+    response = client.responses.create(model=MODEL_NAME, instructions=INSTRUCTIONS, input=QUESTION,
+                                       max_output_tokens=12, temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == text
+    assert response.status == ("incomplete" if finish == "length" else "completed")
+    assert response.usage.output_tokens <= 12 and response.usage.input_tokens > 0
+    # the same conversation as input items, content as parts
+    items = client.responses.create(model=MODEL_NAME, max_output_tokens=12, temperature=0, input=[
+        {"role": "system", "content": INSTRUCTIONS},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    assert items.output_text == text
+    wait_until_idle(engine)
+
+
+def test_the_event_stream_builds_the_same_response(client):
+    """The client's stream helper checks the event order and assembles the response from the deltas."""
+    whole = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=16, temperature=0)
+    with client.responses.stream(model=MODEL_NAME, input=QUESTION, max_output_tokens=16, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and final.status == whole.status
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_json_schema_format_is_the_chat_routes_response_format(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    response = client.responses.create(model=MODEL_NAME, instructions=INSTRUCTIONS, input=QUESTION,
+                                       max_output_tokens=200, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    text, _ = _chat_text(client, max_tokens=200, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert response.output_text == text and text.lstrip().startswith("{")
+
+
+def test_reasoning_comes_as_its_own_output_item(engine):
+    """The tiny model cannot think; vLLM's structured_outputs extension makes it write as if."""
+    import openai
+
+    said = "<think>hmm, France.</think>Paris"
+    regex = {"structured_outputs": {"regex": "".join(f"[{ch}]" for ch in said)}}
+    with serve(engine, reasoning_parser="qwen3") as url, \
+            openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+        whole = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=60, extra_body=regex)
+        with client.responses.stream(model=MODEL_NAME, input=QUESTION, max_output_tokens=60,
+                                     extra_body=regex) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+    assert whole.output_text == "Paris" and whole.output[0].content[0].text == "hmm, France."
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "hmm, France." and final.output_text == "Paris"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "hmm, France."
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": QUESTION, "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": QUESTION, "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": []}, "input"),
+    ({"input": QUESTION, "model": "other"}, "model"),
+])
+def test_what_it_cannot_honour_is_a_400(base_url, body, param):
+    r = httpx.post(base_url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
