@@ -1,11 +1,12 @@
 """`POST /v1/responses`: OpenAI's Responses API over the chat route's machinery.
 
 A Responses body is turned into a chat body (instructions become the system message, input
-items the conversation, `text.format` the response format) and runs as a chat request; the
-output is shaped as a response: a message item of output text, preceded by a reasoning item
-when `--reasoning-parser` finds thinking. Streaming sends the API's typed events
-(`response.created` ... `response.output_text.delta` ... `response.completed`). Nothing is
-stored, so `previous_response_id` is a 400; so are tools (use /v1/chat/completions for them).
+items the conversation, function tools and calls the chat's tools and tool turns, `text.format`
+the response format) and runs as a chat request; the output is shaped as a response: a
+reasoning item when `--reasoning-parser` finds thinking, a message item of output text, and a
+function_call item per tool call. Streaming sends the API's typed events (`response.created` ...
+`response.output_text.delta` ... `response.completed`). Nothing is stored, so
+`previous_response_id` is a 400.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from engine.outputs import RequestOutput
 from server.chat import prepare_chat
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
-from server.protocol import ChatCompletionRequest, ChatMessage, _Request
+from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
 from server.reasoning import split_reasoning
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
+from server.tools import ToolCallReader
 
 
 class ContentPart(_Request):
@@ -40,9 +42,35 @@ class InputMessage(_Request):
     content: str | list[ContentPart]
 
 
+class FunctionCallItem(_Request):
+    """A call the model made earlier, sent back as part of the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutput(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutput, Field(union_mode="left_to_right")]
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: float | None = None
@@ -52,8 +80,9 @@ class ResponsesRequest(_Request):
     stream: bool = False
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension, as on the chat route
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"type": "function", "name"}
+    parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     background: bool = False
     store: bool = True
@@ -76,21 +105,42 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request this response runs as; the Responses fields it cannot honour are 400s."""
-    for name, given in (("tools", body.tools), ("previous_response_id", body.previous_response_id),
-                        ("background", body.background)):
+    for name, given in (("previous_response_id", body.previous_response_id), ("background", body.background)):
         if given:
-            raise APIError(400, f"{name} is not supported on /v1/responses (nothing is stored; tools: use "
-                                f"/v1/chat/completions)", param=name)
-    conversation = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else [
-        {"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-        for m in body.input]
+            raise APIError(400, f"{name} is not supported: this server stores no responses; send the whole "
+                                f"conversation as input", param=name)
+    conversation = [ChatMessage(role="user", content=body.input)] if isinstance(body.input, str) else \
+        _conversation(body.input)
     if body.instructions:
-        conversation.insert(0, {"role": "system", "content": body.instructions})
+        conversation.insert(0, ChatMessage(role="system", content=body.instructions))
+    tools = [Tool(function=FunctionDefinition(**t.model_dump(exclude={"type"}))) for t in body.tools or []] or None
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":  # the chat route nests the name
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
     return ChatCompletionRequest(
-        model=body.model, messages=[ChatMessage(**m) for m in conversation], max_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-        response_format=_response_format(body.text), structured_outputs=body.structured_outputs,
-        priority=body.priority)
+        model=body.model, messages=conversation, max_tokens=body.max_output_tokens, temperature=body.temperature,
+        top_p=body.top_p, top_k=body.top_k, seed=body.seed, response_format=_response_format(body.text),
+        structured_outputs=body.structured_outputs, tools=tools, tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls, priority=body.priority)
+
+
+def _conversation(items: list[InputMessage | FunctionCallItem | FunctionCallOutput]) -> list[ChatMessage]:
+    """Input items as chat turns: consecutive function calls make one assistant turn's tool_calls,
+    each output a tool turn."""
+    turns: list[ChatMessage] = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            turns.append(ChatMessage(role=item.role, content=text))
+        elif isinstance(item, FunctionCallOutput):
+            turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        else:
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if turns and turns[-1].role == "assistant" and turns[-1].tool_calls and not turns[-1].content:
+                turns[-1].tool_calls.append(call)
+            else:
+                turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+    return turns
 
 
 class _Renderer:
@@ -98,8 +148,9 @@ class _Renderer:
     an output item of its own before the message."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, prompt_tokens: int,
-                 reasoning_parser: str | None) -> None:
+                 reasoning_parser: str | None, reader: ToolCallReader) -> None:
         self.body = body
+        self.reader = reader  # which of the answer is text and which tool calls
         self.response_id = response_id
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -120,15 +171,29 @@ class _Renderer:
         return {"type": "message", "id": self.item_ids[kind], "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
+    @staticmethod
+    def _call_item(call: ToolCall) -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.function.name,
+                "arguments": call.function.arguments, "status": "completed"}
+
+    def _final(self, out: RequestOutput) -> tuple[str | None, str | None, list[ToolCall]]:
+        """The finished output's (thinking, text or None when it is only tool calls, calls)."""
+        completion = out.outputs[0]
+        reasoning, answer = self._split(completion.text, final=True)
+        content, calls, _ = self.reader.finish(answer, completion.finish_reason)
+        return reasoning, content if content or not calls else None, calls
+
     def response(self, out: RequestOutput | None) -> dict[str, Any]:
         """The response object: in progress (no output yet), or finished from the final output."""
         output, status, incomplete, output_tokens = [], "in_progress", None, 0
         if out is not None:
             completion = out.outputs[0]
-            reasoning, text = self._split(completion.text, final=True)
+            reasoning, content, calls = self._final(out)
             if reasoning is not None:
                 output.append(self._item("reasoning", reasoning, "completed"))
-            output.append(self._item("message", text, "completed"))
+            if content is not None:
+                output.append(self._item("message", content, "completed"))
+            output += [self._call_item(call) for call in calls]
             output_tokens = len(completion.token_ids)
             status = "incomplete" if completion.finish_reason == "length" else "completed"
             incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -138,7 +203,8 @@ class _Renderer:
             "model": self.model, "output": output, "incomplete_details": incomplete, "error": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
-            "tools": [], "tool_choice": "auto", "parallel_tool_calls": True, "previous_response_id": None,
+            "tools": [t.model_dump() for t in body.tools or []], "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
             "store": False, "metadata": body.metadata or {},
             "usage": None if out is None else {
                 "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
@@ -188,13 +254,30 @@ class _Renderer:
             events += [self._event("response.created", response=self.response(None)),
                        self._event("response.in_progress", response=self.response(None))]
         completion = out.outputs[0]
-        reasoning, text = self._split(completion.text, final=completion.finished)
+        if completion.finished:
+            reasoning, text, calls = self._final(out)
+        else:
+            reasoning, answer = self._split(completion.text, final=False)
+            text, calls = self.reader.streamable(answer), []
         if reasoning and "message" not in self.opened:
             events += self._send("reasoning", reasoning)
-        if text or completion.finished:
+        if text:
             events += self._send("message", text)
         if completion.finished:
-            events += self._close("message", text)
+            if "message" in self.opened:
+                events += self._close("message", text or "")
+            elif "reasoning" in self.opened:
+                events += self._close("reasoning", self.sent["reasoning"])
+            for call in calls:  # each call goes out whole, once the output is complete
+                index, item = len(self.opened), self._call_item(call)
+                self.opened.append(item["id"])
+                events += [self._event("response.output_item.added", output_index=index,
+                                       item={**item, "arguments": "", "status": "in_progress"}),
+                           self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                       output_index=index, delta=item["arguments"]),
+                           self._event("response.function_call_arguments.done", item_id=item["id"],
+                                       output_index=index, arguments=item["arguments"]),
+                           self._event("response.output_item.done", output_index=index, item=item)]
             # a response cut off by max_output_tokens ends like any other, its status "incomplete"
             # (as vLLM does; the openai client's stream helper waits for response.completed)
             events.append(self._event("response.completed", response=self.response(out)))
@@ -208,7 +291,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     record = RequestRecord(response_id)
     request.state.record = record
     renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
-                         state.config.reasoning_parser)
+                         state.config.reasoning_parser, job.reader)
     generation = Generation(state, job.engine, [EngineRequest(response_id, job.prompt_token_ids, job.params,
                                                               body.priority)], record)
     if body.stream:

@@ -3,10 +3,13 @@ as responses, whole or as the API's typed event stream."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from tests.server.conftest import MODEL_NAME, serve, wait_until_idle
+from tests.server.test_tools import FLAG, PICK
 
 INSTRUCTIONS = "You are terse."
 QUESTION = "What is the capital of France?"
@@ -79,7 +82,7 @@ def test_reasoning_comes_as_its_own_output_item(engine):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # auto
     ({"input": QUESTION, "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": QUESTION, "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": []}, "input"),
@@ -88,3 +91,43 @@ def test_reasoning_comes_as_its_own_output_item(engine):
 def test_what_it_cannot_honour_is_a_400(base_url, body, param):
     r = httpx.post(base_url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+
+
+def _flat(tool: dict) -> dict:
+    """A chat tool in the Responses API's flat shape."""
+    return {"type": "function", **tool["function"]}
+
+
+def test_function_tools_give_function_call_items_as_the_chat_route_gives_tool_calls(client):
+    turn = [{"role": "user", "content": "Turn the flag on."}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=turn, tools=[FLAG, PICK], max_tokens=400,
+                                          tool_choice="required", parallel_tool_calls=False, temperature=0)
+    expected = [(c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls]
+    assert expected  # "required": at least one call
+    body = dict(model=MODEL_NAME, input=turn, tools=[_flat(FLAG), _flat(PICK)], tool_choice="required",
+                parallel_tool_calls=False, max_output_tokens=400, temperature=0)  # the tiny model pads with spaces
+    response = client.responses.create(**body)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    with client.responses.stream(**body) as stream:
+        streamed = stream.get_final_response()
+    assert [(i.name, i.arguments) for i in streamed.output if i.type == "function_call"] == \
+        [(c.name, c.arguments) for c in calls]
+    named = client.responses.create(**{**body, "tool_choice": {"type": "function", "name": "pick"}})
+    assert [item.name for item in named.output if item.type == "function_call"] == ["pick"]
+
+
+def test_calls_and_their_outputs_sent_back_are_the_conversation(client):
+    """A function_call item and its function_call_output become the chat's assistant tool turn and
+    tool turn: the same answer as those chat messages."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "set_flag", "arguments": '{"on": true}'}}
+    messages = [{"role": "user", "content": "Turn the flag on."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=[FLAG], tool_choice="none",
+                                          max_tokens=10, temperature=0)
+    response = client.responses.create(model=MODEL_NAME, tools=[_flat(FLAG)], tool_choice="none", max_output_tokens=10,
+                                       temperature=0, input=[
+        messages[0], {"type": "function_call", "call_id": "call_1", "name": "set_flag", "arguments": '{"on": true}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "done"}])
+    assert response.output_text == chat.choices[0].message.content
