@@ -99,7 +99,8 @@ class BeamSearch:
         """The best hypotheses as one finished request of beam_width completions, best first."""
         completions = [
             CompletionOutput(index=i, text=decode(beam.tokens[:len(beam.tokens) - beam.finished]),
-                             token_ids=beam.tokens, logprobs=[{t: lp} for t, lp in zip(beam.tokens, beam.logprobs, strict=True)],
+                             token_ids=beam.tokens,
+                             logprobs=[{t: lp} for t, lp in zip(beam.tokens, beam.logprobs, strict=True)],
                              finish_reason="stop" if beam.finished else "length",
                              stop_reason=beam.tokens[-1] if beam.finished else None,
                              cumulative_logprob=beam.cum_logprob)

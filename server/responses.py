@@ -135,7 +135,8 @@ def _conversation(items: list[InputMessage | FunctionCallItem | FunctionCallOutp
         elif isinstance(item, FunctionCallOutput):
             turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
         else:
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             if turns and turns[-1].role == "assistant" and turns[-1].tool_calls and not turns[-1].content:
                 turns[-1].tool_calls.append(call)
             else:
