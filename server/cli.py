@@ -100,6 +100,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="return a reasoning model's <think> ... </think> as the chat message's "
                              "reasoning_content, apart from its content: deepseek_r1 (the template opens the "
                              "block; DeepSeek-R1 and its distills) or qwen3 (only an output that opens one)")
+    parser.add_argument("--responses-store-size", type=int, default=256, metavar="N",
+                        help="finished /v1/responses kept in memory for previous_response_id and GET (the "
+                             "oldest dropped first; 0: none kept)")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help='lets tool_choice "auto" (the default with tools) read calls from the model\'s own '
                              'output format: hermes = <tool_call>{...}</tool_call> (Hermes, Qwen2.5); llama3_json = '
@@ -251,6 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
             sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
             chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+            responses_store_size=args.responses_store_size,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -27,6 +27,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's extra --served-model-name values)
     tool_call_parser: str | None = None  # how tool_choice "auto" finds calls in the output (server.tools)
     reasoning_parser: str | None = None  # how a reasoning model's thinking is told from its answer (server.reasoning)
+    responses_store_size: int = 256  # finished /v1/responses kept for previous_response_id (oldest dropped; 0: none)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -37,6 +38,8 @@ class ServerConfig:
             raise ValueError("served model names must be non-empty")
         if self.api_key == "":
             raise ValueError("api_key must be non-empty when given")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size cannot be negative, got {self.responses_store_size}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

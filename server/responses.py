@@ -5,8 +5,10 @@ items the conversation, function tools and calls the chat's tools and tool turns
 the response format) and runs as a chat request; the output is shaped as a response: a
 reasoning item when `--reasoning-parser` finds thinking, a message item of output text, and a
 function_call item per tool call. Streaming sends the API's typed events (`response.created` ...
-`response.output_text.delta` ... `response.completed`). Nothing is stored, so
-`previous_response_id` is a 400.
+`response.output_text.delta` ... `response.completed`). Finished responses are kept in memory
+(the last `--responses-store-size`, unless `store` is false), so `previous_response_id` continues
+a conversation (its input and output come first; its instructions do not carry over, as in
+OpenAI's API) and `GET`/`DELETE /v1/responses/{id}` find them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -103,14 +107,23 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise APIError(400, f"text.format type {kind!r} is not one of text, json_object, json_schema", param="text")
 
 
-def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request this response runs as; the Responses fields it cannot honour are 400s."""
-    for name, given in (("previous_response_id", body.previous_response_id), ("background", body.background)):
-        if given:
-            raise APIError(400, f"{name} is not supported: this server stores no responses; send the whole "
-                                f"conversation as input", param=name)
-    conversation = [ChatMessage(role="user", content=body.input)] if isinstance(body.input, str) else \
+@dataclass(slots=True)
+class StoredResponse:
+    response: dict[str, Any]  # the response object, as returned
+    turns: list[ChatMessage]  # its conversation without instructions, its own answer last
+
+
+def input_turns(body: ResponsesRequest) -> list[ChatMessage]:
+    return [ChatMessage(role="user", content=body.input)] if isinstance(body.input, str) else \
         _conversation(body.input)
+
+
+def as_chat(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletionRequest:
+    """The chat request this response runs as, after `history` (the previous response's turns);
+    the Responses fields it cannot honour are 400s."""
+    if body.background:
+        raise APIError(400, "background responses are not supported", param="background")
+    conversation = history + input_turns(body)
     if body.instructions:
         conversation.insert(0, ChatMessage(role="system", content=body.instructions))
     tools = [Tool(function=FunctionDefinition(**t.model_dump(exclude={"type"}))) for t in body.tools or []] or None
@@ -149,8 +162,11 @@ class _Renderer:
     an output item of its own before the message."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, prompt_tokens: int,
-                 reasoning_parser: str | None, reader: ToolCallReader) -> None:
+                 reasoning_parser: str | None, reader: ToolCallReader, stored: bool,
+                 on_finish: Callable[[RequestOutput, dict[str, Any]], None]) -> None:
         self.body = body
+        self.stored = stored
+        self.on_finish = on_finish  # called with the final output and its response object
         self.reader = reader  # which of the answer is text and which tool calls
         self.response_id = response_id
         self.model = model
@@ -205,8 +221,8 @@ class _Renderer:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
             "tools": [t.model_dump() for t in body.tools or []], "tool_choice": body.tool_choice or "auto",
-            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
-            "store": False, "metadata": body.metadata or {},
+            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+            "store": self.stored, "metadata": body.metadata or {},
             "usage": None if out is None else {
                 "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
@@ -281,18 +297,45 @@ class _Renderer:
                            self._event("response.output_item.done", output_index=index, item=item)]
             # a response cut off by max_output_tokens ends like any other, its status "incomplete"
             # (as vLLM does; the openai client's stream helper waits for response.completed)
-            events.append(self._event("response.completed", response=self.response(out)))
+            response = self.response(out)
+            events.append(self._event("response.completed", response=response))
+            self.on_finish(out, response)
         return events
+
+    def answer_turn(self, out: RequestOutput) -> ChatMessage:
+        """The finished output as the conversation's assistant turn (the thinking left out)."""
+        _, content, calls = self._final(out)
+        return ChatMessage(role="assistant", content=content, tool_calls=[c.model_dump() for c in calls] or None)
+
+
+def _stored(state: ServerState, response_id: str, param: str | None = None) -> StoredResponse:
+    found = state.responses.get(response_id)
+    if found is None:
+        raise APIError(404, f"response {response_id!r} was not found (this server keeps the last "
+                            f"{state.config.responses_store_size} stored responses, in memory)", param=param)
+    return found
 
 
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state: ServerState = request.app.state.driftgate
-    job = prepare_chat(as_chat(body), state)
+    history = [] if body.previous_response_id is None else \
+        _stored(state, body.previous_response_id, "previous_response_id").turns
+    job = prepare_chat(as_chat(body, history), state)
     response_id = f"resp_{uuid.uuid4().hex}"
     record = RequestRecord(response_id)
     request.state.record = record
+    size = state.config.responses_store_size
+    stored = body.store and size > 0
+
+    def finish(out: RequestOutput, response: dict[str, Any]) -> None:
+        if stored:
+            state.responses[response_id] = StoredResponse(response, history + input_turns(body) +
+                                                          [renderer.answer_turn(out)])
+            while len(state.responses) > size:
+                state.responses.popitem(last=False)
+
     renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
-                         state.config.reasoning_parser, job.reader)
+                         state.config.reasoning_parser, job.reader, stored, finish)
     generation = Generation(state, job.engine, [EngineRequest(response_id, job.prompt_token_ids, job.params,
                                                               body.priority)], record)
     if body.stream:
@@ -301,4 +344,19 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         finals = await until_disconnect(collect(generation), request.receive, record)
     finally:
         await generation.aclose()
-    return Response(json.dumps(renderer.response(finals[0])), media_type="application/json")
+    response = renderer.response(finals[0])
+    finish(finals[0], response)
+    return Response(json.dumps(response), media_type="application/json")
+
+
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    return Response(json.dumps(_stored(request.app.state.driftgate, response_id).response),
+                    media_type="application/json")
+
+
+async def delete_response(response_id: str, request: Request) -> Response:
+    state: ServerState = request.app.state.driftgate
+    _stored(state, response_id)
+    del state.responses[response_id]
+    return Response(json.dumps({"id": response_id, "object": "response.deleted", "deleted": True}),
+                    media_type="application/json")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.outputs import EngineStats
 from server.config import ServerConfig
@@ -43,6 +44,8 @@ class ServerState:
         self.phase = Phase.LOADING
         self.num_unstarted = 0  # admitted requests that have not produced a first token yet
         self.metrics = ServerMetrics(self.engine_stats)
+        # finished /v1/responses (server.responses.StoredResponse) by id, oldest first
+        self.responses: OrderedDict[str, Any] = OrderedDict()
         if engine is not None:
             self.attach(engine)
 

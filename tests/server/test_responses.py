@@ -83,7 +83,7 @@ def test_reasoning_comes_as_its_own_output_item(engine):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # auto
-    ({"input": QUESTION, "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": QUESTION, "background": True}, "background"),
     ({"input": QUESTION, "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": []}, "input"),
     ({"input": QUESTION, "model": "other"}, "model"),
@@ -131,3 +131,37 @@ def test_calls_and_their_outputs_sent_back_are_the_conversation(client):
         messages[0], {"type": "function_call", "call_id": "call_1", "name": "set_flag", "arguments": '{"on": true}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "done"}])
     assert response.output_text == chat.choices[0].message.content
+
+
+def test_previous_response_id_continues_the_conversation(client, base_url):
+    """Its input and answer come before the new input (its instructions do not carry over), as the
+    chat route answers the same turns; stored responses can be fetched and deleted."""
+    first = client.responses.create(model=MODEL_NAME, instructions=INSTRUCTIONS, input="My name is Ana.",
+                                    max_output_tokens=8, temperature=0)
+    second = client.responses.create(model=MODEL_NAME, previous_response_id=first.id, input="What is my name?",
+                                     max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "My name is Ana."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.previous_response_id == first.id and second.store
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    for r in (httpx.get(f"{base_url}/v1/responses/{first.id}", timeout=10),
+              httpx.post(base_url + "/v1/responses", json={"input": "hi", "previous_response_id": first.id})):
+        assert r.status_code == 404 and "was not found" in r.json()["error"]["message"]
+    unstored = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, store=False)
+    assert not unstored.store and httpx.get(f"{base_url}/v1/responses/{unstored.id}").status_code == 404
+
+
+def test_the_store_keeps_only_the_newest(engine):
+    import openai
+
+    with serve(engine, responses_store_size=1) as url, \
+            openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
+        with client.responses.stream(model=MODEL_NAME, input="a", max_output_tokens=2) as stream:
+            older = stream.get_final_response()  # a streamed response is stored too
+        assert client.responses.retrieve(older.id).id == older.id
+        newer = client.responses.create(model=MODEL_NAME, input="b", max_output_tokens=2)
+        assert client.responses.retrieve(newer.id).id == newer.id
+        assert httpx.get(f"{url}/v1/responses/{older.id}", timeout=10).status_code == 404
