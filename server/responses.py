@@ -61,6 +61,13 @@ class FunctionCallOutput(_Request):
     output: str
 
 
+class ReasoningItem(_Request):
+    """Thinking from an earlier output that a client sends back with the rest of it: accepted and
+    left out of the prompt, as chat templates leave out earlier turns' thinking."""
+
+    type: Literal["reasoning"]
+
+
 class FunctionTool(_Request):
     type: Literal["function"]
     name: str
@@ -69,7 +76,8 @@ class FunctionTool(_Request):
     strict: bool | None = None
 
 
-InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutput, Field(union_mode="left_to_right")]
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem,
+                      Field(union_mode="left_to_right")]
 
 
 class ResponsesRequest(_Request):
@@ -137,11 +145,14 @@ def as_chat(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletio
         parallel_tool_calls=body.parallel_tool_calls, priority=body.priority)
 
 
-def _conversation(items: list[InputMessage | FunctionCallItem | FunctionCallOutput]) -> list[ChatMessage]:
+def _conversation(items: list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem],
+                  ) -> list[ChatMessage]:
     """Input items as chat turns: consecutive function calls make one assistant turn's tool_calls,
-    each output a tool turn."""
+    each output a tool turn; reasoning items are left out."""
     turns: list[ChatMessage] = []
     for item in items:
+        if isinstance(item, ReasoningItem):
+            continue
         if isinstance(item, InputMessage):
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             turns.append(ChatMessage(role=item.role, content=text))

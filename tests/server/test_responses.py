@@ -150,6 +150,14 @@ def test_previous_response_id_continues_the_conversation(client, base_url):
     for r in (httpx.get(f"{base_url}/v1/responses/{first.id}", timeout=10),
               httpx.post(base_url + "/v1/responses", json={"input": "hi", "previous_response_id": first.id})):
         assert r.status_code == 404 and "was not found" in r.json()["error"]["message"]
+    # the same turns sent back whole, as clients that keep their own history do (output items as
+    # input, a reasoning item among them), answer the same
+    replayed = client.responses.create(model=MODEL_NAME, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "My name is Ana."},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "user", "content": "What is my name?"}])
+    assert replayed.output_text == second.output_text
     unstored = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, store=False)
     assert not unstored.store and httpx.get(f"{base_url}/v1/responses/{unstored.id}").status_code == 404
 
