@@ -66,6 +66,7 @@ def make_tiny_model_dir(
     max_position_embeddings: int = 512,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random-weight HF model folder (config, safetensors, tokenizer) and return it.
 
@@ -81,6 +82,7 @@ def make_tiny_model_dir(
         "LlamaForCausalLM": transformers.LlamaConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
     }[architecture]
     config = config_cls(
         vocab_size=vocab_size,
@@ -94,6 +96,7 @@ def make_tiny_model_dir(
         rms_norm_eps=1e-5,
         bos_token_id=1,
         eos_token_id=2,
+        **({} if head_dim is None else {"head_dim": head_dim}),
     )
     config.architectures = [architecture]
     torch.manual_seed(seed)
@@ -102,6 +105,9 @@ def make_tiny_model_dir(
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():  # Qwen3's per-head norms: weights that matter
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(dest, safe_serialization=True)
     return dest
 

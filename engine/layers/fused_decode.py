@@ -130,6 +130,8 @@ class FusedDecode:
         """The fused step for these layers, or None where some part has no C kernel here."""
         if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
+        if model_args.qk_norm:  # decode_step.c has no per-head query/key norms (Qwen3): the modules run
+            return None
         tensors = [final_norm.weight, rotary.cos, rotary.sin]
         for layer in layers:
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]

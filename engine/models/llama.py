@@ -22,7 +22,7 @@ from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,7 @@ class LlamaArgs:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    qk_norm: bool  # Qwen3: each query and key head RMS-normalized before the rotation
 
     @classmethod
     def from_hf_config(cls, config: dict) -> LlamaArgs:
@@ -72,6 +73,7 @@ class LlamaArgs:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
 
@@ -89,11 +91,17 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by every layer
         self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim)
         self.qk_size = q_size + kv_size
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         # q and k sit side by side in each row: rotate both heads at once
-        qk = self.rotary(positions, qkv[:, :self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = qkv[:, :self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous())], dim=1)
+        qk = self.rotary(positions, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         v = qkv[:, self.qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx))
