@@ -36,6 +36,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm;
+    const float *q_norm, *k_norm; /* Qwen3's per-head query and key norms [head_dim], else NULL */
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     const float *k_table, *v_table; /* fp8 caches, [num_kv_heads, 256]: the e4m3 values times each head's scale */
@@ -150,6 +151,13 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
             rms_norm_f32(normed, residual, hidden, residual, layer->input_norm, rows, width, m->eps, threads);
         }
         if ((status = linear(&layer->qkv, qkv, normed, staging, rows, threads))) break;
+        if (layer->q_norm) /* each head normalized in place, row by row as the modules' norms do it */
+            for (int t = 0; t < rows; t++) {
+                float *row = qkv + (size_t)t * qkv_size;
+                rms_norm_f32(row, NULL, row, NULL, layer->q_norm, m->num_heads, m->head_dim, m->eps, 1);
+                rms_norm_f32(row + q_size, NULL, row + q_size, NULL, layer->k_norm, m->num_kv_heads, m->head_dim,
+                             m->eps, 1);
+            }
         rotary_f32(qkv, positions, m->cos, m->sin, rows, qkv_size, m->num_heads + m->num_kv_heads, m->head_dim,
                    threads);
         for (int t = 0; t < rows; t++) {

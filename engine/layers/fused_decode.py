@@ -39,7 +39,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("k_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p)]
 
@@ -105,6 +106,9 @@ class FusedDecode:
         for layer, c_layer, linears in zip(layers, self._layers, descriptions, strict=True):
             c_layer.input_norm = layer.input_layernorm.weight.data_ptr()
             c_layer.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            if layer.self_attn.q_norm is not None:
+                c_layer.q_norm = layer.self_attn.q_norm.weight.data_ptr()
+                c_layer.k_norm = layer.self_attn.k_norm.weight.data_ptr()
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
         self._attention = [layer.self_attn.attn for layer in layers]
         attn = self._attention[0]
@@ -130,11 +134,11 @@ class FusedDecode:
         """The fused step for these layers, or None where some part has no C kernel here."""
         if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
-        if model_args.qk_norm:  # decode_step.c has no per-head query/key norms (Qwen3): the modules run
-            return None
         tensors = [final_norm.weight, rotary.cos, rotary.sin]
         for layer in layers:
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if layer.self_attn.q_norm is not None:
+                tensors += [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             return None
         keep: list[torch.Tensor] = []

@@ -60,6 +60,7 @@ MODELS = {
     "llama-gqa": {},
     "bf16-valued": {"dtype": torch.bfloat16},  # served in fp32 from bf16 panels
     "qwen2-qkv-bias": {"architecture": "Qwen2ForCausalLM"},
+    "qwen3-qk-norm": {"architecture": "Qwen3ForCausalLM", "head_dim": 32},
     "mha-untied": {"num_kv_heads": 4, "tie_word_embeddings": False},
 }
 
