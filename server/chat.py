@@ -110,6 +110,7 @@ class _Renderer:
     def full(self, finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
         out = finals[0]
         choices = []
+        self.usage.prompt_tokens_details.cached_tokens = out.num_cached_tokens
         for c in sorted(out.outputs, key=lambda c: c.index):
             reasoning, content, calls, reason = self._finish(c)
             message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
@@ -121,6 +122,7 @@ class _Renderer:
 
     def delta(self, _: int, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
+        self.usage.prompt_tokens_details.cached_tokens = out.num_cached_tokens
         for c in out.outputs:
             if c.index in self.done:
                 continue

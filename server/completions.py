@@ -47,6 +47,7 @@ class _Renderer:
         self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars sent, tokens sent)
         self.done: set[int] = set()  # choices whose finish_reason went out
         self.usage = Usage(prompt_tokens=sum(len(ids) for _, ids in prompts), completion_tokens=0, total_tokens=0)
+        self.cached: dict[int, int] = {}  # prompt index -> its prompt tokens the prefix cache served
 
     def _choice(self, prompt_index: int, out: RequestOutput, c: CompletionOutput, chars: int, tokens: int,
                 echo: bool) -> CompletionChoice:
@@ -67,6 +68,7 @@ class _Renderer:
 
     def full(self, finals: dict[int, RequestOutput]) -> CompletionResponse:
         choices = []
+        self.usage.prompt_tokens_details.cached_tokens = sum(out.num_cached_tokens for out in finals.values())
         for prompt_index in sorted(finals):
             out = finals[prompt_index]
             for c in out.outputs:
@@ -78,6 +80,7 @@ class _Renderer:
 
     def delta(self, prompt_index: int, out: RequestOutput) -> list[CompletionResponse]:
         choices = []
+        self.cached[prompt_index] = out.num_cached_tokens
         for c in out.outputs:
             index = prompt_index * self.body.n + c.index
             if index in self.done:
@@ -98,6 +101,7 @@ class _Renderer:
         if not (self.body.stream_options and self.body.stream_options.include_usage):
             return []
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
+        self.usage.prompt_tokens_details.cached_tokens = sum(self.cached.values())
         return [CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=self.usage)]
 
 

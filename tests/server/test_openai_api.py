@@ -337,3 +337,18 @@ def test_beam_search_returns_the_engines_best_beams(client, base_url, engine, ti
                                                                   "response_format": {"type": "json_object"}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
     wait_until_idle(engine)  # every beam's one-token requests ended and freed their blocks
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
+    prompt = [(17 * i) % 300 + 40 for i in range(40)]  # 40 tokens no other test sends
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32  # the two full 16-token blocks
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    chat = [{"role": "user", "content": "Repeat after me: " + "la " * 30}]
+    client.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=2)
+    assert client.chat.completions.create(model=MODEL_NAME, messages=chat,
+                                          max_tokens=2).usage.prompt_tokens_details.cached_tokens >= 16
