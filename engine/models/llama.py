@@ -45,6 +45,7 @@ class LlamaArgs:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool  # Qwen3: each query and key head RMS-normalized before the rotation
+    sliding_window: int | None  # attention sees only this many latest tokens (Mistral v0.1); not implemented
 
     @classmethod
     def from_hf_config(cls, config: dict) -> LlamaArgs:
@@ -74,6 +75,9 @@ class LlamaArgs:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            # Qwen configs carry a window that only use_sliding_window turns on
+            sliding_window=config.get("sliding_window") if not arch.startswith("Qwen")
+            or config.get("use_sliding_window") else None,
         )
 
 

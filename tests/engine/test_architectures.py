@@ -29,3 +29,24 @@ def test_greedy_tokens_equal_hf(tmp_path, architecture):
     for config in ({}, {"max_num_batched_tokens": 7, "block_size": 4}):  # one batch; chunked prompts
         llm = LLM(str(model_dir), dtype="float32", **config)
         assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{architecture}{config}")
+
+
+def test_a_sliding_window_caps_the_context(tmp_path):
+    """Attention over a window (Mistral v0.1) is not implemented: contexts stay within it, so
+    answers never part from the model's. Qwen configs carry a window only use_sliding_window turns on."""
+    import json
+
+    from engine import LLM
+
+    mistral = make_tiny_model_dir(tmp_path / "mistral", architecture="MistralForCausalLM")
+    qwen = make_tiny_model_dir(tmp_path / "qwen", architecture="Qwen2ForCausalLM")
+    for folder, extra in ((mistral, {"sliding_window": 32}), (qwen, {"sliding_window": 32, "use_sliding_window": False})):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+    llm = LLM(str(mistral), dtype="float32")
+    assert llm.engine.max_model_len == 32
+    with pytest.raises(ValueError, match="maximum context length|32"):
+        llm.generate([list(range(3, 43))], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="sliding attention window of 32 tokens"):
+        LLM(str(mistral), dtype="float32", max_model_len=64)
+    assert LLM(str(qwen), dtype="float32").engine.max_model_len == 512
