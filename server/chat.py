@@ -97,13 +97,9 @@ class _Renderer:
             return None
         return chat_logprobs(self.text, c.token_ids[tokens:], list(c.logprobs or [])[tokens:], self.top_n)
 
-    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
-        """(thinking, answer) of an output so far: what may be sent of each."""
-        return split_reasoning(text, self.reasoning_parser, final) if self.reasoning_parser else (None, text)
-
     def _finish(self, c: CompletionOutput) -> tuple[str | None, str | None, list, str | None]:
         """A finished choice's (thinking, content, tool calls, finish reason)."""
-        reasoning, answer = self._split(c.text, final=True)
+        reasoning, answer = split_reasoning(c.text, self.reasoning_parser, final=True)
         content, calls, reason = self.reader.finish(answer, c.finish_reason)
         return reasoning, (content or None) if reasoning is not None else content, calls, reason
 
@@ -138,7 +134,7 @@ class _Renderer:
                                   tool_calls=[DeltaToolCall(index=i, **call.model_dump())
                                               for i, call in enumerate(calls)] or None)
             else:
-                reasoning, answer = self._split(c.text, final=False)
+                reasoning, answer = split_reasoning(c.text, self.reasoning_parser, final=False)
                 thinking, text, reason = (reasoning or "")[thought:], self.reader.streamable(answer)[chars:], None
                 if not (thinking or text or (self.top_n is not None and tokens < len(c.token_ids))):
                     continue

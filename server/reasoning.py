@@ -19,8 +19,11 @@ def _partial_tag_at_end(text: str, tag: str) -> int:
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
-def split_reasoning(text: str, parser: str, final: bool) -> tuple[str | None, str]:
-    """(thinking or None, answer) of an output so far; not `final`, each part is what may be sent."""
+def split_reasoning(text: str, parser: str | None, final: bool) -> tuple[str | None, str]:
+    """(thinking or None, answer) of an output so far; not `final`, each part is what may be sent.
+    Without a parser all of it is answer."""
+    if parser is None:
+        return None, text
     opening = text.lstrip()
     if not final and THINK_START.startswith(opening) and opening != THINK_START:
         return None, ""  # "", "  " or "<thi": a tag or not, decided by the next characters

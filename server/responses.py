@@ -189,9 +189,6 @@ class _Renderer:
         self.opened: list[str] = []  # output items opened so far, in order ("reasoning", "message")
         self.sent = {"reasoning": "", "message": ""}  # the text of each streamed so far
 
-    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
-        return split_reasoning(text, self.reasoning_parser, final) if self.reasoning_parser else (None, text)
-
     def _item(self, kind: str, text: str, status: str) -> dict[str, Any]:
         if kind == "reasoning":
             return {"type": "reasoning", "id": self.item_ids[kind], "summary": [], "status": status,
@@ -207,7 +204,7 @@ class _Renderer:
     def _final(self, out: RequestOutput) -> tuple[str | None, str | None, list[ToolCall]]:
         """The finished output's (thinking, text or None when it is only tool calls, calls)."""
         completion = out.outputs[0]
-        reasoning, answer = self._split(completion.text, final=True)
+        reasoning, answer = split_reasoning(completion.text, self.reasoning_parser, final=True)
         content, calls, _ = self.reader.finish(answer, completion.finish_reason)
         return reasoning, content if content or not calls else None, calls
 
@@ -285,11 +282,11 @@ class _Renderer:
         if completion.finished:
             reasoning, text, calls = self._final(out)
         else:
-            reasoning, answer = self._split(completion.text, final=False)
+            reasoning, answer = split_reasoning(completion.text, self.reasoning_parser, final=False)
             text, calls = self.reader.streamable(answer), []
         if reasoning and "message" not in self.opened:
             events += self._send("reasoning", reasoning)
-        if text:
+        if text or (completion.finished and text is not None):  # an empty answer is still an item
             events += self._send("message", text)
         if completion.finished:
             if "message" in self.opened:
