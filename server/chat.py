@@ -185,6 +185,14 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
                            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                            prompt_logprobs=None, vocab_size=len(engine.tokenizer),
                            defaults=config.sampling_defaults, tool_constraint=reader.constraint)
+    if (config.reasoning_parser == "deepseek_r1" and isinstance(params, SamplingParams)
+            and params.structured_outputs is not None):
+        # the constraint holds from the first token, which such a model spends inside its thinking
+        # block: the whole output would come back as reasoning_content
+        raise APIError(400, "structured outputs and tool_choice constraints apply from the first generated token, "
+                            "which a model served with --reasoning-parser deepseek_r1 spends thinking; they are "
+                            "not supported together", param="response_format" if reader.constraint is None
+                       else "tool_choice")
     return ChatJob(engine, ids, params, reader)
 
 

@@ -85,3 +85,16 @@ def test_an_unknown_reasoning_parser_is_refused():
 
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'; known: deepseek_r1, qwen3"):
         ServerConfig(served_model_name="x", reasoning_parser="o1")
+
+
+def test_a_constraint_is_refused_where_the_output_opens_inside_the_thinking(engine):
+    """With deepseek_r1 the template opens the thinking block, so a grammar from the first token
+    would put the whole answer into reasoning_content: a 400 says so. qwen3 answers (thinking
+    skipped: the grammar allows no <think>)."""
+    body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"}}
+    with serve(engine, reasoning_parser="deepseek_r1") as url:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    with serve(engine, reasoning_parser="qwen3") as url:
+        message = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert message["reasoning_content"] is None and message["content"].lstrip().startswith("{")
