@@ -30,8 +30,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if not 1 <= self.beam_width <= 10:  # each step asks for 2 x beam_width logprobs, at most 20
+            raise ValueError(f"beam_width must be in [1, 10], got {self.beam_width}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 

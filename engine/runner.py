@@ -326,7 +326,7 @@ class ModelRunner:
                 gen = torch.Generator().manual_seed(request.params.seed)
                 self.request_generators[request.request_id] = gen
         matcher = None
-        if request.grammar is not None:
+        if request.grammar is not None and request.params.grammar_started(request.output_token_ids):
             matcher = self.request_matchers.get(request.request_id)
             if matcher is None:
                 matcher = self.request_matchers[request.request_id] = new_matcher(request.grammar)

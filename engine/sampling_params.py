@@ -17,7 +17,9 @@ class SamplingParams:
     logits are constrained: only `allowed_token_ids` stay, `logit_bias` is added (OpenAI's
     [-100, 100]), no stop token before `min_tokens`, and no token that would complete one of
     `bad_words` (the engine tokenizes them into `bad_words_token_ids`). `structured_outputs`
-    holds the output to JSON, a schema, a regex, a choice or a grammar.
+    holds the output to JSON, a schema, a regex, a choice or a grammar: from the first token, or,
+    with `structured_outputs_after`, from the token after those ids first appear in the output
+    (a reasoning model's end of thinking, so the constraint holds its answer, not its thoughts).
     """
 
     n: int = 1
@@ -46,6 +48,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # filled by the engine from bad_words
     structured_outputs: StructuredOutputs | None = None
+    structured_outputs_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +89,17 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty")
         if any(not word.strip() for word in self.bad_words):
             raise ValueError("bad_words must be non-empty words")
+        if self.structured_outputs_after is not None and (not self.structured_outputs_after
+                                                          or self.structured_outputs is None):
+            raise ValueError("structured_outputs_after must be a non-empty list of token ids, with structured_outputs")
+
+    def grammar_started(self, output_token_ids: list[int]) -> bool:
+        """Whether the structured output holds from the next token on."""
+        after = self.structured_outputs_after
+        if after is None:
+            return True
+        n = len(after)
+        return any(output_token_ids[i:i + n] == after for i in range(len(output_token_ids) - n + 1))
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids the params name must be rows of the logits (ValueError naming the field)."""

@@ -35,7 +35,7 @@ from server.protocol import (
     TokenizeRequest,
     Usage,
 )
-from server.reasoning import split_reasoning
+from server.reasoning import THINK_END, split_reasoning
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
@@ -187,12 +187,9 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
                            defaults=config.sampling_defaults, tool_constraint=reader.constraint)
     if (config.reasoning_parser == "deepseek_r1" and isinstance(params, SamplingParams)
             and params.structured_outputs is not None):
-        # the constraint holds from the first token, which such a model spends inside its thinking
-        # block: the whole output would come back as reasoning_content
-        raise APIError(400, "structured outputs and tool_choice constraints apply from the first generated token, "
-                            "which a model served with --reasoning-parser deepseek_r1 spends thinking; they are "
-                            "not supported together", param="response_format" if reader.constraint is None
-                       else "tool_choice")
+        # such a model's output opens inside its thinking block: the constraint holds the answer,
+        # from the token after </think> (as vLLM does)
+        params.structured_outputs_after = engine.tokenizer.encode(THINK_END, add_special_tokens=False)
     return ChatJob(engine, ids, params, reader)
 
 

@@ -106,5 +106,6 @@ def test_search_ends_at_max_tokens_the_context_or_when_no_beam_is_left():
     assert only_eos.done and only_eos.best()[0].finished
     with pytest.raises(ValueError, match="expansions"):
         _search().advance([])
-    with pytest.raises(ValueError, match="beam_width"):
-        BeamSearchParams(beam_width=0, max_tokens=4)
+    for width in (0, 11):  # a step asks for 2 x width logprobs, at most 20
+        with pytest.raises(ValueError, match="beam_width"):
+            BeamSearchParams(beam_width=width, max_tokens=4)

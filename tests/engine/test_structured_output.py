@@ -96,3 +96,26 @@ def test_without_xgrammar_a_constraint_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if the `structured` extra were not installed
     with pytest.raises(ValueError, match=r"pip install 'driftgate\[structured\]'"):
         StructuredOutputs(regex="[0-9]+")
+
+
+@pytest.mark.parametrize("spec", [None, {"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                         "disable_by_batch_size": 0}])
+def test_a_grammar_can_start_after_a_marker(tiny_model_dir, spec):
+    """structured_outputs_after: the output is free until the marker (a reasoning model's end of
+    thinking), held to the grammar from the next token; never seen, never held. Drafts wait for
+    the start (one could carry the marker past the grammar's notice)."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, speculative_config=spec)
+    digits = StructuredOutputs(regex="[0-9]{3}")
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    marker = free.token_ids[2:4]  # what the free output writes at its third and fourth tokens
+    held = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, structured_outputs=digits,
+                                                    structured_outputs_after=marker), use_tqdm=False)[0].outputs[0]
+    assert held.token_ids[:4] == free.token_ids[:4]  # free up to the marker
+    assert re.fullmatch("[0-9]{3}", llm.tokenizer.decode(held.token_ids[4:], skip_special_tokens=True))
+    never = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                     structured_outputs=digits, structured_outputs_after=[10**6 - 1]),
+                         use_tqdm=False)[0].outputs[0]
+    assert never.token_ids == free.token_ids
+    with pytest.raises(ValueError, match="structured_outputs_after"):
+        SamplingParams(structured_outputs_after=[1])
