@@ -325,11 +325,10 @@ class ModelRunner:
             if gen is None:
                 gen = torch.Generator().manual_seed(request.params.seed)
                 self.request_generators[request.request_id] = gen
-        matcher = None
-        if request.grammar is not None and request.params.grammar_started(request.output_token_ids):
-            matcher = self.request_matchers.get(request.request_id)
-            if matcher is None:
-                matcher = self.request_matchers[request.request_id] = new_matcher(request.grammar)
+        matcher = self.request_matchers.get(request.request_id)
+        if matcher is None and request.grammar is not None and request.params.grammar_started(
+                request.prompt_token_ids, request.output_token_ids):  # from here on the grammar holds
+            matcher = self.request_matchers[request.request_id] = new_matcher(request.grammar)
         return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen, matcher)
 
     def release(self, request_id: str) -> None:

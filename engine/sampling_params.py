@@ -18,8 +18,9 @@ class SamplingParams:
     [-100, 100]), no stop token before `min_tokens`, and no token that would complete one of
     `bad_words` (the engine tokenizes them into `bad_words_token_ids`). `structured_outputs`
     holds the output to JSON, a schema, a regex, a choice or a grammar: from the first token, or,
-    with `structured_outputs_after`, from the token after those ids first appear in the output
-    (a reasoning model's end of thinking, so the constraint holds its answer, not its thoughts).
+    with `structured_outputs_after`, from the token after those ids first appear in the prompt or
+    the output (a reasoning model's end of thinking, so the constraint holds its answer, not its
+    thoughts; a template that turns thinking off writes an empty block into the prompt).
     """
 
     n: int = 1
@@ -93,13 +94,12 @@ class SamplingParams:
                                                           or self.structured_outputs is None):
             raise ValueError("structured_outputs_after must be a non-empty list of token ids, with structured_outputs")
 
-    def grammar_started(self, output_token_ids: list[int]) -> bool:
+    def grammar_started(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> bool:
         """Whether the structured output holds from the next token on."""
         after = self.structured_outputs_after
         if after is None:
             return True
-        n = len(after)
-        return any(output_token_ids[i:i + n] == after for i in range(len(output_token_ids) - n + 1))
+        return any(_contains(tokens, after) for tokens in (prompt_token_ids, output_token_ids))
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids the params name must be rows of the logits (ValueError naming the field)."""
@@ -111,3 +111,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _contains(tokens: list[int], part: list[int]) -> bool:
+    """Whether `part` occurs in `tokens` (its first id found by list.index, at C speed)."""
+    start = 0
+    try:
+        while True:
+            start = tokens.index(part[0], start)
+            if tokens[start:start + len(part)] == part:
+                return True
+            start += 1
+    except ValueError:
+        return False

@@ -117,5 +117,8 @@ def test_a_grammar_can_start_after_a_marker(tiny_model_dir, spec):
                                                      structured_outputs=digits, structured_outputs_after=[10**6 - 1]),
                          use_tqdm=False)[0].outputs[0]
     assert never.token_ids == free.token_ids
+    in_prompt = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, structured_outputs=digits,
+                                                         structured_outputs_after=[6]), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{3}", in_prompt.text)  # the marker in the prompt: held from the first token
     with pytest.raises(ValueError, match="structured_outputs_after"):
         SamplingParams(structured_outputs_after=[1])
