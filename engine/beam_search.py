@@ -95,10 +95,12 @@ class BeamSearch:
         ranked = sorted(self.hypotheses + self.beams, key=lambda b: b.score(self.params.length_penalty), reverse=True)
         return ranked[:self.params.beam_width]
 
-    def output(self, request_id: str, prompt: str | None, decode: Callable[[list[int]], str]) -> RequestOutput:
-        """The best hypotheses as one finished request of beam_width completions, best first."""
+    def output(self, request_id: str, prompt: str | None, tokenizer) -> RequestOutput:
+        """The best hypotheses as one finished request of beam_width completions, best first (the
+        text without its EOS or special tokens)."""
         completions = [
-            CompletionOutput(index=i, text=decode(beam.tokens[:len(beam.tokens) - beam.finished]),
+            CompletionOutput(index=i, text=tokenizer.decode(beam.tokens[:len(beam.tokens) - beam.finished],
+                                                            skip_special_tokens=True),
                              token_ids=beam.tokens,
                              logprobs=[{t: lp} for t, lp in zip(beam.tokens, beam.logprobs, strict=True)],
                              finish_reason="stop" if beam.finished else "length",

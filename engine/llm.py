@@ -62,8 +62,7 @@ class LLM:
             outputs = iter(self.generate([seq for s in live for seq in s.pending()], step, use_tqdm=False))
             for search in live:
                 search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.beams])
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return [search.output(f"beam-{i}", p if isinstance(p, str) else None, decode)
+        return [search.output(f"beam-{i}", p if isinstance(p, str) else None, self.tokenizer)
                 for i, (search, p) in enumerate(zip(searches, prompts, strict=True))]
 
     def chat(self, messages: list[dict] | list[list[dict]],

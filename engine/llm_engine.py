@@ -279,8 +279,7 @@ class LLMEngine:
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue  # still in its prompt
-            if request.grammar is not None and not request.params.grammar_started(request.prompt_token_ids,
-                                                                                  request.output_token_ids):
+            if self.runner.grammar_waits(request):
                 continue  # a draft could carry the grammar's start, which verification would not see
             kept = self._drafts_kept.setdefault(request.request_id, float(spec.num_speculative_tokens))
             wanted = spec.num_speculative_tokens if len(running) == 1 else min(spec.num_speculative_tokens, int(kept) + 1)

@@ -326,10 +326,15 @@ class ModelRunner:
                 gen = torch.Generator().manual_seed(request.params.seed)
                 self.request_generators[request.request_id] = gen
         matcher = self.request_matchers.get(request.request_id)
-        if matcher is None and request.grammar is not None and request.params.grammar_started(
-                request.prompt_token_ids, request.output_token_ids):  # from here on the grammar holds
+        if matcher is None and request.grammar is not None and not self.grammar_waits(request):
             matcher = self.request_matchers[request.request_id] = new_matcher(request.grammar)
         return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen, matcher)
+
+    def grammar_waits(self, request) -> bool:
+        """Whether the request's grammar has yet to start (structured_outputs_after not seen): once
+        it has a matcher it holds, so only a waiting request scans its tokens."""
+        return (request.grammar is not None and request.request_id not in self.request_matchers
+                and not request.params.grammar_started(request.prompt_token_ids, request.output_token_ids))
 
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)

@@ -97,10 +97,17 @@ class Scheduler:
         self.prefix_hits = 0
 
     def add_request(self, request: Request) -> None:
+        self._enqueue(self.waiting, request)
+
+    def _enqueue(self, queue: deque[Request] | list[Request], request: Request, front: bool = False) -> None:
+        """Into `queue` at its (priority, arrival) place under the priority policy; else at its back,
+        or its front (a preempted request)."""
         if self.config.policy == "priority":
-            insort(self.waiting, request, key=_urgency)
+            insort(queue, request, key=_urgency)  # a preempted request's early arrival puts it first among peers
+        elif front:
+            queue.appendleft(request)
         else:
-            self.waiting.append(request)
+            queue.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -155,10 +162,7 @@ class Scheduler:
                 self.prefix_hits += num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            if self.config.policy == "priority":
-                insort(self.running, request, key=_urgency)
-            else:
-                self.running.append(request)
+            self._enqueue(self.running, request)
             out.chunks.append(ScheduledChunk(request, num_hit, num_new))
             budget -= num_new
             prefill_budget -= num_new
@@ -200,10 +204,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
-        if self.config.policy == "priority":
-            insort(self.waiting, request, key=_urgency)  # its early arrival puts it first among its peers
-        else:
-            self.waiting.appendleft(request)
+        self._enqueue(self.waiting, request, front=True)
         self.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:

@@ -81,8 +81,7 @@ class Generation:
         engine = self._engine
         search = BeamSearch(request.prompt_token_ids, request.params, engine.eos_token_ids, engine.max_model_len)
         await search_async(engine.generate, search, request.request_id, request.priority)
-        yield search.output(request.request_id, None,
-                            lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
+        yield search.output(request.request_id, None, engine.tokenizer)
 
     def _observe(self, index: int, out: RequestOutput) -> None:
         """Latency metrics and the request record, from the growth in generated tokens."""
