@@ -172,19 +172,16 @@ class BlockManager:
         Returns False and changes nothing when there are not enough free blocks.
         """
         computed = computed or []
-        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        num_slots = num_tokens + num_lookahead_tokens
-        num_needed = -(-num_slots // self.block_size) - len(request.block_ids) - len(computed)
-        # hit blocks with no other user are in the free queue: taking them costs capacity too
-        num_reclaimed = sum(1 for b in computed if b.ref_count == 0)
-        if num_needed + num_reclaimed > self.free_queue.num_free:
+        if self.num_free_blocks_needed(request, num_new_tokens, computed, num_lookahead_tokens) > self.free_queue.num_free:
             return False
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new_blocks = self._num_blocks_to_add(request, num_tokens + num_lookahead_tokens, computed)
         for block in computed:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
             request.block_ids.append(block.block_id)
-        for _ in range(max(num_needed, 0)):
+        for _ in range(num_new_blocks):
             block = self.free_queue.pop_left()
             self._evict(block)
             block.ref_count = 1
@@ -194,6 +191,18 @@ class BlockManager:
             # same batch can hit them (each layer writes K/V before any attention reads it).
             self._cache_full_blocks(request, num_tokens)
         return True
+
+    def num_free_blocks_needed(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None,
+                               num_lookahead_tokens: int = 0) -> int:
+        """Free blocks that `allocate` with the same arguments would take (it changes nothing)."""
+        computed = computed or []
+        num_slots = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens + num_lookahead_tokens
+        # hit blocks with no other user are in the free queue: taking them costs capacity too
+        return self._num_blocks_to_add(request, num_slots, computed) + sum(1 for b in computed if b.ref_count == 0)
+
+    def _num_blocks_to_add(self, request: Request, num_slots: int, computed: list[Block]) -> int:
+        """Blocks beyond the request's own and the hit ones that `num_slots` token slots need."""
+        return max(-(-num_slots // self.block_size) - len(request.block_ids) - len(computed), 0)
 
     def _evict(self, block: Block) -> None:
         if block.hash is not None:

@@ -12,7 +12,9 @@ then costs every running stream a bounded stall per step instead of one long one
 
 With policy "priority" (vLLM's), both queues are kept in (priority, arrival) order, lower
 values first: the waiting queue admits the most urgent request first, the running list gives it
-the step's budget first, and the preemption victim (the last running) is the least urgent.
+the step's budget first, and the preemption victim (the last running) is the least urgent. A
+waiting request that finds no seat or no blocks preempts running requests of a strictly lower
+priority, the least urgent first, before the step is scheduled.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import Block, BlockManager
 from engine.sequence import Request, RequestStatus
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -114,6 +116,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.policy == "priority":
+            self._preempt_for_urgent(out)
+        num_preempted_for_urgent = len(out.preempted)
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget()
         i = 0
@@ -142,15 +147,11 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
                 budget -= num_new
                 i += 1
-        if out.preempted:
+        if len(out.preempted) > num_preempted_for_urgent:
             return out
         while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits = self.block_manager.get_computed_blocks(request)
-            if request.params.prompt_logprobs is not None:
-                # logits at position p score token p + 1: compute from prompt_logprobs_start − 1 on
-                limit = max(request.params.prompt_logprobs_start - 1, 0) // self.block_manager.block_size
-                hits = hits[:limit]
+            hits = self._prefix_hits(request)
             num_hit = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit, budget, prefill_budget)
             if not self.block_manager.allocate(request, num_new, hits):
@@ -167,6 +168,35 @@ class Scheduler:
             budget -= num_new
             prefill_budget -= num_new
         return out
+
+    def _prefix_hits(self, request: Request) -> list[Block]:
+        """The cached blocks a waiting request starts from."""
+        hits = self.block_manager.get_computed_blocks(request)
+        if request.params.prompt_logprobs is not None:
+            # logits at position p score token p + 1: compute from prompt_logprobs_start − 1 on
+            hits = hits[:max(request.params.prompt_logprobs_start - 1, 0) // self.block_manager.block_size]
+        return hits
+
+    def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
+        """Preempt the least urgent running requests while the most urgent waiting one, more urgent
+        than they, has no seat or no blocks for its first chunk (vLLM's priority preemption).
+
+        Only a strictly lower priority yields: peers would trade one recompute for another. Runs
+        before anything is scheduled, so no victim has blocks allocated for this step.
+        """
+        if not self.waiting or not self.running or self.running[-1].priority <= self.waiting[0].priority:
+            return
+        head = self.waiting[0]
+        hits = self._prefix_hits(head)
+        num_uncached = head.num_tokens - len(hits) * self.block_manager.block_size
+        while self.running and self.running[-1].priority > head.priority:
+            if len(self.running) < self.config.max_num_seqs:
+                num_new = min(num_uncached, self._prefill_budget())
+                if self.block_manager.num_free_blocks_needed(head, num_new, hits) <= self.block_manager.num_free_blocks:
+                    return
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
 
     def _decode_with_drafts(self, request: Request, num_new: int, budget: int) -> ScheduledChunk | None:
         """The request's decode and its drafts (cut to the budget), or None, dropping the drafts,

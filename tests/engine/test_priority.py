@@ -41,6 +41,87 @@ def test_the_least_urgent_running_request_is_preempted():
     assert list(sched.waiting) == [low]
 
 
+def _run_one_step(sched: Scheduler, token: int = 9) -> None:
+    out = sched.schedule()
+    sched.update_from_output(out, {c.request.request_id: [token] for c in out.chunks if c.completes_sequence})
+
+
+def test_an_urgent_arrival_preempts_the_least_urgent_for_blocks():
+    sched = _scheduler(num_blocks=4)
+    first, second, urgent = make_requests(3, 4, max_tokens=8)
+    first.priority, second.priority, urgent.priority = 5, 5, 0
+    for request in (first, second):
+        sched.add_request(request)
+    _run_one_step(sched)
+    _run_one_step(sched)  # each now holds 2 of the 4 blocks
+    assert sched.block_manager.num_free_blocks == 0
+    sched.add_request(urgent)
+    out = sched.schedule()
+    # the later of the two peers yields, and the urgent request starts in the same step
+    assert out.preempted == [second]
+    assert [c.request for c in out.chunks] == [first, urgent]
+    assert list(sched.waiting) == [second] and sched.num_preemptions == 1
+
+
+def test_an_urgent_arrival_preempts_for_a_seat():
+    sched = _scheduler(max_num_seqs=2)
+    low, lower, urgent = make_requests(3, 4, max_tokens=8)
+    low.priority, lower.priority, urgent.priority = 3, 4, 1
+    for request in (low, lower):
+        sched.add_request(request)
+    _run_one_step(sched)
+    sched.add_request(urgent)
+    out = sched.schedule()
+    assert out.preempted == [lower] and [c.request for c in out.chunks] == [low, urgent]
+
+
+@pytest.mark.parametrize("policy, priorities", [("priority", (2, 2)), ("fcfs", (0, 0))])
+def test_peers_and_fcfs_never_preempt_for_a_waiting_request(policy, priorities):
+    sched = _scheduler(max_num_seqs=1, policy=policy)
+    running, waiting = make_requests(2, 4, max_tokens=8)
+    running.priority, waiting.priority = priorities
+    sched.add_request(running)
+    _run_one_step(sched)
+    sched.add_request(waiting)
+    out = sched.schedule()
+    assert not out.preempted and [c.request for c in out.chunks] == [running]
+
+
+def test_no_preemption_while_the_urgent_request_fits():
+    sched = _scheduler(num_blocks=8)
+    low, urgent = make_requests(2, 4, max_tokens=8)
+    low.priority, urgent.priority = 5, 0
+    sched.add_request(low)
+    _run_one_step(sched)
+    sched.add_request(urgent)
+    out = sched.schedule()
+    assert not out.preempted and {c.request.request_id for c in out.chunks} == {"r0", "r1"}
+
+
+def test_an_urgent_request_overtakes_a_running_one_which_still_answers_the_same(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64, max_num_seqs=1, scheduling_policy="priority")
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("batch-job", [5, 6, 7, 8], params, 10)
+    outputs = {}
+    for _ in range(4):
+        outputs.update({o.request_id: o for o in engine.step()})
+    engine.add_request("interactive", [9, 10, 11], params, 0)
+    finished = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+            finished += [out.request_id] if out.finished else []
+    assert finished == ["interactive", "batch-job"]
+    assert llm.stats().num_preemptions == 1
+    # recomputed after the preemption, the batch job's tokens are those it gets alone
+    alone = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64).generate(
+        [[5, 6, 7, 8], [9, 10, 11]], params, use_tqdm=False)
+    assert outputs["batch-job"].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert outputs["interactive"].outputs[0].token_ids == alone[1].outputs[0].token_ids
+    assert llm.stats().num_blocks_used == 0
+
+
 def test_fcfs_refuses_a_priority_it_would_ignore(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="priority scheduling policy"):
