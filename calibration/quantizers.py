@@ -58,15 +58,15 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     v_proj → o_proj is left out under grouped-query attention: its scales would have to be
     shared by the query heads reading one KV head, which the search does not model.
     """
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, inter = layer.self_attn, layer.mlp.down_proj.input_size
     mappings = [
         _SmoothMapping("self_attn.qkv_proj", "input_layernorm"),
         _SmoothMapping("mlp.gate_up_proj", "post_attention_layernorm"),
-        _SmoothMapping("mlp.down_proj", "mlp.gate_up_proj", _shard_rows(tuple(mlp.gate_up_proj.output_sizes))[1]),
+        _SmoothMapping("mlp.down_proj", "mlp.gate_up_proj", slice(inter, 2 * inter)),  # the up rows
     ]
     if attn.num_heads == attn.num_kv_heads:
-        mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj",
-                                       _shard_rows(tuple(attn.qkv_proj.output_sizes))[2]))
+        v_size = attn.num_kv_heads * attn.head_dim  # the v rows, last in the fused q/k/v output
+        mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj", slice(attn.qk_size, attn.qk_size + v_size)))
     return mappings
 
 

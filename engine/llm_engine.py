@@ -70,7 +70,7 @@ class LLMEngine:
             # checked here, where the engine runs: a cluster's API process may have no GPU itself
             raise ValueError(f"device {config.device!r}: torch {torch.__version__} sees no CUDA device here "
                              f"(use --device cpu, or auto)")
-        self.model, self.hf_config = load_model(config.model, config.dtype, config.device)
+        self.model, self.hf_config = load_model(config.model, config.dtype, config.device, config.max_model_len)
         self.model.prepack_for_cpu()
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         args = self.model.args

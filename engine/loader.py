@@ -68,17 +68,18 @@ def _route(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int, str
         if parts[i] in packed:
             fused, shard = packed[parts[i]]
             return ".".join(parts[:i] + [fused]), shard, ".".join(parts[i + 1:])
-        if parts[i] in ("o_proj", "down_proj", "lm_head"):
+        if parts[i] in ("o_proj", "down_proj", "lm_head", "qkv_proj", "gate_up_proj"):  # the last two: Phi-3
             return ".".join(parts[: i + 1]), 0, ".".join(parts[i + 1:])
     return None
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               ) -> tuple[LlamaForCausalLM, dict]:
-    """Build the model for `model_dir` and fill it from its safetensors; returns (model, hf_config)."""
+               max_model_len: int | None = None) -> tuple[LlamaForCausalLM, dict]:
+    """Build the model for `model_dir` and fill it from its safetensors; returns (model, hf_config).
+    `max_model_len`, the context to be served, picks LongRoPE's factors (None: the model's own)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
-    args = LlamaArgs.from_hf_config(config)
+    args = LlamaArgs.from_hf_config(config, max_model_len)
     torch_dtype = resolve_dtype(dtype, device)
     quant_config = None
     if config.get("quantization_config"):

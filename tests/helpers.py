@@ -67,6 +67,7 @@ def make_tiny_model_dir(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     head_dim: int | None = None,
+    extra_config: dict | None = None,
 ) -> Path:
     """Write a random-weight HF model folder (config, safetensors, tokenizer) and return it.
 
@@ -83,6 +84,7 @@ def make_tiny_model_dir(
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Phi3ForCausalLM": transformers.Phi3Config,
     }[architecture]
     config = config_cls(
         vocab_size=vocab_size,
@@ -97,6 +99,7 @@ def make_tiny_model_dir(
         bos_token_id=1,
         eos_token_id=2,
         **({} if head_dim is None else {"head_dim": head_dim}),
+        **(extra_config or {}),
     )
     config.architectures = [architecture]
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF "rotate half" layout), with Llama 3 frequency scaling."""
+"""Rotary position embedding (HF "rotate half" layout), with Llama 3 and LongRoPE frequency scaling."""
 
 from __future__ import annotations
 
@@ -33,29 +33,55 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int,
+              served_context: int | None) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, from the long list when the
+    served context goes past the pretraining one, else the short list; cos and sin scaled by
+    sqrt(1 + ln(extension) / ln(pretraining context)).
+
+    HF and vLLM switch lists per forward pass by the longest position in it, so a token's keys
+    would depend on what was batched or cached with it; here the served context decides once,
+    which keeps prefix-cache hits and batching exact (serve --max-model-len at or under the
+    pretraining context to get the short factors, as HF uses them for short sequences)."""
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if (served_context or max_positions) > original else scaling["short_factor"]
+    extension = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(extension) / math.log(original)) if extension > 1 else 1.0
+    return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu"), attention_factor
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by absolute position, shared by every layer of a model.
 
-    The tables are plain attributes, not buffers: moving one layer (the calibration pipeline
-    sends each finished layer to the meta device) must not move the table the others use. They
-    follow the device of the positions they are asked for.
+    The first `rotary_dim` dims of each head rotate (all of them but in partially rotary models
+    such as Phi-4-mini). The tables are plain attributes, not buffers: moving one layer (the
+    calibration pipeline sends each finished layer to the meta device) must not move the table
+    the others use. They follow the device of the positions they are asked for.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 served_context: int | None = None):
         super().__init__()
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", None):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
-        dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
-        inv_freq = 1.0 / (theta ** (dims / head_dim))
+        if rope_type not in ("default", "linear", "llama3", "longrope", None):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+                             "(supported: default, linear, llama3, longrope)")
+        self.rotary_dim = rotary_dim
+        dims = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (theta ** (dims / rotary_dim))
+        attention_factor = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "longrope":
+            inv_freq, attention_factor = _longrope(inv_freq, scaling, max_positions, served_context)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
-        # [max_positions, head_dim]: the two halves repeat so rotate_half needs no re-indexing
+        # [max_positions, rotary_dim]: the two halves repeat so rotate_half needs no re-indexing
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos() * attention_factor, emb.sin() * attention_factor
         self._last_positions: torch.Tensor | None = None
         self._last = (self.cos, self.sin)
 
@@ -65,6 +91,10 @@ class RotaryEmbedding(nn.Module):
         On CPU fp32 the C kernel, and on CUDA a Triton kernel, rotate x in place (x may be a
         row-strided view of the fused qkv output) and return it; elsewhere the result is a new tensor.
         """
+        if self.rotary_dim < x.shape[-1]:  # partial rotation: the torch path, on the leading dims
+            cos, sin = self._lookup(positions, x.dtype)
+            rotating = x[..., :self.rotary_dim]
+            return torch.cat([rotating * cos + _rotate_half(rotating) * sin, x[..., self.rotary_dim:]], dim=-1)
         if self._rotate_in_place(positions, x):
             return x
         if x.is_cuda and triton_support.available(x.device) and x.stride(2) == 1:

@@ -1,10 +1,12 @@
-"""The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM2 (tied embeddings).
+"""The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), SmolLM2
+(tied embeddings), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation).
 
     x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
 
 Attention is grouped-query (num_kv_heads ≤ num_heads) with rotary positions; the MLP is
 SwiGLU, down(silu(gate(x)) · up(x)). q/k/v and gate/up are fused into one Linear each; the
-loader fills them from the checkpoint's separate tensors through `packed_modules`.
+loader fills them from the checkpoint's separate tensors through `packed_modules`, or from its
+fused ones where it stores them so (Phi-3).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +49,17 @@ class LlamaArgs:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: each query and key head RMS-normalized before the rotation
     sliding_window: int | None  # attention sees only this many latest tokens (Mistral v0.1); not implemented
+    rotary_dim: int  # the leading dims of each head that rotate (all but Phi-4-mini's)
+    checkpoint_fuses: bool  # Phi-3: the checkpoint itself holds qkv_proj and gate_up_proj, one tensor each
+    max_model_len: int | None = None  # the context served, which picks LongRoPE's factors
+
+    @property
+    def served_context(self) -> int:
+        """The longest context the engine can serve: asked for, capped by the positions and the window."""
+        return min(n for n in (self.max_model_len, self.max_position_embeddings, self.sliding_window) if n)
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> LlamaArgs:
+    def from_hf_config(cls, config: dict, max_model_len: int | None = None) -> LlamaArgs:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -57,7 +68,11 @@ class LlamaArgs:
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        if scaling is not None and "original_max_position_embeddings" in config:  # Phi-3 keeps it beside rope_scaling
+            scaling = {"original_max_position_embeddings": config["original_max_position_embeddings"], **scaling}
         heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -66,7 +81,7 @@ class LlamaArgs:
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
@@ -78,7 +93,18 @@ class LlamaArgs:
             # Qwen configs carry a window that only use_sliding_window turns on
             sliding_window=config.get("sliding_window") if not arch.startswith("Qwen")
             or config.get("use_sliding_window") else None,
+            rotary_dim=int(head_dim * partial),
+            checkpoint_fuses=arch == "Phi3ForCausalLM",
+            max_model_len=max_model_len,
         )
+
+
+def _shards(args: LlamaArgs, prefix: str, fused: str, parts: dict[str, int]) -> tuple[list[int], list[str]]:
+    """(output sizes, checkpoint names) of a fused Linear: one shard per checkpoint tensor, so one
+    for a checkpoint that stores the fused matrix itself (Phi-3), as quantization then writes it too."""
+    if args.checkpoint_fuses:
+        return [sum(parts.values())], [f"{prefix}.{fused}"]
+    return list(parts.values()), [f"{prefix}.{name}" for name in parts]
 
 
 class LlamaAttention(nn.Module):
@@ -87,9 +113,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = make_linear(
-            args.hidden_size, [q_size, kv_size, kv_size], bias=args.attention_bias,
-            prefixes=[f"{prefix}.{n}_proj" for n in "qkv"], quant_config=quant_config, dtype=dtype)
+        sizes, names = _shards(args, prefix, "qkv_proj", {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size})
+        self.qkv_proj = make_linear(args.hidden_size, sizes, bias=args.attention_bias, prefixes=names,
+                                    quant_config=quant_config, dtype=dtype)
         self.o_proj = make_linear(q_size, [args.hidden_size], bias=False, prefixes=[f"{prefix}.o_proj"],
                                   quant_config=quant_config, dtype=dtype)
         self.rotary = rotary  # shared by every layer
@@ -114,9 +140,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, args: LlamaArgs, prefix: str, quant_config, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = make_linear(
-            args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias,
-            prefixes=[f"{prefix}.gate_proj", f"{prefix}.up_proj"], quant_config=quant_config, dtype=dtype)
+        sizes, names = _shards(args, prefix, "gate_up_proj",
+                               {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size})
+        self.gate_up_proj = make_linear(args.hidden_size, sizes, bias=args.mlp_bias, prefixes=names,
+                                        quant_config=quant_config, dtype=dtype)
         self.down_proj = make_linear(args.intermediate_size, [args.hidden_size], bias=args.mlp_bias,
                                      prefixes=[f"{prefix}.down_proj"], quant_config=quant_config, dtype=dtype)
 
@@ -151,7 +178,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+        self.rotary = RotaryEmbedding(args.rotary_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling,
+                                      args.served_context)
         self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype, self.rotary)
                                     for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -168,15 +196,14 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Flat-batch model: tokens of every sequence in one [T] tensor; logits only where asked."""
 
-    # checkpoint sub-module name → (fused module name, shard index)
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
     def __init__(self, args: LlamaArgs, quant_config=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.args = args
+        # checkpoint sub-module name → (fused module name, shard index)
+        self.packed_modules = {} if args.checkpoint_fuses else {
+            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        }
         self.quantized_linears = quant_config is not None and bool(quant_config.groups)
         self.model = LlamaModel(args, quant_config, dtype)
         if args.tie_word_embeddings:

@@ -10,25 +10,40 @@ from engine import LLM, SamplingParams
 from tests.helpers import make_tiny_model_dir
 from tests.oracle import assert_outputs_match_hf, hf_greedy
 
-ARCHITECTURES = {
-    "Qwen2ForCausalLM": {},  # q/k/v biases
-    "MistralForCausalLM": {},
+_PHI3 = {"pad_token_id": 0}
+_LONGROPE = {**_PHI3, "original_max_position_embeddings": 64, "rope_parameters": {
+    "rope_type": "longrope", "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [1.0, 1.5, 2.4, 3.9, 6.0, 9.0, 13.0, 18.0]}}
+# case → (architecture, make_tiny_model_dir arguments, prompt lengths, LLM arguments)
+CASES = {
+    "qwen2": ("Qwen2ForCausalLM", {}, (3, 18, 40), {}),  # q/k/v biases
+    "mistral": ("MistralForCausalLM", {}, (3, 18, 40), {}),
     # per-head query/key RMSNorm, and a head_dim that is not hidden_size / heads (64 / 4)
-    "Qwen3ForCausalLM": {"head_dim": 32},
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}, (3, 18, 40), {}),
+    # q/k/v and gate/up fused in the checkpoint itself
+    "phi3": ("Phi3ForCausalLM", {"extra_config": _PHI3}, (3, 18, 40), {}),
+    # Phi-4-mini: only the leading 3/4 of each head rotates
+    "phi3-partial-rotary": ("Phi3ForCausalLM", {"extra_config": {**_PHI3, "partial_rotary_factor": 0.75}},
+                            (3, 18, 40), {}),
+    # LongRoPE, served within the pretraining context (64): the short factors, as HF uses them there
+    "phi3-longrope-short": ("Phi3ForCausalLM", {"extra_config": _LONGROPE}, (3, 18, 40), {"max_model_len": 64}),
+    # ... and past it: the long factors, as HF uses them for sequences past 64 tokens
+    "phi3-longrope-long": ("Phi3ForCausalLM", {"extra_config": _LONGROPE}, (65, 90), {}),
 }
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_greedy_tokens_equal_hf(tmp_path, architecture):
-    model_dir = make_tiny_model_dir(tmp_path, architecture=architecture, **ARCHITECTURES[architecture])
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_equal_hf(tmp_path, case):
+    architecture, model_kwargs, lengths, llm_kwargs = CASES[case]
+    model_dir = make_tiny_model_dir(tmp_path, architecture=architecture, **model_kwargs)
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 18, 40)]
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in lengths]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     reference = {i: hf_greedy(hf, p, 16) for i, p in enumerate(prompts)}
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     for config in ({}, {"max_num_batched_tokens": 7, "block_size": 4}):  # one batch; chunked prompts
-        llm = LLM(str(model_dir), dtype="float32", **config)
-        assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{architecture}{config}")
+        llm = LLM(str(model_dir), dtype="float32", **llm_kwargs, **config)
+        assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{case}{config}")
 
 
 def test_a_sliding_window_caps_the_context(tmp_path):
@@ -50,3 +65,31 @@ def test_a_sliding_window_caps_the_context(tmp_path):
     with pytest.raises(ValueError, match="sliding attention window of 32 tokens"):
         LLM(str(mistral), dtype="float32", max_model_len=64)
     assert LLM(str(qwen), dtype="float32").engine.max_model_len == 512
+
+
+@pytest.mark.parametrize("options", ["w4a16 --algo gptq", "w8a16 --algo awq", "fp8-dynamic",
+                                     "w8a8-int8 --smoothquant 0.5"])
+def test_quantized_phi3_keeps_the_fused_names_hf_loads(tmp_path, options):
+    """Phi-3's checkpoint stores qkv_proj and gate_up_proj whole: quantize writes them so (as
+    llm-compressor does, one scale set per fused matrix), and HF transformers with
+    compressed-tensors loads the result and answers as this engine does."""
+    from safetensors import safe_open
+
+    from calibration.cli import main
+    from tests.calibration.factories import write_calib_file
+
+    source = make_tiny_model_dir(tmp_path / "phi3", architecture="Phi3ForCausalLM", extra_config=_PHI3)
+    calib = write_calib_file(tmp_path / "calib.jsonl", 12)
+    out = tmp_path / "quantized"
+    assert main([str(source), "--calib", str(calib), "-o", str(out), "--scheme", *options.split(),
+                 "--num-samples", "8", "--num-heldout", "4"]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    layer = {n.split(".")[4] for n in names if n.startswith("model.layers.0.") and "_proj" in n}
+    assert layer == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    prompt = list(range(5, 30))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens, _ = hf_greedy(hf, prompt, 12)
+    ours = LLM(str(out), dtype="float32").generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                           ignore_eos=True), use_tqdm=False)
+    assert list(ours[0].outputs[0].token_ids) == tokens

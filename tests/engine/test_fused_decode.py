@@ -62,6 +62,11 @@ MODELS = {
     "qwen2-qkv-bias": {"architecture": "Qwen2ForCausalLM"},
     "qwen3-qk-norm": {"architecture": "Qwen3ForCausalLM", "head_dim": 32},
     "mha-untied": {"num_kv_heads": 4, "tie_word_embeddings": False},
+    # fused q/k/v and gate/up in the checkpoint; LongRoPE's scaled cos/sin tables
+    "phi3-longrope": {"architecture": "Phi3ForCausalLM", "extra_config": {
+        "pad_token_id": 0, "original_max_position_embeddings": 16, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [1.0, 1.5, 2.4, 3.9, 6.0, 9.0, 13.0, 18.0]}}},
 }
 
 
