@@ -185,10 +185,9 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
                            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                            prompt_logprobs=None, vocab_size=len(engine.tokenizer),
                            defaults=config.sampling_defaults, tool_constraint=reader.constraint)
-    if (config.reasoning_parser == "deepseek_r1" and isinstance(params, SamplingParams)
-            and params.structured_outputs is not None):
-        # such a model's output opens inside its thinking block: the constraint holds the answer,
-        # from the token after </think> (as vLLM does)
+    if config.reasoning_parser and isinstance(params, SamplingParams) and params.structured_outputs is not None:
+        # the constraint holds the answer, from the token after </think> (as vLLM does): in the
+        # prompt where thinking is turned off, else once the model has thought
         params.structured_outputs_after = engine.tokenizer.encode(THINK_END, add_special_tokens=False)
     return ChatJob(engine, ids, params, reader)
 

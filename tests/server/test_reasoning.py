@@ -45,14 +45,19 @@ def test_what_is_streamed_is_a_prefix_of_the_final_parts(parser, pieces):
         assert (final_thinking or "").startswith(sent_thinking) and final_answer.startswith(sent_answer)
 
 
-def _literally(text: str) -> str:
-    return "".join(f"[{ch}]" for ch in text)
+def _forced(said: str, **body) -> dict:
+    """A chat request that makes the tiny model (which cannot think) write `said`: a regex of it,
+    held from the first token because the prompt already closes a thinking block (a constraint
+    under a reasoning parser starts after </think>)."""
+    closed = {"role": "assistant", "content": "<think></think>"}
+    return {"messages": [*MESSAGES, closed], "add_generation_prompt": False, "continue_final_message": True,
+            "temperature": 0, "guided_regex": "".join(f"[{ch}]" for ch in said), **body}
 
 
 def test_chat_returns_the_thinking_as_reasoning_content(engine):
     """The tiny model cannot think; a regex makes it write what a reasoning model writes."""
     said = "<think>hmm, France.</think>Paris"
-    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "guided_regex": _literally(said)}
+    body = _forced(said, max_tokens=60)
     with serve(engine, reasoning_parser="qwen3") as url:
         message = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
         assert (message["reasoning_content"], message["content"]) == ("hmm, France.", "Paris")
@@ -72,8 +77,7 @@ def test_tool_calls_are_read_from_the_answer_after_the_thinking(engine):
     from tests.server.test_tools import FLAG
 
     said = '<think>set it</think><tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>'
-    body = {"messages": MESSAGES, "tools": [FLAG], "max_tokens": 90, "temperature": 0,
-            "guided_regex": _literally(said)}
+    body = _forced(said, tools=[FLAG], max_tokens=90)
     with serve(engine, reasoning_parser="qwen3", tool_call_parser="hermes") as url:
         choice = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "set it"
@@ -87,17 +91,19 @@ def test_an_unknown_reasoning_parser_is_refused():
         ServerConfig(served_model_name="x", reasoning_parser="o1")
 
 
-def test_a_constraint_holds_the_answer_not_the_thinking(engine):
-    """With deepseek_r1 the output opens inside the thinking block: the constraint starts after
-    </think> (the engine's structured_outputs_after; the tiny model never writes it, so its
-    thinking comes back as without a constraint). qwen3 answers at once, the grammar allowing no
-    <think>."""
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_constraint_holds_the_answer_not_the_thinking(engine, parser):
+    """The constraint starts after </think> (the engine's structured_outputs_after), so the model
+    thinks freely: the tiny model never writes it, so its output comes back as without a
+    constraint. With thinking turned off the prompt holds the closed block, and the constraint
+    holds from the first token."""
     body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"}}
     plain = {k: v for k, v in body.items() if k != "response_format"}
-    with serve(engine, reasoning_parser="deepseek_r1") as url:
-        held, free = (httpx.post(url + "/v1/chat/completions", json=b, timeout=60).json()["choices"][0]["message"]
-                      for b in (body, plain))
-        assert held == free and held["reasoning_content"] and held["content"] is None
-    with serve(engine, reasoning_parser="qwen3") as url:
-        message = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
-        assert message["reasoning_content"] is None and message["content"].lstrip().startswith("{")
+    no_thinking = {**body, "messages": [*MESSAGES, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+                   "add_generation_prompt": False, "continue_final_message": True}
+    with serve(engine, reasoning_parser=parser) as url:
+        held, free, answered = (httpx.post(url + "/v1/chat/completions", json=b, timeout=60).json()["choices"][0]["message"]
+                                for b in (body, plain, no_thinking))
+        assert held == free
+        # deepseek_r1's parser reads an output with no </think> as thinking (vLLM's does too)
+        assert answered["content" if parser == "qwen3" else "reasoning_content"].lstrip().startswith("{")

@@ -63,15 +63,18 @@ def test_json_schema_format_is_the_chat_routes_response_format(client):
 
 
 def test_reasoning_comes_as_its_own_output_item(engine):
-    """The tiny model cannot think; vLLM's structured_outputs extension makes it write as if."""
+    """The tiny model cannot think; vLLM's structured_outputs extension makes it write as if (held
+    from the first token because an earlier turn in the prompt closes a thinking block)."""
     import openai
 
     said = "<think>hmm, France.</think>Paris"
     regex = {"structured_outputs": {"regex": "".join(f"[{ch}]" for ch in said)}}
+    conversation = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "<think></think>"},
+                    {"role": "user", "content": QUESTION}]
     with serve(engine, reasoning_parser="qwen3") as url, \
             openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as client:
-        whole = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=60, extra_body=regex)
-        with client.responses.stream(model=MODEL_NAME, input=QUESTION, max_output_tokens=60,
+        whole = client.responses.create(model=MODEL_NAME, input=conversation, max_output_tokens=60, extra_body=regex)
+        with client.responses.stream(model=MODEL_NAME, input=conversation, max_output_tokens=60,
                                      extra_body=regex) as stream:
             events = list(stream)
             final = stream.get_final_response()
