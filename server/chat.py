@@ -189,6 +189,8 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
         # the constraint holds the answer, from the token after </think> (as vLLM does): in the
         # prompt where thinking is turned off, else once the model has thought
         params.structured_outputs_after = engine.tokenizer.encode(THINK_END, add_special_tokens=False)
+    if reader.keeps_special_tokens and isinstance(params, SamplingParams):
+        params.skip_special_tokens = False
     return ChatJob(engine, ids, params, reader)
 
 

@@ -8,15 +8,19 @@ By parsing, for `"auto"` (OpenAI's default when tools are given): the model deci
 family's own format, which the server must be told (`serve --tool-call-parser`). `hermes` is
 the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format of Hermes and Qwen2.5
 models; `llama3_json` the Llama 3.1/3.2 one, a reply that is nothing but `{"name": ...,
-"parameters": {...}}` objects (separated by `;`). Without a parser `"auto"` is a 400 saying what
-works instead. `"none"` answers in text;
-the tools are then not shown to the chat template.
+"parameters": {...}}` objects (separated by `;`); `mistral` Mistral's `[TOOL_CALLS]` token
+followed by a JSON list of calls (v0.3 models) or by `name[ARGS]{...}` (tokenizer v11 models such
+as Mistral Small 3.2), read with special tokens kept in the text and given the 9-character ids
+Mistral's chat templates require of calls sent back. Without a parser `"auto"` is a 400 saying
+what works instead. `"none"` answers in text; the tools are then not shown to the chat template.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 
 from engine.structured_output import StructuredOutputs
@@ -52,8 +56,8 @@ def tool_constraint(body: ChatCompletionRequest, parser: str | None = None) -> S
         if parser is not None:
             return None
         raise APIError(400, 'tool_choice "auto" needs a parser for this model\'s tool-call format (serve '
-                            '--tool-call-parser hermes or llama3_json); send tool_choice "required" or name the '
-                            'function', param="tool_choice")
+                            f'--tool-call-parser {"|".join(TOOL_CALL_PARSERS)}); send tool_choice "required" or '
+                            'name the function', param="tool_choice")
     named = _named(body)
     try:
         if named is not None:
@@ -82,10 +86,21 @@ def tool_calls(named: Tool | None, text: str) -> list[ToolCall] | None:
     return [_call(name, args) for name, args in calls]
 
 
-def _call(name: str, arguments: object) -> ToolCall:
+def _call(name: str, arguments: object, call_id: str | None = None) -> ToolCall:
     """A call with a fresh id; arguments as JSON text (a model may already have written them as text)."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=text))
+    return ToolCall(id=call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=text))
+
+
+def _streamable_before(tag: str, text: str) -> str:
+    """Everything before the first `tag`, less a tail that may be the start of one."""
+    cut = text.find(tag)
+    if cut >= 0:
+        return text[:cut]
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
+            return text[:-keep]
+    return text
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -110,15 +125,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def hermes_streamable(text: str) -> str:
-    """The part of a growing output that can be streamed as text: everything before the first
-    call, less a tail that may be the start of one."""
-    cut = text.find(_HERMES_OPEN)
-    if cut >= 0:
-        return text[:cut]
-    for keep in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-        if _HERMES_OPEN.startswith(text[-keep:]):
-            return text[:-keep]
-    return text
+    """The part of a growing output that can be streamed as text: what comes before a call."""
+    return _streamable_before(_HERMES_OPEN, text)
 
 
 def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -144,8 +152,44 @@ def llama3_json_streamable(text: str) -> str:
     return "" if not head or head.startswith("{") else text
 
 
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def _mistral_id() -> str:
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Text before the first [TOOL_CALLS] and the calls after each: a JSON list (or one object) of
+    {"name", "arguments"}, or name[ARGS]{...}. Anything else after the token leaves all as text."""
+    start = text.find(_MISTRAL_CALLS)
+    if start < 0:
+        return text, []
+    calls = []
+    try:
+        for segment in text[start + len(_MISTRAL_CALLS):].split(_MISTRAL_CALLS):
+            segment = segment.strip()
+            if not segment.startswith(("[", "{")) and _MISTRAL_ARGS in segment:
+                name, arguments = segment.split(_MISTRAL_ARGS, 1)
+                calls.append(_call(name.strip(), json.loads(arguments), _mistral_id()))
+                continue
+            value = json.loads(segment)
+            for call in value if isinstance(value, list) else [value]:
+                calls.append(_call(call["name"], call.get("arguments", {}), _mistral_id()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return text, []
+    content = text[:start]
+    return (content if content.strip() else None), calls
+
+
+def mistral_streamable(text: str) -> str:
+    return _streamable_before(_MISTRAL_CALLS, text)
+
+
 TOOL_CALL_PARSERS = {"hermes": (parse_hermes, hermes_streamable),
-                     "llama3_json": (parse_llama3_json, llama3_json_streamable)}
+                     "llama3_json": (parse_llama3_json, llama3_json_streamable),
+                     "mistral": (parse_mistral, mistral_streamable)}
+_READ_WITH_SPECIAL_TOKENS = {"mistral"}  # [TOOL_CALLS] and [ARGS] are special tokens
 
 
 class ToolCallReader:
@@ -157,6 +201,7 @@ class ToolCallReader:
         self._named = _named(body)
         auto = bool(body.tools) and body.tool_choice in (None, "auto")
         self._parse, self._streamable = TOOL_CALL_PARSERS[parser] if parser and auto else (None, None)
+        self.keeps_special_tokens = auto and parser in _READ_WITH_SPECIAL_TOKENS  # the output must show them
 
     def streamable(self, text: str) -> str:
         """The part of a growing output that may be streamed as text now."""

@@ -126,10 +126,36 @@ def test_llama3_json_calls_are_a_reply_of_call_objects_only():
     assert llama3_json_streamable("Sure {") == "Sure {"
 
 
-# what a Hermes / Llama 3.1 model writes to call set_flag, and the text the client should see
+def test_mistral_calls_follow_the_tool_calls_token():
+    from server.tools import ToolCallReader, mistral_streamable, parse_mistral
+    from tests.server.test_openai_api import MESSAGES
+
+    content, calls = parse_mistral('Let me see.[TOOL_CALLS] [{"name": "pick", "arguments": {"size": "m"}}, '
+                                   '{"name": "set_flag", "arguments": {"on": true}}]')
+    assert content == "Let me see."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("pick", {"size": "m"}), ("set_flag", {"on": True})]
+    # Mistral's templates refuse call ids sent back that are not 9 letters or digits
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls) and calls[0].id != calls[1].id
+    # tokenizer v11 models: name[ARGS]{...} after each token
+    content, calls = parse_mistral('[TOOL_CALLS]pick[ARGS]{"size": "s"}[TOOL_CALLS]set_flag[ARGS]{"on": false}')
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("pick", '{"size": "s"}'), ("set_flag", '{"on": false}')]
+    for text in ("no calls here", "[TOOL_CALLS] not json", '[TOOL_CALLS]pick[ARGS]{"size": '):
+        assert parse_mistral(text) == (text, [])
+    assert mistral_streamable("Sure.[TOOL_CA") == "Sure." and mistral_streamable("a [b]") == "a [b]"
+    # the tokens are special: an auto request keeps them in the text, other requests need not
+    tools = {"messages": MESSAGES, "tools": [FLAG]}
+    assert ToolCallReader(ChatCompletionRequest(**tools), "mistral").keeps_special_tokens
+    assert not ToolCallReader(ChatCompletionRequest(**tools, tool_choice="none"), "mistral").keeps_special_tokens
+    assert not ToolCallReader(ChatCompletionRequest(**tools), "hermes").keeps_special_tokens
+
+
+# what a Hermes / Llama 3.1 / Mistral model writes to call set_flag, and the text the client should see
 CALLS_AS_WRITTEN = {
     "hermes": ('Sure. <tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>', "Sure. "),
     "llama3_json": ('{"name": "set_flag", "parameters": {"on": true}}', None),
+    "mistral": ('Sure. [TOOL_CALLS] [{"name": "set_flag", "arguments": {"on": true}}]', "Sure. "),
 }
 
 
@@ -140,7 +166,7 @@ def test_auto_tool_choice_with_a_parser(engine, parser):
     said, content = CALLS_AS_WRITTEN[parser]
     # the tiny model cannot decide to call a tool; a regex makes it write the call, as such a model would
     body = {"messages": MESSAGES, "tools": [FLAG, PICK], "max_tokens": 80, "temperature": 0,
-            "guided_regex": "".join(f"[{ch}]" for ch in said)}  # each character, literally
+            "guided_regex": "".join(f"\\{ch}" if ch in "[]" else f"[{ch}]" for ch in said)}  # each character, literally
     with serve(engine, tool_call_parser=parser) as url:
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
         assert r["finish_reason"] == "tool_calls" and r["message"]["content"] == content
@@ -160,5 +186,5 @@ def test_auto_tool_choice_with_a_parser(engine, parser):
 def test_an_unknown_parser_is_refused():
     from server.config import ServerConfig
 
-    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'; known: hermes, llama3_json"):
-        ServerConfig(served_model_name="x", tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="unknown tool-call parser 'pythonic'; known: hermes, llama3_json, mistral"):
+        ServerConfig(served_model_name="x", tool_call_parser="pythonic")
