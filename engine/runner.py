@@ -18,6 +18,7 @@ from engine.layers.attention import (
     PagedPrefill,
     PrefillSpan,
     TritonBatch,
+    attention_mask,
 )
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import LogprobsDict
@@ -52,6 +53,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.sliding_window = model.args.attention_window  # the torch path's masks carry it
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
@@ -167,9 +169,9 @@ class ModelRunner:
             context = self._slots(c.request.block_ids, 0, end)
             slot_parts.append(context[c.start:])
             mask = None
-            if c.start:  # queries sit at the end of the context: query i sees keys ≤ start + i
-                q_pos = torch.arange(c.start, end).unsqueeze(1)
-                mask = torch.arange(end).unsqueeze(0) <= q_pos
+            if c.start or (self.sliding_window and end > self.sliding_window):
+                # queries sit at the end of the context: query i sees keys ≤ start + i (and within its window)
+                mask = attention_mask(torch.arange(c.start, end), end, self.sliding_window)
             prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
             row += c.num_tokens
         return prefills
@@ -227,7 +229,7 @@ class ModelRunner:
             tables = self._block_tables(group, torch.long)
             pos = torch.arange(int(context_lens.max()))
             slots = tables[:, pos // bs] * bs + pos % bs  # [n, max_len]
-            mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+            mask = attention_mask(context_lens - 1, len(pos), self.sliding_window)[:, None, None, :]
             groups.append(DecodeGroup(start, slots, mask))
             slot_parts.append(slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
         return groups

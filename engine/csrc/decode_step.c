@@ -45,6 +45,7 @@ typedef struct {
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, kv_type;
     float eps, attn_scale;
+    int32_t sliding_window; /* 0: none */
     const float *cos, *sin, *final_norm;
     const Layer *layers;
 } Model;
@@ -170,7 +171,8 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         }
         status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
-                                        m->attn_scale, m->kv_type, layer->k_table, layer->v_table, threads);
+                                        m->attn_scale, m->kv_type, layer->k_table, layer->v_table,
+                                        m->sliding_window, threads);
         if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
         rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
         if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;

@@ -15,6 +15,8 @@
  *   k/v cache    [num_slots, num_kv_heads, head_dim] in float32, bfloat16 or fp8 e4m3
  *                (slot = block_id * block_size + offset)
  *   block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
+ * With a sliding window (window > 0) a sequence attends to its last `window` tokens only; its
+ * ranges then start at the window's first token.
  * fp8 values decode through 256-entry tables, one per KV head ([num_kv_heads, 256]), that already
  * hold that head's dequantization scale.
  *
@@ -313,12 +315,17 @@ static int tasks_per_sequence(int num_seqs, int num_threads) {
     return num_seqs >= wanted ? 1 : (wanted + num_seqs - 1) / num_seqs;
 }
 
+/* The first token a query at the end of `context` tokens attends to. */
+static inline int window_start(int context, int window) {
+    return window > 0 && context > window ? context - window : 0;
+}
+
 /* Returns 0; -1 when the scratch allocation failed, -2 when block_size is not a power of two
  * (nothing is written then). */
 int paged_decode_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                            int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, int cache_type, const float *k_table, const float *v_table,
+                           float scale, int cache_type, const float *k_table, const float *v_table, int window,
                            int num_threads) {
     const int group = num_heads / num_kv_heads;
     if (num_threads < 1) num_threads = 1;
@@ -331,7 +338,8 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
     int widest_range = 0, widest_ranges = 0; /* the most tokens in a range, and ranges in a sequence */
     first_range[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int tokens = tokens_per_range(context_lens[s]), ranges = (context_lens[s] + tokens - 1) / tokens;
+        const int span = context_lens[s] - window_start(context_lens[s], window);
+        const int tokens = tokens_per_range(span), ranges = (span + tokens - 1) / tokens;
         widest_range = tokens > widest_range ? tokens : widest_range;
         widest_ranges = ranges > widest_ranges ? ranges : widest_ranges;
         first_range[s + 1] = first_range[s] + ranges;
@@ -355,10 +363,10 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
         float *tile = scores + (size_t)num_heads * longest_task;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < num_tasks; task++) {
-            const int seq = task / splits, split = task % splits;
-            const int ranges = first_range[seq + 1] - first_range[seq], tokens = tokens_per_range(context_lens[seq]);
-            const int per_task = (ranges + splits - 1) / splits;
-            const int begin = split * per_task * tokens;
+            const int seq = task / splits, split = task % splits, start = window_start(context_lens[seq], window);
+            const int ranges = first_range[seq + 1] - first_range[seq];
+            const int tokens = tokens_per_range(context_lens[seq] - start), per_task = (ranges + splits - 1) / splits;
+            const int begin = start + split * per_task * tokens;
             const int end = begin + per_task * tokens < context_lens[seq] ? begin + per_task * tokens : context_lens[seq];
             if (begin >= end) continue; /* a short context leaves its last tasks nothing */
             const Partials mine = {partials + per_range * (size_t)(first_range[seq] + split * per_task), per_range,

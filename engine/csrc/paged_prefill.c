@@ -20,10 +20,12 @@
  *   block_tables  int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs], this step's tokens
  *                 included: a sequence's queries are its last query_start[s + 1] - query_start[s]
  *                 tokens, so query i sits at position context_len - num_queries + i and sees keys
- *                 up to and including that position.
+ *                 up to and including that position; with a sliding window (window > 0), only
+ *                 the last `window` of them.
  *
  * Built at first use by engine/layers/cpu_kernels.py; OpenMP shares torch's thread pool.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -174,13 +176,14 @@ static inline __attribute__((always_inline)) void attend_keys(const vec16 *qt, v
 static inline __attribute__((always_inline)) void attend_tile_body(
     const float *q, float *out, int num_queries, int first_pos, const void *k_cache, const void *v_cache,
     const int32_t *table, int block_shift, int kv, int kv_heads, int group, int head_dim, float scale,
-    int cache_type, const float *k_tables, const float *v_tables, float *scratch) {
+    int cache_type, const float *k_tables, const float *v_tables, int window, float *scratch) {
     const int G = group, D = head_dim, row = kv_heads * G * D;
     vec16 *qt = (vec16 *)scratch, *ot = qt + G * D, *run_max = ot + G * D, *run_sum = run_max + G;
     float *k_upcast = (float *)(run_sum + G), *v_upcast = k_upcast + KEY_TILE * D, *zero_row = v_upcast + KEY_TILE * D;
     for (int g = 0; g < G; g++) {
         load_transposed(qt + g * D, q + (kv * G + g) * D, row, num_queries, D, scale);
-        run_max[g] = (vec16){0} - INFINITY;
+        /* finite, so a lane whose first tiles all lie before its window rescales by exp(0), not exp(NaN) */
+        run_max[g] = (vec16){0} - FLT_MAX;
         run_sum[g] = (vec16){0};
     }
     memset(ot, 0, sizeof(vec16) * (size_t)G * D);
@@ -189,7 +192,9 @@ static inline __attribute__((always_inline)) void attend_tile_body(
     for (int t = 0; t < LANES; t++) positions[t] = first_pos + t;
 
     const int last_pos = first_pos + num_queries - 1;
-    for (int k0 = 0; k0 <= last_pos; k0 += KEY_TILE) {
+    /* the first tile any query's window reaches */
+    const int first_key = window > 0 && first_pos >= window ? (first_pos - window + 1) / KEY_TILE * KEY_TILE : 0;
+    for (int k0 = first_key; k0 <= last_pos; k0 += KEY_TILE) {
         const int keys = last_pos - k0 + 1 < KEY_TILE ? last_pos - k0 + 1 : KEY_TILE;
         const float *krow[KEY_TILE], *vrow[KEY_TILE];
         for (int j = 0; j < KEY_TILE; j++) {
@@ -201,12 +206,15 @@ static inline __attribute__((always_inline)) void attend_tile_body(
             krow[j] = head_row(k_cache, slot, kv, kv_heads, D, cache_type, k_tables, k_upcast + j * D);
             vrow[j] = head_row(v_cache, slot, kv, kv_heads, D, cache_type, v_tables, v_upcast + j * D);
         }
-        vec16i hidden[KEY_TILE]; /* the tile crosses the diagonal: key j is hidden from queries before it */
-        const int crosses = k0 + KEY_TILE - 1 > first_pos;
-        if (crosses)
-            for (int j = 0; j < KEY_TILE; j++) hidden[j] = positions < k0 + j;
+        /* key j is hidden from queries before it (the tile crosses the diagonal) and from those
+         * `window` or more tokens after it (the tile crosses a window's start) */
+        vec16i hidden[KEY_TILE];
+        const int crosses = k0 + KEY_TILE - 1 > first_pos, leaves_window = window > 0 && k0 <= last_pos - window;
+        for (int j = 0; j < KEY_TILE && (crosses || leaves_window); j++)
+            hidden[j] = (positions < k0 + j) | (leaves_window ? positions - window >= k0 + j : (vec16i){0});
         for (int g = 0; g < G; g++)
-            attend_keys(qt + g * D, ot + g * D, run_max + g, run_sum + g, krow, vrow, keys, crosses ? hidden : NULL, D);
+            attend_keys(qt + g * D, ot + g * D, run_max + g, run_sum + g, krow, vrow, keys,
+                        crosses || leaves_window ? hidden : NULL, D);
     }
     for (int g = 0; g < G; g++)
         store_transposed(out + (kv * G + g) * D, row, ot + g * D, 1.0f / run_sum[g], num_queries, D);
@@ -217,17 +225,17 @@ static inline __attribute__((always_inline)) void attend_tile_body(
 static void attend_tile(const float *q, float *out, int num_queries, int first_pos, const void *k_cache,
                         const void *v_cache, const int32_t *table, int block_shift, int kv, int kv_heads, int group,
                         int head_dim, float scale, int cache_type, const float *k_tables, const float *v_tables,
-                        float *scratch) {
+                        int window, float *scratch) {
 #define FIXED_SHAPE(G, D)                                                                                          \
     if (group == G && head_dim == D) {                                                                             \
         attend_tile_body(q, out, num_queries, first_pos, k_cache, v_cache, table, block_shift, kv, kv_heads, G, D, \
-                         scale, cache_type, k_tables, v_tables, scratch);                                          \
+                         scale, cache_type, k_tables, v_tables, window, scratch);                                  \
         return;                                                                                                    \
     }
     FIXED_SHAPE(1, 64) FIXED_SHAPE(3, 64) FIXED_SHAPE(4, 64) FIXED_SHAPE(1, 128) FIXED_SHAPE(4, 128) FIXED_SHAPE(8, 128)
 #undef FIXED_SHAPE
     attend_tile_body(q, out, num_queries, first_pos, k_cache, v_cache, table, block_shift, kv, kv_heads, group,
-                     head_dim, scale, cache_type, k_tables, v_tables, scratch);
+                     head_dim, scale, cache_type, k_tables, v_tables, window, scratch);
 }
 
 /* A task: one sequence's query tile (first_query, last_pos) against one KV head. */
@@ -252,7 +260,7 @@ int paged_prefill_attention(float *out, const float *q, const void *k_cache, con
                             const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
                             int num_seqs, int max_blocks, int num_heads, int num_kv_heads, int head_dim,
                             int block_size, float scale, int cache_type, const float *k_tables,
-                            const float *v_tables, int num_threads) {
+                            const float *v_tables, int window, int num_threads) {
     if (block_size < 1 || (block_size & (block_size - 1))) return -2;
     if (head_dim % DIM_BLOCK) return -3;
     if (num_threads < 1) num_threads = 1;
@@ -288,7 +296,7 @@ int paged_prefill_attention(float *out, const float *q, const void *k_cache, con
         const int64_t first_row = query_start[s] + task.first_query;
         attend_tile(q + first_row * row, out + first_row * row, count, task.last_pos - count + 1, k_cache, v_cache,
                     block_tables + (int64_t)s * max_blocks, block_shift, task.kv, num_kv_heads, group, head_dim,
-                    scale, cache_type, k_tables, v_tables, scratch + per_thread * (size_t)omp_get_thread_num());
+                    scale, cache_type, k_tables, v_tables, window, scratch + per_thread * (size_t)omp_get_thread_num());
     }
     free(tasks);
     free(scratch);

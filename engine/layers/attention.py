@@ -127,6 +127,15 @@ class ForwardContext:
     kv_cache: KVCache
 
 
+def attention_mask(query_positions: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
+    """[queries, num_keys] bool, True = attend: keys up to each query's position, and within its
+    window (the latest `sliding_window` keys) where there is one."""
+    keys = torch.arange(num_keys, device=query_positions.device).unsqueeze(0)
+    queries = query_positions.unsqueeze(1)
+    mask = keys <= queries
+    return mask & (keys > queries - sliding_window) if sliding_window else mask
+
+
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None) -> None:
     if cache.dtype == torch.float8_e4m3fn:
         x = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(cache.dtype)  # saturate: fp8 casts overflow to NaN
@@ -151,9 +160,13 @@ def _load(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, 
 class Attention(nn.Module):
     """Scaled dot-product attention of one layer over the paged cache (torch backend, the oracle)."""
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        # each query sees only the latest `sliding_window` keys, itself included (Mistral v0.1, Phi-3):
+        # the C kernels take it as an argument, the torch path's masks come with it from the runner
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -180,7 +193,9 @@ class Attention(nn.Module):
         """
         num_tokens = q.shape[0]
         if ctx is None:
-            out = self._sdpa(q, k, v, mask=None, causal=True)
+            window = self.sliding_window if self.sliding_window and num_tokens > self.sliding_window else None
+            mask = None if window is None else attention_mask(torch.arange(num_tokens, device=q.device), num_tokens, window)
+            out = self._sdpa(q, k, v, mask=mask, causal=mask is None)
             return out.reshape(num_tokens, -1)
         meta, cache = ctx.metadata, ctx.kv_cache
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
@@ -204,14 +219,14 @@ class Attention(nn.Module):
             rows = slice(0, meta.num_decode_tokens)
             out[rows] = paged_decode_attention(
                 q[rows], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size,
-                self.scale, self.k_scale, self.v_scale,
+                self.scale, self.k_scale, self.v_scale, self.sliding_window,
             )
         if meta.paged_prefill is not None:
             prefill = meta.paged_prefill
             rows = slice(meta.num_decode_tokens, num_tokens)
             out[rows] = paged_prefill_attention(
                 q[rows], k_cache, v_cache, prefill.block_tables, prefill.query_start, prefill.context_lens,
-                prefill.block_size, self.scale, self.k_scale, self.v_scale,
+                prefill.block_size, self.scale, self.k_scale, self.v_scale, self.sliding_window,
             )
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.slots.shape[0])

@@ -49,7 +49,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("sliding_window", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -115,7 +115,7 @@ class FusedDecode:
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
                              model_args.head_dim, model_args.intermediate_size,
                              CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
-                             final_norm.eps, attn.scale,
+                             final_norm.eps, attn.scale, attn.sliding_window or 0,
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None

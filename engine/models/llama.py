@@ -48,15 +48,23 @@ class LlamaArgs:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool  # Qwen3: each query and key head RMS-normalized before the rotation
-    sliding_window: int | None  # attention sees only this many latest tokens (Mistral v0.1); not implemented
+    sliding_window: int | None  # attention sees only this many latest tokens (Mistral v0.1, Phi-3)
     rotary_dim: int  # the leading dims of each head that rotate (all but Phi-4-mini's)
     checkpoint_fuses: bool  # Phi-3: the checkpoint itself holds qkv_proj and gate_up_proj, one tensor each
     max_model_len: int | None = None  # the context served, which picks LongRoPE's factors
 
     @property
+    def attention_window(self) -> int | None:
+        """The sliding window every layer attends within. Qwen's (use_sliding_window) holds only
+        from layer max_window_layers on, which is not implemented: the engine caps the context there."""
+        return None if self.architecture.startswith("Qwen") else self.sliding_window
+
+    @property
     def served_context(self) -> int:
-        """The longest context the engine can serve: asked for, capped by the positions and the window."""
-        return min(n for n in (self.max_model_len, self.max_position_embeddings, self.sliding_window) if n)
+        """The longest context the engine can serve: asked for, capped by the positions and by a
+        window it does not implement."""
+        cap = self.sliding_window if self.attention_window is None else None
+        return min(n for n in (self.max_model_len, self.max_position_embeddings, cap) if n)
 
     @classmethod
     def from_hf_config(cls, config: dict, max_model_len: int | None = None) -> LlamaArgs:
@@ -119,7 +127,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = make_linear(q_size, [args.hidden_size], bias=False, prefixes=[f"{prefix}.o_proj"],
                                   quant_config=quant_config, dtype=dtype)
         self.rotary = rotary  # shared by every layer
-        self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim)
+        self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim, args.attention_window)
         self.qk_size = q_size + kv_size
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None

@@ -46,24 +46,61 @@ def test_greedy_tokens_equal_hf(tmp_path, case):
         assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{case}{config}")
 
 
-def test_a_sliding_window_caps_the_context(tmp_path):
-    """Attention over a window (Mistral v0.1) is not implemented: contexts stay within it, so
-    answers never part from the model's. Qwen configs carry a window only use_sliding_window turns on."""
+def _with_config(folder, **extra):
     import json
 
-    from engine import LLM
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **extra}))
+    return folder
 
-    mistral = make_tiny_model_dir(tmp_path / "mistral", architecture="MistralForCausalLM")
+
+@pytest.mark.parametrize("architecture, extra", [("MistralForCausalLM", {}), ("Phi3ForCausalLM", _PHI3)])
+def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture, extra):
+    """Each query sees its latest 8 keys only (Mistral v0.1's window, Phi-3-mini-4k's): prompts
+    and decodes past the window, in one batch and chunked, through the C kernels (the fused
+    decode step and the module path) and the torch path, give HF's tokens and logprobs."""
+    model_dir = _with_config(make_tiny_model_dir(tmp_path, architecture=architecture, extra_config=extra),
+                             sliding_window=8)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 11, 40)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    reference = {i: hf_greedy(hf, p, 16) for i, p in enumerate(prompts)}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for config in ({}, {"max_num_batched_tokens": 7, "block_size": 4}, {"attention_backend": "torch"},
+                   {"fused_decode": False}):
+        monkeypatch.setenv("DRIFTGATE_FUSED_DECODE", "0" if config.pop("fused_decode", True) is False else "1")
+        llm = LLM(str(model_dir), dtype="float32", **config)
+        assert llm.engine.max_model_len == 512  # the window no longer caps the context
+        assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{architecture}{config}")
+
+
+def test_the_cacheless_path_keeps_the_window(tmp_path):
+    """Calibration runs whole sequences without a cache (ctx None): past the window too, HF's logits."""
+    from engine.loader import load_model
+
+    model_dir = _with_config(make_tiny_model_dir(tmp_path, architecture="MistralForCausalLM"), sliding_window=8)
+    model, _ = load_model(model_dir, "float32")
+    ids = torch.randint(3, 380, (40,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, torch.arange(40)))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+        theirs = hf(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_window_from_a_layer_on_caps_the_context(tmp_path):
+    """Qwen's use_sliding_window holds from layer max_window_layers on, which is not implemented:
+    contexts stay within the window, so answers never part from the model's."""
     qwen = make_tiny_model_dir(tmp_path / "qwen", architecture="Qwen2ForCausalLM")
-    for folder, extra in ((mistral, {"sliding_window": 32}), (qwen, {"sliding_window": 32, "use_sliding_window": False})):
-        config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**config, **extra}))
-    llm = LLM(str(mistral), dtype="float32")
+    windowed = _with_config(make_tiny_model_dir(tmp_path / "qwen-window", architecture="Qwen2ForCausalLM"),
+                            sliding_window=32, use_sliding_window=True, max_window_layers=1)
+    _with_config(qwen, sliding_window=32, use_sliding_window=False)
+    llm = LLM(str(windowed), dtype="float32")
     assert llm.engine.max_model_len == 32
     with pytest.raises(ValueError, match="maximum context length|32"):
         llm.generate([list(range(3, 43))], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="sliding attention window of 32 tokens"):
-        LLM(str(mistral), dtype="float32", max_model_len=64)
+        LLM(str(windowed), dtype="float32", max_model_len=64)
     assert LLM(str(qwen), dtype="float32").engine.max_model_len == 512
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine.layers import cpu_attention, triton_attention
@@ -15,18 +17,24 @@ from engine.scheduler import ScheduledChunk
 from tests.helpers import make_requests
 
 
-def _dense(q, k, v):
-    """Reference: plain causal attention, K/V heads repeated for GQA. q [T,H,D], k/v [T,KV,D]."""
+def _dense(q, k, v, window=None):
+    """Reference: plain causal attention (each query within its latest `window` keys if set), K/V
+    heads repeated for GQA. q [T,H,D], k/v [T,KV,D]."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
     mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
+    if window:
+        mask &= torch.ones_like(mask).triu(-(window - 1))
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
 class _NullModel:
-    pass
+    """What the runner reads of a model: its attention window (none unless given)."""
+
+    def __init__(self, attention_window: int | None = None):
+        self.args = SimpleNamespace(attention_window=attention_window)
 
 
 BACKENDS = [
@@ -44,18 +52,20 @@ BACKENDS = [
 @given(
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([8, 16]),
     block_size=st.sampled_from([1, 2, 4, 16]), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
-    split=st.floats(0.0, 1.0), seed=st.integers(0, 1000),
+    split=st.floats(0.0, 1.0), seed=st.integers(0, 1000), window=st.sampled_from([None, 1, 5]),
 )
-def test_paged_equals_dense(backend, kv_heads, group, head_dim, block_size, lengths, split, seed):
+def test_paged_equals_dense(backend, kv_heads, group, head_dim, block_size, lengths, split, seed, window):
     """Each sequence is fed in up to three steps (a prompt chunk, a middle chunk, a decode), on
-    each attention backend."""
+    each attention backend; with a sliding window (not on Triton, where the engine caps the
+    context at the window instead) each query sees its latest `window` keys."""
+    assume(window is None or backend != "triton")
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
     cache = KVCache(1, num_blocks * block_size, kv_heads, head_dim, torch.float32)
-    runner = ModelRunner(_NullModel(), cache, block_size)
+    runner = ModelRunner(_NullModel(window), cache, block_size)
     runner.backend = backend
-    attn = Attention(0, heads, kv_heads, head_dim)
+    attn = Attention(0, heads, kv_heads, head_dim, window)
     reqs = make_requests(len(lengths), lengths)
     # hand out blocks in a scrambled order so block tables are not contiguous
     free = torch.randperm(num_blocks, generator=g).tolist()
@@ -82,7 +92,7 @@ def test_paged_equals_dense(backend, kv_heads, group, head_dim, block_size, leng
             row += c.num_tokens
     for r in reqs:
         q, k, v = qkv[r.request_id]
-        expected = _dense(q, k, v).reshape(r.num_tokens, -1)
+        expected = _dense(q, k, v, window).reshape(r.num_tokens, -1)
         torch.testing.assert_close(outputs[r.request_id], expected, atol=1e-5, rtol=1e-5)
 
 

@@ -24,22 +24,24 @@ def _gathered(cache, table, n, block_size, scale):
     return cache[slots].float() * scale
 
 
-def _attend(q, k, v, first_pos):
-    """q [n, H, D] at positions first_pos.. over k/v [L, KV, D]: softmax(q·k/√d)·v, causal."""
+def _attend(q, k, v, first_pos, window=None):
+    """q [n, H, D] at positions first_pos.. over k/v [L, KV, D]: softmax(q·k/√d)·v, causal, each
+    query seeing its latest `window` keys only if set."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
-    visible = torch.arange(k.shape[0]).unsqueeze(0) <= torch.arange(first_pos, first_pos + q.shape[0]).unsqueeze(1)
+    keys, queries = torch.arange(k.shape[0]).unsqueeze(0), torch.arange(first_pos, first_pos + q.shape[0]).unsqueeze(1)
+    visible = (keys <= queries) & (keys > queries - window if window else True)
     return torch.einsum("hqk,khd->qhd", F.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1), v)
 
 
-def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale):
+def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale, window):
     """Decode: one query per sequence, at the last of its lens[i] tokens."""
     out = torch.empty_like(q)
     for i, n in enumerate(lens.tolist()):
         k = _gathered(k_cache, tables[i], n, block_size, k_scale)
         v = _gathered(v_cache, tables[i], n, block_size, v_scale)
-        out[i] = _attend(q[i:i + 1], k, v, n - 1)[0]
+        out[i] = _attend(q[i:i + 1], k, v, n - 1, window)[0]
     return out
 
 
@@ -49,15 +51,16 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale):
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 8]),
     head_dim=st.sampled_from([8, 24, 64, 128]), block_size=st.sampled_from([1, 4, 16]),
     lens=st.lists(st.integers(1, 300), min_size=1, max_size=5), seed=st.integers(0, 1000),
-    per_head_scales=st.booleans(),
+    per_head_scales=st.booleans(), window=st.sampled_from([None, 1, 5, 70, 200]),
 )
 def test_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed,
-                                          per_head_scales):
+                                          per_head_scales, window):
     """Contexts past 64 tokens merge several ranges, shared among tasks in batches of fewer
     sequences than twice the threads; fp8 caches have one scale, or one per KV head (compressed-tensors' ``attn_head``). bf16 and
     fp8 caches take the tiled walk: contexts end mid-tile, head_dim 8 and 24 end mid-vector, and
-    8 query heads of 128 dims hold more weighted sums than its registers."""
-    _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales)
+    8 query heads of 128 dims hold more weighted sums than its registers. A sliding window
+    starts the ranges at its first key."""
+    _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales, window)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
@@ -92,15 +95,16 @@ def _random_cache(cache_dtype, kv_heads, head_dim, block_size, lens, g, per_head
     return k_cache, v_cache, tables, k_scale, v_scale
 
 
-def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales=False):
+def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales=False,
+                             window=None):
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables, k_scale, v_scale = _random_cache(cache_dtype, kv_heads, head_dim, block_size, lens, g,
                                                                per_head_scales)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, block_size,
-                                              head_dim**-0.5, k_scale, v_scale)
-    expected = _reference(q, k_cache, v_cache, tables, context_lens, block_size, k_scale, v_scale)
+                                              head_dim**-0.5, k_scale, v_scale, window)
+    expected = _reference(q, k_cache, v_cache, tables, context_lens, block_size, k_scale, v_scale, window)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -110,15 +114,16 @@ def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size,
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 8]),
     head_dim=st.sampled_from([8, 24, 64, 128]), block_size=st.sampled_from([1, 4, 16]),
     spans=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 120)), min_size=1, max_size=4),
-    seed=st.integers(0, 1000), per_head_scales=st.booleans(),
+    seed=st.integers(0, 1000), per_head_scales=st.booleans(), window=st.sampled_from([None, 1, 5, 16, 70]),
 )
 def test_prefill_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, spans, seed,
-                                                  per_head_scales):
+                                                  per_head_scales, window):
     """Prompt chunks of (new tokens, earlier context) attend causally to everything before them:
     chunks longer and shorter than the kernel's 16-token tiles, contexts that start mid-tile and
     mid-block; fp8 caches with one scale or one per KV head; the fixed shapes (3, 8 heads per KV
     head of 64 and 128) and the general code (1 or 4 of 8); head_dim 24 transposes 16 dimensions
-    in registers and the last 8 one by one."""
+    in registers and the last 8 one by one. A sliding window hides keys from some lanes of a
+    tile, and whole leading tiles from later lanes."""
     g = torch.Generator().manual_seed(seed)
     lens = [new + context for new, context in spans]
     k_cache, v_cache, tables, k_scale, v_scale = _random_cache(cache_dtype, kv_heads, head_dim, block_size, lens, g,
@@ -128,12 +133,12 @@ def test_prefill_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, 
     query_start = torch.tensor([0, *news], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     out = cpu_attention.paged_prefill_attention(q, k_cache, v_cache, tables, query_start,
                                                torch.tensor(lens, dtype=torch.int32), block_size, head_dim**-0.5,
-                                               k_scale, v_scale)
+                                               k_scale, v_scale, window)
     for i, (_, context) in enumerate(spans):
         k = _gathered(k_cache, tables[i], lens[i], block_size, k_scale)
         v = _gathered(v_cache, tables[i], lens[i], block_size, v_scale)
         rows = slice(int(query_start[i]), int(query_start[i + 1]))
-        torch.testing.assert_close(out[rows], _attend(q[rows], k, v, context), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out[rows], _attend(q[rows], k, v, context, window), atol=2e-5, rtol=1e-4)
 
 
 def test_prefill_rejects_a_head_dim_its_blocks_cannot_cover():
@@ -153,7 +158,7 @@ def test_bf16_queries_are_accepted():
     one = torch.tensor(1.0)
     out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 4, 0.25, one, one)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, _reference(q.float(), k_cache, v_cache, tables, lens, 4, one, one))
+    torch.testing.assert_close(out, _reference(q.float(), k_cache, v_cache, tables, lens, 4, one, one, None))
     # and a bf16 prompt chunk: the last 3 of those 6 tokens
     q3 = torch.randn(3, 2, 16, generator=g).bfloat16()
     out = cpu_attention.paged_prefill_attention(q3, k_cache, v_cache, tables, torch.tensor([0, 3], dtype=torch.int32),
