@@ -6,7 +6,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Request
 from tests.helpers import make_requests
 
 
@@ -41,22 +42,25 @@ def test_the_least_urgent_running_request_is_preempted():
     assert list(sched.waiting) == [low]
 
 
-def _run_one_step(sched: Scheduler, token: int = 9) -> None:
-    out = sched.schedule()
-    sched.update_from_output(out, {c.request.request_id: [token] for c in out.chunks if c.completes_sequence})
+def _arrive_after(sched: Scheduler, priorities: list[int], steps: int) -> tuple[list[Request], SchedulerOutput]:
+    """Requests of these priorities, all but the last running `steps` steps before the last
+    arrives; returns them and the schedule of the step it arrives in."""
+    requests = make_requests(len(priorities), 4, max_tokens=8)
+    for request, priority in zip(requests, priorities, strict=True):
+        request.priority = priority
+    for request in requests[:-1]:
+        sched.add_request(request)
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update_from_output(out, {c.request.request_id: [9] for c in out.chunks if c.completes_sequence})
+    sched.add_request(requests[-1])
+    return requests, sched.schedule()
 
 
 def test_an_urgent_arrival_preempts_the_least_urgent_for_blocks():
     sched = _scheduler(num_blocks=4)
-    first, second, urgent = make_requests(3, 4, max_tokens=8)
-    first.priority, second.priority, urgent.priority = 5, 5, 0
-    for request in (first, second):
-        sched.add_request(request)
-    _run_one_step(sched)
-    _run_one_step(sched)  # each now holds 2 of the 4 blocks
-    assert sched.block_manager.num_free_blocks == 0
-    sched.add_request(urgent)
-    out = sched.schedule()
+    # after two steps each peer holds 2 of the 4 blocks
+    (first, second, urgent), out = _arrive_after(sched, [5, 5, 0], steps=2)
     # the later of the two peers yields, and the urgent request starts in the same step
     assert out.preempted == [second]
     assert [c.request for c in out.chunks] == [first, urgent]
@@ -64,38 +68,19 @@ def test_an_urgent_arrival_preempts_the_least_urgent_for_blocks():
 
 
 def test_an_urgent_arrival_preempts_for_a_seat():
-    sched = _scheduler(max_num_seqs=2)
-    low, lower, urgent = make_requests(3, 4, max_tokens=8)
-    low.priority, lower.priority, urgent.priority = 3, 4, 1
-    for request in (low, lower):
-        sched.add_request(request)
-    _run_one_step(sched)
-    sched.add_request(urgent)
-    out = sched.schedule()
+    (low, lower, urgent), out = _arrive_after(_scheduler(max_num_seqs=2), [3, 4, 1], steps=1)
     assert out.preempted == [lower] and [c.request for c in out.chunks] == [low, urgent]
 
 
-@pytest.mark.parametrize("policy, priorities", [("priority", (2, 2)), ("fcfs", (0, 0))])
+@pytest.mark.parametrize("policy, priorities", [("priority", [2, 2]), ("fcfs", [0, 0])])
 def test_peers_and_fcfs_never_preempt_for_a_waiting_request(policy, priorities):
-    sched = _scheduler(max_num_seqs=1, policy=policy)
-    running, waiting = make_requests(2, 4, max_tokens=8)
-    running.priority, waiting.priority = priorities
-    sched.add_request(running)
-    _run_one_step(sched)
-    sched.add_request(waiting)
-    out = sched.schedule()
+    (running, _), out = _arrive_after(_scheduler(max_num_seqs=1, policy=policy), priorities, steps=1)
     assert not out.preempted and [c.request for c in out.chunks] == [running]
 
 
 def test_no_preemption_while_the_urgent_request_fits():
-    sched = _scheduler(num_blocks=8)
-    low, urgent = make_requests(2, 4, max_tokens=8)
-    low.priority, urgent.priority = 5, 0
-    sched.add_request(low)
-    _run_one_step(sched)
-    sched.add_request(urgent)
-    out = sched.schedule()
-    assert not out.preempted and {c.request.request_id for c in out.chunks} == {"r0", "r1"}
+    (low, urgent), out = _arrive_after(_scheduler(num_blocks=8), [5, 0], steps=1)
+    assert not out.preempted and [c.request for c in out.chunks] == [low, urgent]
 
 
 def test_an_urgent_request_overtakes_a_running_one_which_still_answers_the_same(tiny_model_dir):
