@@ -21,6 +21,7 @@ COMMANDS = {
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
+    "run-batch": ("server.batch", "add_batch_args", "run_batch", "answer an OpenAI batch file (JSONL) offline"),
     "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps`, `matmul`, `attention` or `router`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }

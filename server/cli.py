@@ -181,11 +181,11 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def _is_cluster(args: argparse.Namespace) -> bool:
+def is_cluster(args: argparse.Namespace) -> bool:
     return args.replicas > 1 or args.ray_address is not None
 
 
-def _build_engine(args: argparse.Namespace) -> ServingEngine:
+def build_engine(args: argparse.Namespace) -> ServingEngine:
     """One AsyncEngine in this process, or a ClusterEngine over `--replicas` Ray actors."""
     from engine import AsyncEngine, EngineConfig
 
@@ -199,7 +199,7 @@ def _build_engine(args: argparse.Namespace) -> ServingEngine:
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         scheduling_policy=args.scheduling_policy,
     )
-    if not _is_cluster(args):
+    if not is_cluster(args):
         return AsyncEngine(config)
     from engine.cluster.cluster_engine import ClusterEngine
 
@@ -209,7 +209,7 @@ def _build_engine(args: argparse.Namespace) -> ServingEngine:
 def _load_engine(args: argparse.Namespace, state: ServerState, server: _DrainingServer, failed: list[str]) -> None:
     """Runs in a thread while uvicorn already answers 503; attaches the engine when ready."""
     try:
-        engine = _build_engine(args)
+        engine = build_engine(args)
         engine.start()
     except Exception as exc:
         if isinstance(exc, ValueError):  # a setting or a checkpoint we refuse, with its reason: no traceback
@@ -220,55 +220,57 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
         server.should_exit = True
         return
     state.attach(engine)
-    where = f" on {args.replicas} replicas ({args.router_policy} routing)" if _is_cluster(args) else ""
+    where = f" on {args.replicas} replicas ({args.router_policy} routing)" if is_cluster(args) else ""
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
     logger.info("serving %s as %r%s on http://%s:%d", args.model, state.config.served_model_name, where, host, args.port)
     if args.kv_scales == "dynamic":
         logger.warning("fp8 KV cache with dynamic scales (uncalibrated, from the first batch)")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Serve until a signal; 0 after a clean drain, 1 if the model failed to load, 2 on bad input."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The serve arguments checked and turned into the app's config; ValueError says what is wrong."""
     if not Path(args.model).is_dir():
-        print(f"error: model folder not found: {args.model}", file=sys.stderr)
-        return 2
+        raise ValueError(f"model folder not found: {args.model}")
     if args.require_gate and (reason := _check_gate(args.model)) is not None:
-        print(f"error: {reason}", file=sys.stderr)
-        return 2
+        raise ValueError(reason)
     if args.replicas < 1:
-        print(f"error: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
-        return 2
-    if _is_cluster(args) and importlib.util.find_spec("ray") is None:
-        print("error: --replicas above 1 and --ray-address need Ray, which is not installed; "
-              "install it with `pip install driftgate[cluster]`", file=sys.stderr)
-        return 2
-    try:
-        config = ServerConfig(
-            served_model_name=args.served_model_name[0] if args.served_model_name else Path(args.model).resolve().name,
-            aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
-            model_root=str(Path(args.model).resolve()),
-            api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
-            metrics_public=args.metrics_public, max_queue=args.max_queue,
-            request_timeout_s=args.request_timeout, max_n=args.max_n,
-            sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
-            chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
-            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-            responses_store_size=args.responses_store_size,
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if is_cluster(args) and importlib.util.find_spec("ray") is None:
+        raise ValueError("--replicas above 1 and --ray-address need Ray, which is not installed; "
+                         "install it with `pip install driftgate[cluster]`")
+    config = ServerConfig(
+        served_model_name=args.served_model_name[0] if args.served_model_name else Path(args.model).resolve().name,
+        aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+        model_root=str(Path(args.model).resolve()),
+        api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
+        metrics_public=args.metrics_public, max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout, max_n=args.max_n,
+        sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
+        chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        responses_store_size=args.responses_store_size,
+    )
     if config.sampling_defaults:
         logger.info("requests that leave them out sample with the model's generation_config.json: %s",
                     config.sampling_defaults)
+    return config
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until a signal; 0 after a clean drain, 1 if the model failed to load, 2 on bad input."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = server_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     args.port = sock.getsockname()[1]  # the one the OS chose for --port 0
-    if _is_cluster(args):
+    if is_cluster(args):
         from engine.cluster.cluster_engine import init_ray
 
         try:
@@ -292,7 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
         loader.join()
         if state.engine is not None:
             state.engine.shutdown()
-        if _is_cluster(args):
+        if is_cluster(args):
             import ray
 
             ray.shutdown()

@@ -69,11 +69,11 @@ def test_generate_cli_says_when_scales_are_dynamic(tiny_model_dir, capsys):
 def test_serve_passes_dynamic_scales_to_the_engine(tiny_model_dir):
     import argparse
 
-    from server.cli import _build_engine, add_serve_args
+    from server.cli import add_serve_args, build_engine
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args([str(tiny_model_dir), "--kv-cache-dtype", "fp8", "--kv-scales", "dynamic"])
-    engine = _build_engine(args)
+    engine = build_engine(args)
     assert engine.config.kv_scales == "dynamic"
     assert all(layer.self_attn.attn.scales_pending for layer in engine.engine.model.model.layers)

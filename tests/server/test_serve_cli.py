@@ -93,7 +93,7 @@ def test_taken_port_or_bad_host_exit_2_before_anything_loads(tiny_model_dir: Pat
     def must_not_load(args):
         raise AssertionError("the engine was built although the server could not listen")
 
-    monkeypatch.setattr(server.cli, "_build_engine", must_not_load)
+    monkeypatch.setattr(server.cli, "build_engine", must_not_load)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
