@@ -234,3 +234,23 @@ def test_the_cluster_answers_as_one_engine_does(replicas, tiny_model_dir):
                 _same(answers[1].json(), answers[0].json(), route)
     finally:
         single.shutdown()
+
+
+def test_run_batch_on_two_replicas(tiny_model_dir, tmp_path):
+    """`driftgate run-batch --replicas 2`: the batch's requests spread over the replicas, every line answered."""
+    import json
+
+    source, answers = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                          "body": {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}}) + "\n"
+                              for i in range(6)))
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "run-batch", "-i", str(source), "-o", str(answers), str(tiny_model_dir),
+         "--replicas", "2", "--kv-cache-memory-bytes", "4000000", "--log-level", "warning"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [r["custom_id"] for r in records] == [f"q{i}" for i in range(6)]
+    assert all(r["response"]["status_code"] == 200 for r in records)
+    # greedy and the same prompt: every replica gives the same answer
+    assert len({r["response"]["body"]["choices"][0]["message"]["content"] for r in records}) == 1
