@@ -75,15 +75,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         args = self.model.args
         longest = args.max_position_embeddings
-        window_served = args.attention_window is not None and next(self.model.parameters()).device.type == "cpu"
-        if args.sliding_window is not None and args.sliding_window < longest and not window_served:
-            # past the window such a model attends to fewer tokens than this engine would here (the
-            # Triton kernels have no window; Qwen's starts at a layer): refuse those contexts rather
-            # than answer differently from the model (vLLM's disable_sliding_window does the same)
+        if args.sliding_window is not None and args.sliding_window < longest and args.attention_window is None:
+            # past the window such a model (Qwen's, from a layer on) attends to fewer tokens than
+            # this engine would: refuse those contexts rather than answer differently from the
+            # model (vLLM's disable_sliding_window does the same)
             if config.max_model_len is not None and config.max_model_len > args.sliding_window:
                 raise ValueError(f"max_model_len={config.max_model_len} is past this model's sliding attention "
-                                 f"window of {args.sliding_window} tokens, which driftgate implements on CPUs "
-                                 f"for windows in every layer only; serve at most {args.sliding_window}")
+                                 f"window of {args.sliding_window} tokens, which driftgate implements only for "
+                                 f"windows in every layer; serve at most {args.sliding_window}")
             longest = args.sliding_window
         self.max_model_len = min(config.max_model_len or longest, longest)
         kv_dtype = self._kv_dtype()

@@ -165,7 +165,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         # each query sees only the latest `sliding_window` keys, itself included (Mistral v0.1, Phi-3):
-        # the C kernels take it as an argument, the torch path's masks come with it from the runner
+        # the C and Triton kernels take it as an argument, the torch path's masks come with it from the runner
         self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -211,7 +211,8 @@ class Attention(nn.Module):
             batch = meta.triton
             out = triton_attention.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                batch.max_query_len, batch.block_size, self.scale, self.k_scale, self.v_scale, batch.num_splits)
+                batch.max_query_len, batch.block_size, self.scale, self.k_scale, self.v_scale, batch.num_splits,
+                sliding_window=self.sliding_window)
             return out.reshape(num_tokens, -1)
         out = torch.empty_like(q)
         if meta.paged_decode is not None:

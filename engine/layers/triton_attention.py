@@ -4,7 +4,8 @@ One program attends a tile of query rows of one sequence to that sequence's cach
 in place through its block table (no gather). A tile's rows are (token, head) pairs of one KV
 head's query group, so a decode token's whole group shares each K/V load, and a 1-token decode
 still fills a 16-row matrix tile. Queries sit at the end of their sequence's context and see
-keys up to their own position (causal within a prompt chunk).
+keys up to their own position (causal within a prompt chunk), and with a sliding window only the
+latest WINDOW of them (a tile's key walk then starts at its first query's window).
 
 Long contexts with few sequences would leave most of the GPU idle, so decode batches split each
 sequence's keys into `num_splits` ranges (flash-decoding): each writes a partial (max, sum, acc)
@@ -39,7 +40,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kvh, stride_table,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-        DOT_F16: tl.constexpr,
+        DOT_F16: tl.constexpr, WINDOW: tl.constexpr,
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1) // NUM_SPLITS
@@ -68,10 +69,14 @@ if triton is not None:
             q = q.to(tl.float16)
         q_pos = first_pos + token  # rows past the tile's tokens see every key: never a fully masked row
 
-        # keys this tile needs end at its last query's position; a split takes an aligned share
+        # keys this tile needs end at its last query's position and start at the first query's
+        # window (block-aligned); a split takes an aligned share
         end = tl.minimum(seq_len, first_pos + tl.minimum((tile + 1) * TOKENS, q_len))
-        per_split = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per_split
+        begin = 0
+        if WINDOW > 0:
+            begin = tl.maximum(first_pos + tile * TOKENS - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(end - begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = begin + split * per_split
         hi = tl.minimum(end, lo + per_split)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -90,7 +95,10 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * k_scale
             else:
                 s = tl.dot(q, tl.trans(k)) * k_scale
-            s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
+            visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (keys[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split may hold no visible key
             p = tl.math.exp2(s - base[:, None])
@@ -145,13 +153,14 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, page_size: int,
                     scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int = 1,
-                    out: torch.Tensor | None = None, *, block_n: int | None = None,
+                    out: torch.Tensor | None = None, *, sliding_window: int | None = None, block_n: int | None = None,
                     num_warps: int = 4, fp8_dot_f16: bool | None = None) -> torch.Tensor:
     """q [T, H, D] (each sequence's queries contiguous, in `query_start_loc` order) → out [T, H, D].
 
     k/v_cache [slots, KV, D] (slot = block · page_size + offset); block_tables int32 [S, max_blocks];
     query_start_loc int32 [S + 1]; seq_lens int32 [S] (context including the new tokens);
-    k/v_scale fp32 scalars (dequantize by multiplying; ones for a model-dtype cache).
+    k/v_scale fp32 scalars (dequantize by multiplying; ones for a model-dtype cache); each query
+    sees its latest `sliding_window` keys only, if set.
     `max_query_len` and `num_splits` only size the grid (host ints, no device reads); `block_n`
     (keys per iteration), `num_warps` and `fp8_dot_f16` (an fp8 cache's tiles meet q in fp16
     rather than q's bf16) exist for bench/gpu.py's sweep. Its H200 timings at 32k context chose
@@ -176,7 +185,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  # the interpreter's dot is wrong on 16-bit floats: it gets fp32 tiles (values unchanged)
                  DOT_FP32=q.dtype == torch.float32 or interpreting(),
                  DOT_F16=fp8_dot_f16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
-                 and not interpreting())
+                 and not interpreting(), WINDOW=sliding_window or 0)
     grid = (num_seqs, tiles * num_splits, num_kv_heads)
     if num_splits == 1:
         _attend_tile[grid](out, None, None, *args, out.stride(0), out.stride(1), k_cache.stride(0),

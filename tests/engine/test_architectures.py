@@ -58,7 +58,8 @@ def _with_config(folder, **extra):
 def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture, extra):
     """Each query sees its latest 8 keys only (Mistral v0.1's window, Phi-3-mini-4k's): prompts
     and decodes past the window, in one batch and chunked, through the C kernels (the fused
-    decode step and the module path) and the torch path, give HF's tokens and logprobs."""
+    decode step and the module path), the torch path and the Triton kernel (interpreted on a
+    CPU), give HF's tokens and logprobs."""
     model_dir = _with_config(make_tiny_model_dir(tmp_path, architecture=architecture, extra_config=extra),
                              sliding_window=8)
     g = torch.Generator().manual_seed(5)
@@ -66,8 +67,11 @@ def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture,
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     reference = {i: hf_greedy(hf, p, 16) for i, p in enumerate(prompts)}
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    from engine.layers import triton_attention
+
+    triton = [{"attention_backend": "triton"}] if triton_attention.available(torch.device("cpu")) else []
     for config in ({}, {"max_num_batched_tokens": 7, "block_size": 4}, {"attention_backend": "torch"},
-                   {"fused_decode": False}):
+                   {"fused_decode": False}, *triton):
         monkeypatch.setenv("DRIFTGATE_FUSED_DECODE", "0" if config.pop("fused_decode", True) is False else "1")
         llm = LLM(str(model_dir), dtype="float32", **config)
         assert llm.engine.max_model_len == 512  # the window no longer caps the context

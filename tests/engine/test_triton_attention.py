@@ -20,17 +20,20 @@ DEVICES = [
 ]
 
 
-def _reference(q, k, v, first_pos):
-    """Causal attention in float64; q [Tq, H, D] at positions first_pos.., k/v [Tk, KV, D]."""
+def _reference(q, k, v, first_pos, window=None):
+    """Causal attention in float64 (within the latest `window` keys if set); q [Tq, H, D] at
+    positions first_pos.., k/v [Tk, KV, D]."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
-    visible = torch.arange(k.shape[0])[None, :] <= torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    keys, queries = torch.arange(k.shape[0])[None, :], torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    visible = (keys <= queries) & (keys > queries - window if window else True)
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run(device, dtype, cache_dtype, spans, *, kv_heads=2, group=3, head_dim=64, page=16, num_splits=1, seed=0):
+def _run(device, dtype, cache_dtype, spans, *, kv_heads=2, group=3, head_dim=64, page=16, num_splits=1, seed=0,
+         window=None):
     """spans: (query tokens, context length) per sequence. Returns the max relative error."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-ctx // page) for _, ctx in spans) + 2
@@ -50,13 +53,13 @@ def _run(device, dtype, cache_dtype, spans, *, kv_heads=2, group=3, head_dim=64,
     out = torch.full_like(q, float("nan"), device=device)  # every row must be written
     on = [t.to(device) for t in (q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale)]
     triton_attention.paged_attention(*on[:6], max(n for n, _ in spans), page, head_dim**-0.5, *on[6:],
-                                     num_splits=num_splits, out=out)
+                                     num_splits=num_splits, out=out, sliding_window=window)
     errors = []
     for i, (n, ctx) in enumerate(spans):
         slots = torch.tensor([tables[i][p // page] * page + p % page for p in range(ctx)])
         keys = k_cache[slots].float() * k_scale
         values = v_cache[slots].float() * v_scale
-        expected = _reference(q[query_start[i]:query_start[i + 1]], keys, values, ctx - n)
+        expected = _reference(q[query_start[i]:query_start[i + 1]], keys, values, ctx - n, window)
         got = out[query_start[i]:query_start[i + 1]].double().cpu()
         errors.append(float((got - expected).norm() / expected.norm()))
     return max(errors)
@@ -91,6 +94,16 @@ def test_shapes(device, kv_heads, group, head_dim, page):
     err = _run(device, torch.float32, torch.float32, [(1, 50), (9, 9), (3, 40)], kv_heads=kv_heads, group=group,
                head_dim=head_dim, page=page)
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [1, 7, 70])
+def test_sliding_window(device, num_splits, window):
+    """Each query sees its latest `window` keys: prompt tiles whose queries' windows start in
+    different key blocks, decodes split over a window that starts mid-block."""
+    spans = [(1, 300), (1, 5)] if num_splits > 1 else MIXED
+    assert _run(device, torch.float32, torch.float32, spans, num_splits=num_splits, window=window) < 1e-5
 
 
 def test_decode_splits_fill_the_gpu():
