@@ -7,6 +7,8 @@
 - Freed blocks keep their hash until reused: the prefix cache costs no capacity.
 - A request frees its blocks tail first, so its longest (least shareable) prefix is evicted
   before the shared head of the sequence.
+- Under a sliding window a running request lets go of the blocks its window has left
+  (`release_before`); their ids stay in its table, where attention skips or masks them.
 """
 
 from __future__ import annotations
@@ -231,16 +233,28 @@ class BlockManager:
             self._emit("stored", tuple(stored), request.block_hashes[first - 1] if first else None)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (see module docstring)."""
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self.free_queue.append_left(block)  # holds nothing reusable: reuse first
-                else:
-                    self.free_queue.append(block)
+        """Release the request's blocks, tail first (see module docstring); those already let go
+        (release_before) are not released twice."""
+        for block_id in reversed(request.block_ids[request.num_released_blocks:]):
+            self._unref(self.blocks[block_id])
         request.block_ids = []
+        request.num_released_blocks = 0
+
+    def release_before(self, request: Request, position: int) -> None:
+        """Let go of the request's blocks that hold only tokens before `position`, which its
+        sliding window no longer reaches. Their hashes stay cached for prefix hits."""
+        first_kept = min(max(position, 0) // self.block_size, len(request.block_ids))
+        for block_id in request.block_ids[request.num_released_blocks:first_kept]:
+            self._unref(self.blocks[block_id])
+        request.num_released_blocks = max(request.num_released_blocks, first_kept)
+
+    def _unref(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is None:
+                self.free_queue.append_left(block)  # holds nothing reusable: reuse first
+            else:
+                self.free_queue.append(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

@@ -102,7 +102,7 @@ class LLMEngine:
                                           record_events=config.record_kv_events)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.max_prefill_tokens_with_decodes, config.scheduling_policy),
+                            config.max_prefill_tokens_with_decodes, config.scheduling_policy, args.attention_window),
             self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed,
                                   config.attention_backend)

@@ -6,6 +6,8 @@ preempted, waiting requests in order, their prompts chunked to fit. When a runni
 cannot get a block, the newest running request is preempted by recompute: its blocks are
 freed (their hashes stay cached) and it goes to the front of the waiting queue.
 
+Under a sliding window each running request first lets go of the blocks its window has left.
+
 With `max_prefill_tokens_with_decodes` set, a step that decodes any sequence gives prompt
 chunks at most that many tokens in all (Sarathi-Serve's stall-free batching): a long prompt
 then costs every running stream a bounded stall per step instead of one long one.
@@ -37,6 +39,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_prefill_tokens_with_decodes: int = 0  # 0: prompt chunks are bounded by the step budget alone
     policy: str = "fcfs"  # or "priority": requests ordered by (priority, arrival)
+    sliding_window: int | None = None  # the model's attention window: blocks before it are let go
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -122,8 +125,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget()
         i = 0
+        window = self.config.sliding_window
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if window:  # this step's first query sees keys from num_computed_tokens - window + 1 on
+                self.block_manager.release_before(request, request.num_computed_tokens - window + 1)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             chunk = self._decode_with_drafts(request, num_new, budget) if request.spec_token_ids else None
             if chunk is not None:

@@ -28,7 +28,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "stop_reason", "first_token_time", "grammar", "spec_token_ids",
-                 "priority")
+                 "priority", "num_released_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, grammar=None, priority: int = 0):
@@ -43,6 +43,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_ids: list[int] = []
+        self.num_released_blocks = 0  # leading block_ids a sliding window left behind (BlockManager.release_before)
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, in order
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not yet admitted)
         self.stop_reason: int | str | None = None

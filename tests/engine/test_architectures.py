@@ -78,6 +78,26 @@ def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture,
         assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{architecture}{config}")
 
 
+def test_blocks_a_window_left_serve_other_sequences(tmp_path):
+    """Blocks before every running sequence's window are let go: 4 sequences of 52 tokens fit in
+    20 blocks of 4 (a whole context each would need 52) without a preemption, answering as with
+    a roomy cache, and the blocks they reuse never reach a window still open."""
+    model_dir = _with_config(make_tiny_model_dir(tmp_path, architecture="MistralForCausalLM"), sliding_window=8)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 380, (20,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    roomy = LLM(str(model_dir), dtype="float32").generate(prompts, params, use_tqdm=False)
+    tight = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=20, max_model_len=64,
+                max_num_batched_tokens=16)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    for ours, theirs in zip(outs, roomy, strict=True):
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+    stats = tight.stats()
+    assert stats.num_preemptions == 0 and stats.num_blocks_used == 0
+
+
 def test_the_cacheless_path_keeps_the_window(tmp_path):
     """Calibration runs whole sequences without a cache (ctx None): past the window too, HF's logits."""
     from engine.loader import load_model

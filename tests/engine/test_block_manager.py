@@ -18,7 +18,7 @@ def _check_invariants(bm: BlockManager, live: list[Request]) -> None:
     assert len(free_ids) == bm.num_free_blocks
     refs = {}
     for r in live:
-        for b in r.block_ids:
+        for b in r.block_ids[r.num_released_blocks:]:  # a sliding window's released blocks are not held
             refs[b] = refs.get(b, 0) + 1
     for block in bm.blocks:
         assert block.ref_count == refs.get(block.block_id, 0), "ref count must equal the number of holders"
@@ -28,8 +28,8 @@ def _check_invariants(bm: BlockManager, live: list[Request]) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 40), st.integers(0, 3)),
-                    min_size=1, max_size=40))
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "release"]), st.integers(0, 40),
+                              st.integers(0, 3)), min_size=1, max_size=40))
 def test_random_workload_keeps_invariants(ops):
     bm = BlockManager(num_blocks=24, block_size=4)
     prefixes = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5], []]
@@ -52,6 +52,9 @@ def test_random_workload_keeps_invariants(ops):
                 req.num_computed_tokens = req.num_tokens
         elif op == "free" and live:
             bm.free(live.pop(n % len(live)))
+        elif op == "release" and live:  # a window of `which * 4 + 1` tokens moved on
+            req = live[n % len(live)]
+            bm.release_before(req, req.num_tokens - which * 4)
         _check_invariants(bm, live)
     for req in live:
         bm.free(req)
@@ -88,6 +91,22 @@ def test_freed_blocks_keep_hash_and_tail_is_evicted_first():
     b = Request("b", [7, 8, 9, 10], PARAMS)
     assert bm.allocate(b, 4)
     assert first in [blk.block_id for blk in bm.cached.values()], "the head block must survive longest"
+
+
+def test_blocks_a_window_left_are_free_and_stay_hittable():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7], PARAMS)
+    assert bm.allocate(a, 7)
+    a.num_computed_tokens = 7
+    first, second, *_ = a.block_ids
+    bm.release_before(a, 5)  # tokens 0-3 left the window: blocks 0 and 1
+    assert bm.num_free_blocks == 2 + 2 and a.block_ids[:2] == [first, second]
+    bm.release_before(a, 3)  # a window never comes back: nothing happens
+    assert bm.num_free_blocks == 4
+    b = Request("b", [1, 2, 3, 4, 9], PARAMS)
+    assert [blk.block_id for blk in bm.get_computed_blocks(b)] == [first, second]
+    bm.free(a)  # the released blocks are not released twice
+    assert bm.num_free_blocks == 6 and all(blk.ref_count == 0 for blk in bm.blocks) and a.num_released_blocks == 0
 
 
 def test_allocate_fails_without_side_effects():
