@@ -45,7 +45,7 @@ typedef struct {
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, kv_type;
     float eps, attn_scale;
-    int32_t sliding_window; /* 0: none */
+    int32_t sliding_window, rotary_dim; /* window 0: none; the leading dims of a head that rotate */
     const float *cos, *sin, *final_norm;
     const Layer *layers;
 } Model;
@@ -160,7 +160,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                              m->eps, 1);
             }
         rotary_f32(qkv, positions, m->cos, m->sin, rows, qkv_size, m->num_heads + m->num_kv_heads, m->head_dim,
-                   threads);
+                   m->rotary_dim, threads);
         for (int t = 0; t < rows; t++) {
             const float *row = qkv + (size_t)t * qkv_size;
             memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);

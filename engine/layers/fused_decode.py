@@ -49,7 +49,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("sliding_window", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("sliding_window", ctypes.c_int32), ("rotary_dim", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -115,7 +115,7 @@ class FusedDecode:
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
                              model_args.head_dim, model_args.intermediate_size,
                              CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
-                             final_norm.eps, attn.scale, attn.sliding_window or 0,
+                             final_norm.eps, attn.scale, attn.sliding_window or 0, rotary.rotary_dim,
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None
@@ -132,8 +132,7 @@ class FusedDecode:
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module,
               rotary: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here."""
-        if (os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None
-                or model_args.rotary_dim != model_args.head_dim):  # the C step rotates whole heads
+        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
         tensors = [final_norm.weight, rotary.cos, rotary.sin]
         for layer in layers:

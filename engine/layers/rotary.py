@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.layers import cpu_kernels, triton_fused, triton_support
 
-_ARGTYPES = (*[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+_ARGTYPES = (*[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_int64, *[ctypes.c_int] * 4)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:
@@ -91,18 +91,18 @@ class RotaryEmbedding(nn.Module):
         On CPU fp32 the C kernel, and on CUDA a Triton kernel, rotate x in place (x may be a
         row-strided view of the fused qkv output) and return it; elsewhere the result is a new tensor.
         """
-        if self.rotary_dim < x.shape[-1]:  # partial rotation: the torch path, on the leading dims
-            cos, sin = self._lookup(positions, x.dtype)
-            rotating = x[..., :self.rotary_dim]
-            return torch.cat([rotating * cos + _rotate_half(rotating) * sin, x[..., self.rotary_dim:]], dim=-1)
         if self._rotate_in_place(positions, x):
             return x
-        if x.is_cuda and triton_support.available(x.device) and x.stride(2) == 1:
+        whole_heads = self.rotary_dim == x.shape[-1]
+        if whole_heads and x.is_cuda and triton_support.available(x.device) and x.stride(2) == 1:
             self._tables_on(x.device)
             triton_fused.rotary_in_place(x, positions, self.cos, self.sin)
             return x
         cos, sin = self._lookup(positions, x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        if whole_heads:
+            return x * cos + _rotate_half(x) * sin
+        rotating = x[..., :self.rotary_dim]  # partial rotation: the leading dims turn, the rest pass
+        return torch.cat([rotating * cos + _rotate_half(rotating) * sin, x[..., self.rotary_dim:]], dim=-1)
 
     def _rotate_in_place(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Apply the C kernel where it fits (fp32 CPU, head vectors contiguous within each row)."""
@@ -114,7 +114,7 @@ class RotaryEmbedding(nn.Module):
         if kernel is None:
             return False
         kernel(x.data_ptr(), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), num_tokens,
-               x.stride(0), heads, head_dim, torch.get_num_threads())
+               x.stride(0), heads, head_dim, self.rotary_dim, torch.get_num_threads())
         return True
 
     def _tables_on(self, device: torch.device) -> None:

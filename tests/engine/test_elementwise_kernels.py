@@ -41,6 +41,23 @@ def test_rotary_kernel_rotates_the_heads_in_place_and_leaves_the_rest(tokens, he
 
 
 @needs_kernels
+def test_a_partial_rotation_turns_the_leading_dims_only():
+    """Phi-4-mini rotates 3/4 of each head: the kernel turns those dims in place, the rest stay."""
+    partial = RotaryEmbedding(48, 4096, 10000.0, None)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 5, 64, generator=g)
+    positions = torch.randint(0, 4096, (20,), generator=g)
+    cos, sin = (table[positions].unsqueeze(1) for table in (partial.cos, partial.sin))
+    expected = torch.cat([x[..., :48] * cos + _rotate_half(x[..., :48]) * sin, x[..., 48:]], dim=-1)
+    before = x.clone()
+    out = partial(positions, x)
+    assert out.data_ptr() == x.data_ptr()  # in place
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    with cpu_kernels_off():  # the torch path, on a copy
+        torch.testing.assert_close(partial(positions, before), expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
 @settings(max_examples=30, deadline=None)
 @given(tokens=st.integers(0, 40), inter=st.sampled_from([1, 15, 16, 17, 1536]), seed=st.integers(0, 100))
 def test_silu_and_mul_kernel_equals_the_formula(tokens, inter, seed):

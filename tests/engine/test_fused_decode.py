@@ -62,6 +62,9 @@ MODELS = {
     "qwen2-qkv-bias": {"architecture": "Qwen2ForCausalLM"},
     "qwen3-qk-norm": {"architecture": "Qwen3ForCausalLM", "head_dim": 32},
     "mha-untied": {"num_kv_heads": 4, "tie_word_embeddings": False},
+    # Phi-4-mini's partial rotation: 3/4 of each head
+    "phi3-partial-rotary": {"architecture": "Phi3ForCausalLM",
+                            "extra_config": {"pad_token_id": 0, "partial_rotary_factor": 0.75}},
     # fused q/k/v and gate/up in the checkpoint; LongRoPE's scaled cos/sin tables
     "phi3-longrope": {"architecture": "Phi3ForCausalLM", "extra_config": {
         "pad_token_id": 0, "original_max_position_embeddings": 16, "rope_parameters": {
