@@ -23,7 +23,7 @@ from server.metrics import cluster_health
 from server.middleware import AccessLogMiddleware, AuthMiddleware
 from server.params import check_model_name
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from server.responses import create_response, delete_response, retrieve_response
+from server.responses import cancel_response, create_response, delete_response, retrieve_response
 from server.state import Phase, ServerState
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     app.post("/v1/responses")(create_response)
     app.get("/v1/responses/{response_id}")(retrieve_response)
     app.delete("/v1/responses/{response_id}")(delete_response)
+    app.post("/v1/responses/{response_id}/cancel")(cancel_response)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

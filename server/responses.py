@@ -8,11 +8,15 @@ function_call item per tool call. Streaming sends the API's typed events (`respo
 `response.output_text.delta` ... `response.completed`). Finished responses are kept in memory
 (the last `--responses-store-size`, unless `store` is false), so `previous_response_id` continues
 a conversation (its input and output come first; its instructions do not carry over, as in
-OpenAI's API) and `GET`/`DELETE /v1/responses/{id}` find them.
+OpenAI's API) and `GET`/`DELETE /v1/responses/{id}` find them. A `background` response returns at
+once, `queued`, and runs in this process while `GET` shows its progress and
+`POST /v1/responses/{id}/cancel` stops it; it stays stored while it runs (and is lost if the
+server stops first).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -117,8 +121,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 @dataclass(slots=True)
 class StoredResponse:
-    response: dict[str, Any]  # the response object, as returned
+    response: dict[str, Any]  # the response object, as returned (a background one: as it stands)
     turns: list[ChatMessage]  # its conversation without instructions, its own answer last
+    task: asyncio.Task | None = None  # a background response's run, until it ends
 
 
 def input_turns(body: ResponsesRequest) -> list[ChatMessage]:
@@ -129,8 +134,6 @@ def input_turns(body: ResponsesRequest) -> list[ChatMessage]:
 def as_chat(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletionRequest:
     """The chat request this response runs as, after `history` (the previous response's turns);
     the Responses fields it cannot honour are 400s."""
-    if body.background:
-        raise APIError(400, "background responses are not supported", param="background")
     conversation = history + input_turns(body)
     if body.instructions:
         conversation.insert(0, ChatMessage(role="system", content=body.instructions))
@@ -230,7 +233,7 @@ class _Renderer:
             "temperature": body.temperature, "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
             "tools": [t.model_dump() for t in body.tools or []], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
-            "store": self.stored, "metadata": body.metadata or {},
+            "store": self.stored, "background": body.background, "metadata": body.metadata or {},
             "usage": None if out is None else {
                 "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
@@ -324,28 +327,53 @@ def _stored(state: ServerState, response_id: str, param: str | None = None) -> S
     return found
 
 
+def _keep(state: ServerState, response_id: str, stored: StoredResponse) -> None:
+    """Store a response, dropping the oldest beyond the store's size (never one still running)."""
+    state.responses[response_id] = stored
+    finished = [key for key, kept in state.responses.items() if kept.task is None]
+    for key in finished[:max(len(state.responses) - state.config.responses_store_size, 0)]:
+        del state.responses[key]
+
+
+def _check_background(body: ResponsesRequest, stored: bool) -> None:
+    if body.stream:
+        raise APIError(400, "a background response cannot stream; poll GET /v1/responses/{id}", param="background")
+    if not stored:
+        raise APIError(400, "a background response must be stored (store: true, and a --responses-store-size "
+                            "above 0), as it is fetched later", param="background")
+
+
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state: ServerState = request.app.state.driftgate
-    history = [] if body.previous_response_id is None else \
-        _stored(state, body.previous_response_id, "previous_response_id").turns
+    history = []
+    if body.previous_response_id is not None:
+        previous = _stored(state, body.previous_response_id, "previous_response_id")
+        if previous.task is not None:
+            raise APIError(400, f"response {body.previous_response_id!r} has not finished yet",
+                           param="previous_response_id")
+        history = previous.turns
+    stored = body.store and state.config.responses_store_size > 0
+    if body.background:
+        _check_background(body, stored)
     job = prepare_chat(as_chat(body, history), state)
     response_id = f"resp_{uuid.uuid4().hex}"
     record = RequestRecord(response_id)
     request.state.record = record
-    size = state.config.responses_store_size
-    stored = body.store and size > 0
 
     def finish(out: RequestOutput, response: dict[str, Any]) -> None:
         if stored:
-            state.responses[response_id] = StoredResponse(response, history + input_turns(body) +
-                                                          [renderer.answer_turn(out)])
-            while len(state.responses) > size:
-                state.responses.popitem(last=False)
+            _keep(state, response_id, StoredResponse(response, history + input_turns(body) + [renderer.answer_turn(out)]))
 
     renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
                          state.config.reasoning_parser, job.reader, stored, finish)
     generation = Generation(state, job.engine, [EngineRequest(response_id, job.prompt_token_ids, job.params,
                                                               body.priority)], record)
+    if body.background:
+        queued = {**renderer.response(None), "status": "queued"}
+        entry = StoredResponse(queued, [])
+        entry.task = asyncio.create_task(_run_in_background(renderer, generation, entry))
+        _keep(state, response_id, entry)
+        return Response(json.dumps(queued), media_type="application/json")
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, lambda: [], typed_events=True)
     try:
@@ -357,14 +385,46 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return Response(json.dumps(response), media_type="application/json")
 
 
+async def _run_in_background(renderer: _Renderer, generation: Generation, entry: StoredResponse) -> None:
+    """A background response's run: `entry` shows it in progress, then finished (by `finish`),
+    cancelled or failed."""
+    entry.response = renderer.response(None)  # in_progress
+    try:
+        finals = await collect(generation)
+        entry.task = None
+        renderer.on_finish(finals[0], renderer.response(finals[0]))
+    except asyncio.CancelledError:
+        entry.response = {**entry.response, "status": "cancelled"}
+    except Exception as exc:  # an engine failure ends this response, not the server
+        entry.response = {**entry.response, "status": "failed",
+                          "error": {"code": "server_error", "message": str(exc)}}
+    finally:
+        entry.task = None
+        await generation.aclose()
+
+
 async def retrieve_response(response_id: str, request: Request) -> Response:
     return Response(json.dumps(_stored(request.app.state.driftgate, response_id).response),
                     media_type="application/json")
 
 
+async def cancel_response(response_id: str, request: Request) -> Response:
+    """Stop a background response still running; a finished one comes back as it is."""
+    entry = _stored(request.app.state.driftgate, response_id)
+    if not entry.response.get("background"):
+        raise APIError(400, f"response {response_id!r} is not a background response: only those can be cancelled")
+    if entry.task is not None:
+        entry.task.cancel()
+        await asyncio.gather(entry.task, return_exceptions=True)
+    return Response(json.dumps(entry.response), media_type="application/json")
+
+
 async def delete_response(response_id: str, request: Request) -> Response:
     state: ServerState = request.app.state.driftgate
-    _stored(state, response_id)
+    entry = _stored(state, response_id)
+    if entry.task is not None:
+        entry.task.cancel()
+        await asyncio.gather(entry.task, return_exceptions=True)
     del state.responses[response_id]
     return Response(json.dumps({"id": response_id, "object": "response.deleted", "deleted": True}),
                     media_type="application/json")

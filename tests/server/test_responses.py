@@ -86,7 +86,8 @@ def test_reasoning_comes_as_its_own_output_item(engine):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # auto
-    ({"input": QUESTION, "background": True}, "background"),
+    ({"input": QUESTION, "background": True, "stream": True}, "background"),
+    ({"input": QUESTION, "background": True, "store": False}, "background"),
     ({"input": QUESTION, "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": []}, "input"),
     ({"input": QUESTION, "model": "other"}, "model"),
@@ -176,3 +177,45 @@ def test_the_store_keeps_only_the_newest(engine):
         newer = client.responses.create(model=MODEL_NAME, input="b", max_output_tokens=2)
         assert client.responses.retrieve(newer.id).id == newer.id
         assert httpx.get(f"{url}/v1/responses/{older.id}", timeout=10).status_code == 404
+
+
+def _until_done(client, response_id: str, timeout_s: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_returns_at_once_and_finishes_as_a_plain_one(client, engine):
+    plain = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=12, temperature=0)
+    queued = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=12, temperature=0,
+                                     background=True)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = _until_done(client, queued.id)
+    assert done.status == plain.status and done.output_text == plain.output_text and done.usage is not None
+    # once finished it continues a conversation like any stored response
+    follow = client.responses.create(model=MODEL_NAME, input="And Spain?", previous_response_id=done.id,
+                                     max_output_tokens=4)
+    assert follow.status in ("completed", "incomplete")
+    # cancelling a finished one changes nothing
+    assert client.responses.cancel(done.id).status == done.status
+    wait_until_idle(engine)
+
+
+def test_a_background_response_can_be_cancelled_and_frees_its_blocks(client, engine):
+    # a regex that only 450 characters complete: the response cannot end early
+    running = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=450, temperature=0,
+                                      background=True, extra_body={"structured_outputs": {"regex": "a{450}"}})
+    with pytest.raises(Exception, match="has not finished yet"):  # nothing to continue from yet
+        client.responses.create(model=MODEL_NAME, input="more", previous_response_id=running.id)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    wait_until_idle(engine)
+    assert engine.stats().num_blocks_used == 0
+    plain = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=2)
+    with pytest.raises(Exception, match="only those can be cancelled"):
+        client.responses.cancel(plain.id)
