@@ -75,15 +75,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         args = self.model.args
         longest = args.max_position_embeddings
-        if args.sliding_window is not None and args.sliding_window < longest and args.attention_window is None:
-            # past the window such a model (Qwen's, from a layer on) attends to fewer tokens than
-            # this engine would: refuse those contexts rather than answer differently from the
-            # model (vLLM's disable_sliding_window does the same)
-            if config.max_model_len is not None and config.max_model_len > args.sliding_window:
-                raise ValueError(f"max_model_len={config.max_model_len} is past this model's sliding attention "
-                                 f"window of {args.sliding_window} tokens, which driftgate implements only for "
-                                 f"windows in every layer; serve at most {args.sliding_window}")
-            longest = args.sliding_window
         self.max_model_len = min(config.max_model_len or longest, longest)
         kv_dtype = self._kv_dtype()
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(kv_dtype)
@@ -102,7 +93,7 @@ class LLMEngine:
                                           record_events=config.record_kv_events)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.max_prefill_tokens_with_decodes, config.scheduling_policy, args.attention_window),
+                            config.max_prefill_tokens_with_decodes, config.scheduling_policy, args.window_everywhere),
             self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed,
                                   config.attention_backend)

@@ -53,7 +53,10 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.sliding_window = model.args.attention_window  # the torch path's masks carry it
+        # the torch path's masks: causal for layers that attend fully, windowed for the others
+        windows = model.args.layer_windows
+        self.sliding_window = next((w for w in windows if w), None)
+        self.full_attention = any(w is None for w in windows)
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
@@ -119,9 +122,13 @@ class ModelRunner:
         if triton is not None:
             triton = replace(triton, block_tables=triton.block_tables.to(to),
                              query_start_loc=triton.query_start_loc.to(to), seq_lens=triton.seq_lens.to(to))
-        groups = [DecodeGroup(g.row_start, g.slots.to(to), g.mask.to(to)) for g in meta.decode_groups]
-        prefills = [PrefillSpan(p.token_start, p.num_query_tokens, p.context_slots.to(to),
-                                None if p.mask is None else p.mask.to(to)) for p in meta.prefills]
+        def moved(mask: torch.Tensor | None) -> torch.Tensor | None:
+            return None if mask is None else mask.to(to)
+
+        groups = [DecodeGroup(g.row_start, g.slots.to(to), moved(g.mask), moved(g.window_mask))
+                  for g in meta.decode_groups]
+        prefills = [PrefillSpan(p.token_start, p.num_query_tokens, p.context_slots.to(to), moved(p.mask),
+                                moved(p.window_mask)) for p in meta.prefills]
         return AttentionMetadata(meta.slot_mapping.to(to), meta.num_decode_tokens, groups, prefills,
                                  meta.paged_decode, meta.paged_prefill, triton)
 
@@ -168,11 +175,13 @@ class ModelRunner:
             end = c.start + c.num_tokens
             context = self._slots(c.request.block_ids, 0, end)
             slot_parts.append(context[c.start:])
-            mask = None
-            if c.start or (self.sliding_window and end > self.sliding_window):
-                # queries sit at the end of the context: query i sees keys ≤ start + i (and within its window)
-                mask = attention_mask(torch.arange(c.start, end), end, self.sliding_window)
-            prefills.append(PrefillSpan(row, c.num_tokens, context, mask))
+            # queries sit at the end of the context: query i sees keys ≤ start + i (and within its window)
+            queries = torch.arange(c.start, end)
+            mask = attention_mask(queries, end, None) if c.start else None
+            window_mask = None
+            if self.sliding_window and end > self.sliding_window:
+                window_mask = attention_mask(queries, end, self.sliding_window)
+            prefills.append(PrefillSpan(row, c.num_tokens, context, mask, window_mask))
             row += c.num_tokens
         return prefills
 
@@ -229,8 +238,10 @@ class ModelRunner:
             tables = self._block_tables(group, torch.long)
             pos = torch.arange(int(context_lens.max()))
             slots = tables[:, pos // bs] * bs + pos % bs  # [n, max_len]
-            mask = attention_mask(context_lens - 1, len(pos), self.sliding_window)[:, None, None, :]
-            groups.append(DecodeGroup(start, slots, mask))
+            mask, window_mask = (attention_mask(context_lens - 1, len(pos), window)[:, None, None, :] if wanted
+                                 else None for window, wanted in ((None, self.full_attention),
+                                                                  (self.sliding_window, self.sliding_window)))
+            groups.append(DecodeGroup(start, slots, mask, window_mask))
             slot_parts.append(slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
         return groups
 

@@ -40,12 +40,13 @@ typedef struct {
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     const float *k_table, *v_table; /* fp8 caches, [num_kv_heads, 256]: the e4m3 values times each head's scale */
+    int32_t window;                 /* sliding window, 0: none */
 } Layer;
 
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, kv_type;
     float eps, attn_scale;
-    int32_t sliding_window, rotary_dim; /* window 0: none; the leading dims of a head that rotate */
+    int32_t rotary_dim; /* the leading dims of a head that rotate */
     const float *cos, *sin, *final_norm;
     const Layer *layers;
 } Model;
@@ -172,7 +173,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
                                         m->attn_scale, m->kv_type, layer->k_table, layer->v_table,
-                                        m->sliding_window, threads);
+                                        layer->window, threads);
         if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
         rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
         if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;

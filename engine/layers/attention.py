@@ -37,6 +37,7 @@ class PrefillSpan:
     num_query_tokens: int
     context_slots: torch.Tensor  # [context_len] flat slot ids of every token it attends to
     mask: torch.Tensor | None  # [num_query_tokens, context_len] bool, None when plainly causal
+    window_mask: torch.Tensor | None = None  # the same within the model's sliding window, where that hides keys
 
 
 @dataclass(slots=True)
@@ -49,7 +50,8 @@ class DecodeGroup:
 
     row_start: int
     slots: torch.Tensor  # [num_seqs, max_context] flat slot ids (padded with 0)
-    mask: torch.Tensor  # [num_seqs, 1, 1, max_context] bool, True = attend
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_context] bool, True = attend (None: no layer attends fully)
+    window_mask: torch.Tensor | None = None  # the same within the model's sliding window (None: no window)
 
 
 @dataclass(slots=True)
@@ -165,7 +167,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         # each query sees only the latest `sliding_window` keys, itself included (Mistral v0.1, Phi-3):
-        # the C and Triton kernels take it as an argument, the torch path's masks come with it from the runner
+        # the C and Triton kernels take it as an argument; the torch path takes the runner's window masks
         self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -236,7 +238,7 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(
                 q[rows].unsqueeze(2),  # [n, H, 1, D]
                 keys.transpose(1, 2), values.transpose(1, 2),  # [n, KV, L, D]
-                attn_mask=group.mask, scale=self.scale, enable_gqa=True,
+                attn_mask=group.window_mask if self.sliding_window else group.mask, scale=self.scale, enable_gqa=True,
             )
             out[rows] = o.squeeze(2)
         for span in meta.prefills:
@@ -246,7 +248,8 @@ class Attention(nn.Module):
             else:
                 keys = _load(k_cache, span.context_slots, self.k_scale, q.dtype)  # [L, KV, D]
                 values = _load(v_cache, span.context_slots, self.v_scale, q.dtype)
-            out[rows] = self._sdpa(q[rows], keys, values, mask=span.mask, causal=span.mask is None)
+            mask = span.window_mask if self.sliding_window and span.window_mask is not None else span.mask
+            out[rows] = self._sdpa(q[rows], keys, values, mask=mask, causal=mask is None)
         return out.reshape(num_tokens, -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -42,14 +42,14 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p)]
+                ("k_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p), ("window", ctypes.c_int32)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("sliding_window", ctypes.c_int32), ("rotary_dim", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("rotary_dim", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -110,12 +110,13 @@ class FusedDecode:
                 c_layer.q_norm = layer.self_attn.q_norm.weight.data_ptr()
                 c_layer.k_norm = layer.self_attn.k_norm.weight.data_ptr()
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
+            c_layer.window = layer.self_attn.attn.sliding_window or 0
         self._attention = [layer.self_attn.attn for layer in layers]
         attn = self._attention[0]
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
                              model_args.head_dim, model_args.intermediate_size,
                              CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
-                             final_norm.eps, attn.scale, attn.sliding_window or 0, rotary.rotary_dim,
+                             final_norm.eps, attn.scale, rotary.rotary_dim,
                              rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None

@@ -48,23 +48,27 @@ class LlamaArgs:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool  # Qwen3: each query and key head RMS-normalized before the rotation
-    sliding_window: int | None  # attention sees only this many latest tokens (Mistral v0.1, Phi-3)
+    # per layer, the latest keys a query sees (Mistral v0.1 and Phi-3: every layer; Qwen with
+    # use_sliding_window: from max_window_layers on), None for full attention
+    layer_windows: tuple[int | None, ...]
     rotary_dim: int  # the leading dims of each head that rotate (all but Phi-4-mini's)
     checkpoint_fuses: bool  # Phi-3: the checkpoint itself holds qkv_proj and gate_up_proj, one tensor each
     max_model_len: int | None = None  # the context served, which picks LongRoPE's factors
 
     @property
-    def attention_window(self) -> int | None:
-        """The sliding window every layer attends within. Qwen's (use_sliding_window) holds only
-        from layer max_window_layers on, which is not implemented: the engine caps the context there."""
-        return None if self.architecture.startswith("Qwen") else self.sliding_window
+    def sliding_window(self) -> int | None:
+        """The window of the model's windowed layers (one value for all of them), if any."""
+        return next((w for w in self.layer_windows if w), None)
+
+    @property
+    def window_everywhere(self) -> int | None:
+        """The window when every layer has it: then no query reads the keys before it again."""
+        return self.layer_windows[0] if len(set(self.layer_windows)) == 1 else None
 
     @property
     def served_context(self) -> int:
-        """The longest context the engine can serve: asked for, capped by the positions and by a
-        window it does not implement."""
-        cap = self.sliding_window if self.attention_window is None else None
-        return min(n for n in (self.max_model_len, self.max_position_embeddings, cap) if n)
+        """The longest context the engine can serve: asked for, capped by the positions."""
+        return min(n for n in (self.max_model_len, self.max_position_embeddings) if n)
 
     @classmethod
     def from_hf_config(cls, config: dict, max_model_len: int | None = None) -> LlamaArgs:
@@ -98,13 +102,25 @@ class LlamaArgs:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            # Qwen configs carry a window that only use_sliding_window turns on
-            sliding_window=config.get("sliding_window") if not arch.startswith("Qwen")
-            or config.get("use_sliding_window") else None,
+            layer_windows=_layer_windows(config, arch),
             rotary_dim=int(head_dim * partial),
             checkpoint_fuses=arch == "Phi3ForCausalLM",
             max_model_len=max_model_len,
         )
+
+
+def _layer_windows(config: dict, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, from config.json's layer_types where it lists them; a Qwen
+    config without them windows the layers from max_window_layers on, and only under
+    use_sliding_window (its sliding_window is otherwise unused)."""
+    num_layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    types = config.get("layer_types")
+    if types is None and arch.startswith("Qwen"):
+        first = config.get("max_window_layers", num_layers) if config.get("use_sliding_window") else num_layers
+        types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
+    if not window:
+        return (None,) * num_layers
+    return tuple(window if types is None or types[i] == "sliding_attention" else None for i in range(num_layers))
 
 
 def _shards(args: LlamaArgs, prefix: str, fused: str, parts: dict[str, int]) -> tuple[list[int], list[str]]:
@@ -127,7 +143,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = make_linear(q_size, [args.hidden_size], bias=False, prefixes=[f"{prefix}.o_proj"],
                                   quant_config=quant_config, dtype=dtype)
         self.rotary = rotary  # shared by every layer
-        self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim, args.attention_window)
+        self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim, args.layer_windows[layer_idx])
         self.qk_size = q_size + kv_size
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -46,22 +48,26 @@ def test_greedy_tokens_equal_hf(tmp_path, case):
         assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{case}{config}")
 
 
-def _with_config(folder, **extra):
-    import json
-
+def _with_config(folder, drop: tuple[str, ...] = (), **extra):
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **extra}))
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in {**config, **extra}.items() if k not in drop}))
     return folder
 
 
-@pytest.mark.parametrize("architecture, extra", [("MistralForCausalLM", {}), ("Phi3ForCausalLM", _PHI3)])
+# Qwen windows the layers from max_window_layers on (here the second of two), and its older
+# configs do not list layer_types: the windows come from use_sliding_window and max_window_layers
+_QWEN_WINDOW = {"use_sliding_window": True, "max_window_layers": 1}
+
+
+@pytest.mark.parametrize("architecture, extra", [("MistralForCausalLM", {}), ("Phi3ForCausalLM", _PHI3),
+                                                 ("Qwen2ForCausalLM", _QWEN_WINDOW)])
 def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture, extra):
-    """Each query sees its latest 8 keys only (Mistral v0.1's window, Phi-3-mini-4k's): prompts
-    and decodes past the window, in one batch and chunked, through the C kernels (the fused
-    decode step and the module path), the torch path and the Triton kernel (interpreted on a
-    CPU), give HF's tokens and logprobs."""
+    """Each query sees its latest 8 keys only (Mistral v0.1's window in every layer, Phi-3-mini-4k's,
+    Qwen's in some): prompts and decodes past the window, in one batch and chunked, through the C
+    kernels (the fused decode step and the module path), the torch path and the Triton kernel
+    (interpreted on a CPU), give HF's tokens and logprobs."""
     model_dir = _with_config(make_tiny_model_dir(tmp_path, architecture=architecture, extra_config=extra),
-                             sliding_window=8)
+                             drop=("layer_types",), sliding_window=8)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 11, 40)]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -112,20 +118,18 @@ def test_the_cacheless_path_keeps_the_window(tmp_path):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-def test_a_window_from_a_layer_on_caps_the_context(tmp_path):
-    """Qwen's use_sliding_window holds from layer max_window_layers on, which is not implemented:
-    contexts stay within the window, so answers never part from the model's."""
-    qwen = make_tiny_model_dir(tmp_path / "qwen", architecture="Qwen2ForCausalLM")
-    windowed = _with_config(make_tiny_model_dir(tmp_path / "qwen-window", architecture="Qwen2ForCausalLM"),
-                            sliding_window=32, use_sliding_window=True, max_window_layers=1)
-    _with_config(qwen, sliding_window=32, use_sliding_window=False)
-    llm = LLM(str(windowed), dtype="float32")
-    assert llm.engine.max_model_len == 32
-    with pytest.raises(ValueError, match="maximum context length|32"):
-        llm.generate([list(range(3, 43))], SamplingParams(max_tokens=1), use_tqdm=False)
-    with pytest.raises(ValueError, match="sliding attention window of 32 tokens"):
-        LLM(str(windowed), dtype="float32", max_model_len=64)
-    assert LLM(str(qwen), dtype="float32").engine.max_model_len == 512
+def test_qwen_windows_only_under_use_sliding_window(tmp_path):
+    """Qwen configs carry a sliding_window that only use_sliding_window turns on, from layer
+    max_window_layers on; config.json's layer_types, where written, say the same per layer."""
+    from engine.models.llama import LlamaArgs
+
+    config = json.loads((make_tiny_model_dir(tmp_path, architecture="Qwen2ForCausalLM") / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k != "layer_types"}
+    assert LlamaArgs.from_hf_config({**config, "sliding_window": 32}).layer_windows == (None, None)
+    windowed = {**config, "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 1}
+    assert LlamaArgs.from_hf_config(windowed).layer_windows == (None, 32)
+    listed = {**config, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]}
+    assert LlamaArgs.from_hf_config(listed).layer_windows == (32, None)
 
 
 @pytest.mark.parametrize("options", ["w4a16 --algo gptq", "w8a16 --algo awq", "fp8-dynamic",

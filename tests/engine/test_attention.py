@@ -33,8 +33,8 @@ def _dense(q, k, v, window=None):
 class _NullModel:
     """What the runner reads of a model: its attention window (none unless given)."""
 
-    def __init__(self, attention_window: int | None = None):
-        self.args = SimpleNamespace(attention_window=attention_window)
+    def __init__(self, window: int | None = None):
+        self.args = SimpleNamespace(layer_windows=(window,))
 
 
 BACKENDS = [
