@@ -103,6 +103,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-store-size", type=int, default=256, metavar="N",
                         help="finished /v1/responses kept in memory for previous_response_id and GET (the "
                              "oldest dropped first; 0: none kept)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag, accepted: tool_choice \"auto\" is on whenever --tool-call-parser is set")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help='lets tool_choice "auto" (the default with tools) read calls from the model\'s own '
                              'output format: hermes = <tool_call>{...}</tool_call> (Hermes, Qwen2.5); llama3_json = '
@@ -133,7 +135,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help=SPECULATIVE_CONFIG_HELP)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                        help="recompute every prompt (vLLM's spelling accepted too)")
+    parser.add_argument("--enable-prefix-caching", action="store_false", dest="no_prefix_caching",
+                        help="vLLM's flag; prefix caching is on by default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
     parser.add_argument("--request-timeout", type=float, default=None, help="seconds before 504")

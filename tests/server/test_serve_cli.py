@@ -187,3 +187,19 @@ def test_speculative_config_flag_is_parsed_and_checked_at_the_command_line(capsy
         parser.parse_args(["m", "--speculative-config", '{"method": "eagle", "model": "x"}'])
     assert exit_info.value.code == 2
     assert "unknown speculative config key(s): model" in capsys.readouterr().err
+
+
+def test_vllm_spellings_of_flags_are_accepted():
+    """A vLLM command line carries over: its prefix-caching switches and --enable-auto-tool-choice."""
+    import argparse
+
+    from server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["m"]).no_prefix_caching is False
+    assert parser.parse_args(["m", "--enable-prefix-caching"]).no_prefix_caching is False
+    assert parser.parse_args(["m", "--no-enable-prefix-caching"]).no_prefix_caching is True
+    assert parser.parse_args(["m", "--no-prefix-caching"]).no_prefix_caching is True
+    args = parser.parse_args(["m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.tool_call_parser == "hermes"
