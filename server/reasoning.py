@@ -14,7 +14,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def _partial_tag_at_end(text: str, tag: str) -> int:
+def partial_tag_at_end(text: str, tag: str) -> int:
     """How many of text's last characters could begin `tag` (so must wait while streaming)."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
@@ -38,4 +38,4 @@ def split_reasoning(text: str, parser: str | None, final: bool) -> tuple[str | N
         return body[:end], body[end + len(THINK_END):]
     if final:
         return body, ""
-    return body[:len(body) - _partial_tag_at_end(body, THINK_END)], ""
+    return body[:len(body) - partial_tag_at_end(body, THINK_END)], ""

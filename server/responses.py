@@ -391,8 +391,7 @@ async def _run_in_background(renderer: _Renderer, generation: Generation, entry:
     entry.response = renderer.response(None)  # in_progress
     try:
         finals = await collect(generation)
-        entry.task = None
-        renderer.on_finish(finals[0], renderer.response(finals[0]))
+        renderer.on_finish(finals[0], renderer.response(finals[0]))  # stores the finished response in its place
     except asyncio.CancelledError:
         entry.response = {**entry.response, "status": "cancelled"}
     except Exception as exc:  # an engine failure ends this response, not the server

@@ -26,6 +26,7 @@ import uuid
 from engine.structured_output import StructuredOutputs
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall
+from server.reasoning import partial_tag_at_end
 
 
 def _named(body: ChatCompletionRequest) -> Tool | None:
@@ -95,12 +96,7 @@ def _call(name: str, arguments: object, call_id: str | None = None) -> ToolCall:
 def _streamable_before(tag: str, text: str) -> str:
     """Everything before the first `tag`, less a tail that may be the start of one."""
     cut = text.find(tag)
-    if cut >= 0:
-        return text[:cut]
-    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-keep:]):
-            return text[:-keep]
-    return text
+    return text[:cut] if cut >= 0 else text[:len(text) - partial_tag_at_end(text, tag)]
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
