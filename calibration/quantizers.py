@@ -66,7 +66,8 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     ]
     if attn.num_heads == attn.num_kv_heads:
         v_size = attn.num_kv_heads * attn.head_dim  # the v rows, last in the fused q/k/v output
-        mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj", slice(attn.qk_size, attn.qk_size + v_size)))
+        mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj",
+                                       slice(attn.qk_size, attn.qk_size + v_size)))
     return mappings
 
 

@@ -174,7 +174,8 @@ class BlockManager:
         Returns False and changes nothing when there are not enough free blocks.
         """
         computed = computed or []
-        if self.num_free_blocks_needed(request, num_new_tokens, computed, num_lookahead_tokens) > self.free_queue.num_free:
+        needed = self.num_free_blocks_needed(request, num_new_tokens, computed, num_lookahead_tokens)
+        if needed > self.free_queue.num_free:
             return False
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_new_blocks = self._num_blocks_to_add(request, num_tokens + num_lookahead_tokens, computed)
@@ -198,7 +199,8 @@ class BlockManager:
                                num_lookahead_tokens: int = 0) -> int:
         """Free blocks that `allocate` with the same arguments would take (it changes nothing)."""
         computed = computed or []
-        num_slots = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens + num_lookahead_tokens
+        num_slots = (request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+                     + num_lookahead_tokens)
         # hit blocks with no other user are in the free queue: taking them costs capacity too
         return self._num_blocks_to_add(request, num_slots, computed) + sum(1 for b in computed if b.ref_count == 0)
 

@@ -329,7 +329,8 @@ class LLMEngine:
         finished = last and req.status.is_finished
         # the token that stopped the sequence (EOS, a stop_token_id) is not text, even where
         # skip_special_tokens=False shows special tokens (vLLM's rule)
-        stopped_by_token = finished and req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int)
+        stopped_by_token = (finished and req.status == RequestStatus.FINISHED_STOPPED
+                            and isinstance(req.stop_reason, int))
         new_text = "" if stopped_by_token and not req.params.include_stop_str_in_output else seq.detok.append(token)
         stops = req.params.stop
         if stops and new_text and not finished and num_output >= req.params.min_tokens:

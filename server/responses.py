@@ -362,7 +362,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
     def finish(out: RequestOutput, response: dict[str, Any]) -> None:
         if stored:
-            _keep(state, response_id, StoredResponse(response, history + input_turns(body) + [renderer.answer_turn(out)]))
+            turns = history + input_turns(body) + [renderer.answer_turn(out)]
+            _keep(state, response_id, StoredResponse(response, turns))
 
     renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
                          state.config.reasoning_parser, job.reader, stored, finish)

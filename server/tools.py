@@ -90,7 +90,8 @@ def tool_calls(named: Tool | None, text: str) -> list[ToolCall] | None:
 def _call(name: str, arguments: object, call_id: str | None = None) -> ToolCall:
     """A call with a fresh id; arguments as JSON text (a model may already have written them as text)."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return ToolCall(id=call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=text))
+    return ToolCall(id=call_id or f"chatcmpl-tool-{uuid.uuid4().hex}",
+                    function=FunctionCall(name=name, arguments=text))
 
 
 def _streamable_before(tag: str, text: str) -> str:

@@ -196,7 +196,8 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         if ctx is None:
             window = self.sliding_window if self.sliding_window and num_tokens > self.sliding_window else None
-            mask = None if window is None else attention_mask(torch.arange(num_tokens, device=q.device), num_tokens, window)
+            mask = None if window is None else attention_mask(torch.arange(num_tokens, device=q.device),
+                                                              num_tokens, window)
             out = self._sdpa(q, k, v, mask=mask, causal=mask is None)
             return out.reshape(num_tokens, -1)
         meta, cache = ctx.metadata, ctx.kv_cache

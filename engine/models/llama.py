@@ -143,7 +143,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = make_linear(q_size, [args.hidden_size], bias=False, prefixes=[f"{prefix}.o_proj"],
                                   quant_config=quant_config, dtype=dtype)
         self.rotary = rotary  # shared by every layer
-        self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim, args.layer_windows[layer_idx])
+        self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim,
+                              args.layer_windows[layer_idx])
         self.qk_size = q_size + kv_size
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
