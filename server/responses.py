@@ -28,10 +28,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from server.chat import prepare_chat
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.logprobs import TokenNamer, chat_logprobs, token_namer
 from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
 from server.reasoning import split_reasoning
 from server.state import RequestRecord, ServerState
@@ -104,6 +105,8 @@ class ResponsesRequest(_Request):
     store: bool = True
     metadata: dict[str, str] | None = None
     priority: int = 0
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": the answer's tokens' logprobs
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -131,9 +134,22 @@ def input_turns(body: ResponsesRequest) -> list[ChatMessage]:
         _conversation(body.input)
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the answer's text comes with its tokens' logprobs (OpenAI asks for them by `include`)."""
+    unknown = [item for item in body.include or [] if item != OUTPUT_LOGPROBS]
+    if unknown:
+        raise APIError(400, f"include {unknown[0]!r} is not available here (only {OUTPUT_LOGPROBS!r})",
+                       param="include")
+    return OUTPUT_LOGPROBS in (body.include or [])
+
+
 def as_chat(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletionRequest:
     """The chat request this response runs as, after `history` (the previous response's turns);
     the Responses fields it cannot honour are 400s."""
+    logprobs = wants_logprobs(body)
     conversation = history + input_turns(body)
     if body.instructions:
         conversation.insert(0, ChatMessage(role="system", content=body.instructions))
@@ -145,7 +161,8 @@ def as_chat(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletio
         model=body.model, messages=conversation, max_tokens=body.max_output_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, seed=body.seed, response_format=_response_format(body.text),
         structured_outputs=body.structured_outputs, tools=tools, tool_choice=choice,
-        parallel_tool_calls=body.parallel_tool_calls, priority=body.priority)
+        parallel_tool_calls=body.parallel_tool_calls, priority=body.priority, logprobs=logprobs,
+        top_logprobs=(body.top_logprobs or 0) if logprobs else None)
 
 
 def _conversation(items: list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem],
@@ -177,8 +194,10 @@ class _Renderer:
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, prompt_tokens: int,
                  reasoning_parser: str | None, reader: ToolCallReader, stored: bool,
-                 on_finish: Callable[[RequestOutput, dict[str, Any]], None]) -> None:
+                 on_finish: Callable[[RequestOutput, dict[str, Any]], None], token_text: TokenNamer | None) -> None:
         self.body = body
+        self.token_text = token_text  # names the answer's tokens in its logprobs; None: none asked for
+        self.logprobs_sent = 0  # tokens whose logprobs went out with a text delta
         self.stored = stored
         self.on_finish = on_finish  # called with the final output and its response object
         self.reader = reader  # which of the answer is text and which tool calls
@@ -192,12 +211,19 @@ class _Renderer:
         self.opened: list[str] = []  # output items opened so far, in order ("reasoning", "message")
         self.sent = {"reasoning": "", "message": ""}  # the text of each streamed so far
 
-    def _item(self, kind: str, text: str, status: str) -> dict[str, Any]:
+    def _item(self, kind: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if kind == "reasoning":
             return {"type": "reasoning", "id": self.item_ids[kind], "summary": [], "status": status,
                     "content": [{"type": "reasoning_text", "text": text}]}
         return {"type": "message", "id": self.item_ids[kind], "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+    def _logprobs(self, completion: CompletionOutput, start: int = 0) -> list[dict[str, Any]]:
+        """The logprobs of the output's tokens from `start` on, as output_text carries them."""
+        if self.token_text is None:
+            return []
+        tokens, entries = completion.token_ids[start:], list(completion.logprobs or [])[start:]
+        return [t.model_dump() for t in chat_logprobs(self.token_text, tokens, entries, self.body.top_logprobs or 0).content]
 
     @staticmethod
     def _call_item(call: ToolCall) -> dict[str, Any]:
@@ -220,7 +246,7 @@ class _Renderer:
             if reasoning is not None:
                 output.append(self._item("reasoning", reasoning, "completed"))
             if content is not None:
-                output.append(self._item("message", content, "completed"))
+                output.append(self._item("message", content, "completed", self._logprobs(completion)))
             output += [self._call_item(call) for call in calls]
             output_tokens = len(completion.token_ids)
             status = "incomplete" if completion.finish_reason == "length" else "completed"
@@ -254,26 +280,32 @@ class _Renderer:
                             item={**self._item(kind, "", "in_progress"), "content": []}),
                 self._event("response.content_part.added", **self._where(kind), part=part)]
 
-    def _close(self, kind: str, text: str) -> list[dict[str, Any]]:
-        item = self._item(kind, text, "completed")
+    def _close(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        item = self._item(kind, text, "completed", logprobs)
         done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
         return [self._event(done, **self._where(kind), text=text),
                 self._event("response.content_part.done", **self._where(kind), part=item["content"][0]),
                 self._event("response.output_item.done", output_index=self.opened.index(kind), item=item)]
 
-    def _send(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _send(self, kind: str, text: str, completion: CompletionOutput) -> list[dict[str, Any]]:
         """Events for `kind`'s text so far: its item opened (closing the reasoning before the
-        message), then the new characters."""
+        message), then the new characters (the message's with the logprobs of the tokens since
+        the last delta)."""
         events = []
         if kind not in self.opened:
             if kind == "message" and "reasoning" in self.opened:
                 events += self._close("reasoning", self.sent["reasoning"])
             events += self._open(kind)
         new = text[len(self.sent[kind]):]  # what was sent is a prefix of text
-        if new:
-            delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            events.append(self._event(delta, **self._where(kind), delta=new))
-            self.sent[kind] = text
+        # the last tokens' logprobs go out even where their text came earlier (or is held back)
+        unsent_logprobs = self.token_text is not None and self.logprobs_sent < len(completion.token_ids)
+        if new and kind == "reasoning":
+            events.append(self._event("response.reasoning_text.delta", **self._where(kind), delta=new))
+        elif kind == "message" and (new or (completion.finished and unsent_logprobs)):
+            logprobs = self._logprobs(completion, self.logprobs_sent)
+            self.logprobs_sent = len(completion.token_ids)
+            events.append(self._event("response.output_text.delta", **self._where(kind), delta=new, logprobs=logprobs))
+        self.sent[kind] = text
         return events
 
     def delta(self, _: int, out: RequestOutput) -> list[dict[str, Any]]:
@@ -288,12 +320,12 @@ class _Renderer:
             reasoning, answer = split_reasoning(completion.text, self.reasoning_parser, final=False)
             text, calls = self.reader.streamable(answer), []
         if reasoning and "message" not in self.opened:
-            events += self._send("reasoning", reasoning)
+            events += self._send("reasoning", reasoning, completion)
         if text or (completion.finished and text is not None):  # an empty answer is still an item
-            events += self._send("message", text)
+            events += self._send("message", text, completion)
         if completion.finished:
             if "message" in self.opened:
-                events += self._close("message", text or "")
+                events += self._close("message", text or "", self._logprobs(completion))
             elif "reasoning" in self.opened:
                 events += self._close("reasoning", self.sent["reasoning"])
             for call in calls:  # each call goes out whole, once the output is complete
@@ -355,6 +387,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     stored = body.store and state.config.responses_store_size > 0
     if body.background:
         _check_background(body, stored)
+    if wants_logprobs(body) and state.config.reasoning_parser:
+        raise APIError(400, "output_text logprobs are not available with --reasoning-parser (the thinking and the "
+                            "answer share the tokens)", param="include")
     job = prepare_chat(as_chat(body, history), state)
     response_id = f"resp_{uuid.uuid4().hex}"
     record = RequestRecord(response_id)
@@ -365,8 +400,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             turns = history + input_turns(body) + [renderer.answer_turn(out)]
             _keep(state, response_id, StoredResponse(response, turns))
 
+    token_text = token_namer(state.token_text, as_ids=False) if wants_logprobs(body) else None
     renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
-                         state.config.reasoning_parser, job.reader, stored, finish)
+                         state.config.reasoning_parser, job.reader, stored, finish, token_text)
     generation = Generation(state, job.engine, [EngineRequest(response_id, job.prompt_token_ids, job.params,
                                                               body.priority)], record)
     if body.background:

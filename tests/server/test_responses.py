@@ -219,3 +219,31 @@ def test_a_background_response_can_be_cancelled_and_frees_its_blocks(client, eng
     plain = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=2)
     with pytest.raises(Exception, match="only those can be cancelled"):
         client.responses.cancel(plain.id)
+
+
+def test_output_text_logprobs_are_the_chat_routes(client, base_url, engine):
+    """include message.output_text.logprobs: the answer's tokens with their top_logprobs, as the
+    chat route gives them for the same conversation, whole and spread over the text deltas."""
+    chat = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=10, logprobs=True,
+                                          top_logprobs=3, messages=[{"role": "user", "content": QUESTION}])
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    asked = {"model": MODEL_NAME, "input": QUESTION, "max_output_tokens": 10, "temperature": 0, "top_logprobs": 3,
+             "include": ["message.output_text.logprobs"]}
+    whole = httpx.post(base_url + "/v1/responses", json=asked, timeout=60).json()
+    assert whole["output"][0]["content"][0]["logprobs"] == expected
+    with httpx.stream("POST", base_url + "/v1/responses", json={**asked, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [lp for e in deltas for lp in e["logprobs"]] == expected
+    done = next(e for e in events if e["type"] == "response.completed")["response"]
+    assert done["output"][0]["content"][0]["logprobs"] == expected
+    # not asked for: none
+    plain = httpx.post(base_url + "/v1/responses", json={k: v for k, v in asked.items() if k != "include"},
+                       timeout=60).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []
+    unknown = httpx.post(base_url + "/v1/responses", json={**asked, "include": ["reasoning.encrypted_content"]},
+                         timeout=30)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "include"
+    with serve(engine, reasoning_parser="qwen3") as url:
+        r = httpx.post(url + "/v1/responses", json=asked, timeout=30)
+        assert r.status_code == 400 and "reasoning-parser" in r.json()["error"]["message"]
