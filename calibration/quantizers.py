@@ -61,7 +61,9 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     attn, inter = layer.self_attn, layer.mlp.down_proj.input_size
     mappings = [
         _SmoothMapping("self_attn.qkv_proj", "input_layernorm"),
-        _SmoothMapping("mlp.gate_up_proj", "post_attention_layernorm"),
+        # the MLP's input norm (Gemma's sandwich block norms the attention output with post_attention_layernorm)
+        _SmoothMapping("mlp.gate_up_proj",
+                       "pre_feedforward_layernorm" if layer.sandwich_norms else "post_attention_layernorm"),
         _SmoothMapping("mlp.down_proj", "mlp.gate_up_proj", slice(inter, 2 * inter)),  # the up rows
     ]
     if attn.num_heads == attn.num_kv_heads:

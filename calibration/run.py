@@ -78,8 +78,11 @@ def _quant_config(scheme: QuantScheme | None, ignore: list[str], options: Quanti
     return config
 
 
-def _checkpoint_tensors(model_dir: Path, result: CalibrationResult, kv_strategy: str | None) -> dict[str, torch.Tensor]:
-    """Source tensors with each quantized Linear's ``weight`` swapped for its quantized tensors, plus KV scales."""
+def _checkpoint_tensors(model_dir: Path, result: CalibrationResult, kv_strategy: str | None,
+                        norm_offset: float) -> dict[str, torch.Tensor]:
+    """Source tensors with each quantized Linear's ``weight`` swapped for its quantized tensors, plus KV scales.
+    A norm the quantizer changed is written back in the checkpoint's convention (Gemma's less the
+    `norm_offset` the loader added)."""
     files = sorted(model_dir.glob("*.safetensors"))
     replaced = {f"{prefix}.weight" for prefix in result.tensors}
     tensors: dict[str, torch.Tensor] = {}
@@ -90,7 +93,7 @@ def _checkpoint_tensors(model_dir: Path, result: CalibrationResult, kv_strategy:
                     continue
                 tensor = f.get_tensor(name)
                 if name in result.changed:  # e.g. a norm that absorbed AWQ scales; keep the source dtype
-                    tensor = result.changed[name].to(tensor.dtype)
+                    tensor = (result.changed[name] - norm_offset).to(tensor.dtype)
                 tensors[name] = tensor
     for prefix, quantized in result.tensors.items():
         tensors.update({f"{prefix}.{suffix}": t for suffix, t in quantized.items()})
@@ -139,8 +142,10 @@ def quantize(options: QuantizeOptions) -> Path:
                  if scheme is not None else None)
     result = calibrate(model, calib.samples, calib.heldout, targets, quantizer,
                        observe_kv=options.kv_cache is not None, device=options.device)
+    norm_offset = model.args.norm_offset
     del model
-    tensors = _checkpoint_tensors(options.model_dir, result, options.kv_strategy if options.kv_cache else None)
+    tensors = _checkpoint_tensors(options.model_dir, result, options.kv_strategy if options.kv_cache else None,
+                                  norm_offset)
     report = build_report(options, calib, result, group_size=group_size, ignore=ignore,
                           wall_seconds=time.perf_counter() - started)
     return write_checkpoint(options.output_dir, source_dir=options.model_dir, tensors=tensors,

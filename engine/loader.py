@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers.norm import RMSNorm
 from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from quant.checkpoint import is_kv_cache_tensor
 
@@ -135,6 +136,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
             except ValueError as e:
                 raise ValueError(f"{model_dir}: missing or bad tensors for {name}: {e}") from e
             loaded.update(f"{name}.{p}" for p, _ in module.named_parameters())
+    if args.norm_offset:  # Gemma's norms scale by (w + 1): store them so, as every other norm's weight
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data += args.norm_offset
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {', '.join(missing[:5])}"

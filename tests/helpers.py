@@ -85,6 +85,7 @@ def make_tiny_model_dir(
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
         "Phi3ForCausalLM": transformers.Phi3Config,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[architecture]
     config = config_cls(
         vocab_size=vocab_size,
@@ -111,6 +112,8 @@ def make_tiny_model_dir(
         for name, p in model.named_parameters():  # Qwen3's per-head norms: weights that matter
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
+            elif architecture.startswith("Gemma") and name.endswith("norm.weight"):  # they scale by (1 + w)
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(dest, safe_serialization=True)
     return dest
 

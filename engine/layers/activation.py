@@ -1,4 +1,5 @@
-"""SwiGLU's gate, silu(gate) · up, over the fused gate_up projection's output."""
+"""The gated MLP's activation over the fused gate_up projection's output: SwiGLU's silu(gate) · up
+(Llama), GeGLU's gelu_tanh(gate) · up (Gemma)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(*x.shape[:-1], inter)
     kernel(out.data_ptr(), x.data_ptr(), x.numel() // x.shape[-1], inter, torch.get_num_threads())
     return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2·I] (gate then up) → gelu(gate, tanh approximation) · up [..., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

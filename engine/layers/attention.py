@@ -163,7 +163,7 @@ class Attention(nn.Module):
     """Scaled dot-product attention of one layer over the paged cache (torch backend, the oracle)."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, scale: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         # each query sees only the latest `sliding_window` keys, itself included (Mistral v0.1, Phi-3):
@@ -172,7 +172,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale  # Gemma's comes from query_pre_attn_scalar
         # Multiply-to-dequantize FP8 KV scales; set by the loader from the checkpoint (or, with
         # dynamic scales, from the first K/V this layer stores).
         self.register_buffer("k_scale", torch.ones(()), persistent=False)

@@ -134,7 +134,7 @@ class FusedDecode:
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module,
               rotary: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here."""
-        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
+        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None or not model_args.llama_block:
             return None
         tensors = [final_norm.weight, rotary.cos, rotary.sin]
         for layer in layers:

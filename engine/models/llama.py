@@ -1,7 +1,10 @@
 """The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), SmolLM2
-(tied embeddings), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation).
+(tied embeddings), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
+Gemma 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers).
 
     x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
+    Gemma 3: x · √d → N × [x + norm(attn(norm(x))); x + norm(mlp(norm(x)))] → norm → lm_head,
+             its norms scaling by (1 + w), as the loader stores them
 
 Attention is grouped-query (num_kv_heads ≤ num_heads) with rotary positions; the MLP is
 SwiGLU, down(silu(gate(x)) · up(x)). q/k/v and gate/up are fused into one Linear each; the
@@ -17,15 +20,15 @@ import torch
 from torch import nn
 
 from engine.layers import panel_matmul
-from engine.layers.activation import silu_and_mul
+from engine.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from engine.layers.attention import Attention, ForwardContext
 from engine.layers.fused_decode import FusedDecode
 from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+                           "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,19 @@ class LlamaArgs:
     rotary_dim: int  # the leading dims of each head that rotate (all but Phi-4-mini's)
     checkpoint_fuses: bool  # Phi-3: the checkpoint itself holds qkv_proj and gate_up_proj, one tensor each
     max_model_len: int | None = None  # the context served, which picks LongRoPE's factors
+    # Gemma 3 (the defaults are Llama's)
+    sandwich_norms: bool = False  # norms after attention and MLP too, before their residual adds
+    norm_offset: float = 0.0  # the checkpoint's norm weights w scale by (w + offset)
+    embed_scale: float = 1.0  # embeddings are multiplied by this (√hidden)
+    activation: str = "silu"  # of the gated MLP: silu or gelu_tanh
+    attn_scale: float | None = None  # query scale, else head_dim ** -0.5
+    local_rope_theta: float | None = None  # windowed layers' rotary base, unscaled (else as the others)
+
+    @property
+    def llama_block(self) -> bool:
+        """A plain Llama block, which the one-call C decode step implements."""
+        return not self.sandwich_norms and self.activation == "silu" and self.embed_scale == 1.0 \
+            and self.local_rope_theta is None and self.attn_scale is None
 
     @property
     def sliding_window(self) -> int | None:
@@ -78,6 +94,9 @@ class LlamaArgs:
             raise ValueError(f"unsupported architecture {arch!r}; driftgate serves "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        gemma = _gemma3(config) if arch == "Gemma3ForCausalLM" else {}
+        if "full_attention" in rope:  # rotary settings per layer type (Gemma 3 under transformers 5)
+            rope = rope["full_attention"]
         rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         if scaling is not None and "original_max_position_embeddings" in config:  # Phi-3 keeps it beside rope_scaling
@@ -101,12 +120,25 @@ class LlamaArgs:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             layer_windows=_layer_windows(config, arch),
             rotary_dim=int(head_dim * partial),
             checkpoint_fuses=arch == "Phi3ForCausalLM",
             max_model_len=max_model_len,
+            **gemma,
         )
+
+
+def _gemma3(config: dict) -> dict:
+    """Gemma 3's departures from the Llama block, as LlamaArgs fields."""
+    for capping in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(capping):
+            raise ValueError(f"{capping} (Gemma 2) is not implemented")
+    rope = config.get("rope_parameters") or {}
+    local = rope.get("sliding_attention", {}).get("rope_theta") or config.get("rope_local_base_freq", 10000.0)
+    return {"sandwich_norms": True, "norm_offset": 1.0, "embed_scale": config["hidden_size"] ** 0.5,
+            "activation": "gelu_tanh", "attn_scale": config["query_pre_attn_scalar"] ** -0.5,
+            "local_rope_theta": float(local)}
 
 
 def _layer_windows(config: dict, arch: str) -> tuple[int | None, ...]:
@@ -115,6 +147,9 @@ def _layer_windows(config: dict, arch: str) -> tuple[int | None, ...]:
     use_sliding_window (its sliding_window is otherwise unused)."""
     num_layers, window = config["num_hidden_layers"], config.get("sliding_window")
     types = config.get("layer_types")
+    if types is None and "sliding_window_pattern" in config:  # older Gemma 3 configs: every n-th layer is global
+        pattern = config["sliding_window_pattern"]
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if types is None and arch.startswith("Qwen"):
         first = config.get("max_window_layers", num_layers) if config.get("use_sliding_window") else num_layers
         types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
@@ -144,7 +179,7 @@ class LlamaAttention(nn.Module):
                                   quant_config=quant_config, dtype=dtype)
         self.rotary = rotary  # shared by every layer
         self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim,
-                              args.layer_windows[layer_idx])
+                              args.layer_windows[layer_idx], args.attn_scale)
         self.qk_size = q_size + kv_size
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
@@ -171,9 +206,10 @@ class LlamaMLP(nn.Module):
                                         quant_config=quant_config, dtype=dtype)
         self.down_proj = make_linear(args.intermediate_size, [args.hidden_size], bias=args.mlp_bias,
                                      prefixes=[f"{prefix}.down_proj"], quant_config=quant_config, dtype=dtype)
+        self.act = gelu_tanh_and_mul if args.activation == "gelu_tanh" else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -185,6 +221,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(args, layer_idx, f"{prefix}.self_attn", quant_config, dtype, rotary)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(args, f"{prefix}.mlp", quant_config, dtype)
+        if args.sandwich_norms:  # Gemma: the MLP's input norm, and one on its output
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.sandwich_norms = args.sandwich_norms
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +234,9 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, positions, ctx)
+        if self.sandwich_norms:  # the attention's output is normed before its residual add
+            hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -203,15 +246,22 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
+        self.embed_scale = args.embed_scale
         self.rotary = RotaryEmbedding(args.rotary_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling,
                                       args.served_context)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype, self.rotary)
+        # Gemma 3's windowed layers rotate with their own, unscaled base
+        local = self.rotary if args.local_rope_theta is None else RotaryEmbedding(
+            args.rotary_dim, args.max_position_embeddings, args.local_rope_theta, None)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype,
+                                                 local if args.layer_windows[i] else self.rotary)
                                     for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        if self.embed_scale != 1.0:  # in the embedding's dtype, as Gemma's reference scales it
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, ctx)
         hidden, _ = self.norm(hidden, residual)

@@ -16,8 +16,13 @@ _PHI3 = {"pad_token_id": 0}
 _LONGROPE = {**_PHI3, "original_max_position_embeddings": 64, "rope_parameters": {
     "rope_type": "longrope", "rope_theta": 10000.0,
     "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [1.0, 1.5, 2.4, 3.9, 6.0, 9.0, 13.0, 18.0]}}
+# local (window 8, base 10k) and global (base 1M) layers, a query scale not head_dim's
+_GEMMA3 = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
+           "pad_token_id": 0}
 # case → (architecture, make_tiny_model_dir arguments, prompt lengths, LLM arguments)
 CASES = {
+    # sandwich norms scaling by (1 + w), GeGLU, scaled embeddings, per-head q/k norms
+    "gemma3": ("Gemma3ForCausalLM", {"head_dim": 16, "extra_config": _GEMMA3}, (3, 18, 40), {}),
     "qwen2": ("Qwen2ForCausalLM", {}, (3, 18, 40), {}),  # q/k/v biases
     "mistral": ("MistralForCausalLM", {}, (3, 18, 40), {}),
     # per-head query/key RMSNorm, and a head_dim that is not hidden_size / heads (64 / 4)
@@ -48,6 +53,22 @@ def test_greedy_tokens_equal_hf(tmp_path, case):
         assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, f"{case}{config}")
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_hf(tmp_path, case):
+    """The whole-sequence (cacheless) forward's logits equal HF's within 1e-4: greedy tokens alone
+    can agree on a tiny model even with a wrong scale somewhere."""
+    from engine.loader import load_model
+
+    architecture, model_kwargs, lengths, llm_kwargs = CASES[case]
+    model_dir = make_tiny_model_dir(tmp_path, architecture=architecture, **model_kwargs)
+    ids = torch.randint(3, 380, (max(lengths),), generator=torch.Generator().manual_seed(8))
+    model, _ = load_model(model_dir, "float32", max_model_len=llm_kwargs.get("max_model_len"))
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, torch.arange(len(ids))))
+        theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 def _with_config(folder, drop: tuple[str, ...] = (), **extra):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({k: v for k, v in {**config, **extra}.items() if k not in drop}))
@@ -60,14 +81,15 @@ _QWEN_WINDOW = {"use_sliding_window": True, "max_window_layers": 1}
 
 
 @pytest.mark.parametrize("architecture, extra", [("MistralForCausalLM", {}), ("Phi3ForCausalLM", _PHI3),
-                                                 ("Qwen2ForCausalLM", _QWEN_WINDOW)])
+                                                 ("Qwen2ForCausalLM", _QWEN_WINDOW),
+                                                 ("Gemma3ForCausalLM", {**_GEMMA3, "head_dim": 16})])
 def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture, extra):
     """Each query sees its latest 8 keys only (Mistral v0.1's window in every layer, Phi-3-mini-4k's,
-    Qwen's in some): prompts and decodes past the window, in one batch and chunked, through the C
+    Qwen's and Gemma 3's in some): prompts and decodes past the window, in one batch and chunked, through the C
     kernels (the fused decode step and the module path), the torch path and the Triton kernel
     (interpreted on a CPU), give HF's tokens and logprobs."""
     model_dir = _with_config(make_tiny_model_dir(tmp_path, architecture=architecture, extra_config=extra),
-                             drop=("layer_types",), sliding_window=8)
+                             drop=() if "layer_types" in extra else ("layer_types",), sliding_window=8)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 11, 40)]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -130,6 +152,37 @@ def test_qwen_windows_only_under_use_sliding_window(tmp_path):
     assert LlamaArgs.from_hf_config(windowed).layer_windows == (None, 32)
     listed = {**config, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]}
     assert LlamaArgs.from_hf_config(listed).layer_windows == (32, None)
+
+
+@pytest.mark.parametrize("options", ["w8a16 --algo awq", "w8a8-int8 --smoothquant 0.5", "fp8-dynamic"])
+def test_quantized_gemma3_answers_as_hf_on_it(tmp_path, options):
+    """Gemma 3 quantizes, AWQ and SmoothQuant folding scales into its (1 + w) norms (the MLP's
+    input norm is pre_feedforward_layernorm); the checkpoint, its norms written back in Gemma's
+    convention, loads in HF transformers, whose logits equal this engine's."""
+    from calibration.cli import main
+    from engine.loader import load_model
+    from tests.calibration.factories import write_calib_file
+
+    source = make_tiny_model_dir(tmp_path / "gemma3", architecture="Gemma3ForCausalLM", head_dim=16,
+                                 extra_config=_GEMMA3)
+    calib = write_calib_file(tmp_path / "calib.jsonl", 12)
+    out = tmp_path / "quantized"
+    assert main([str(source), "--calib", str(calib), "-o", str(out), "--scheme", *options.split(),
+                 "--num-samples", "8", "--num-heldout", "4"]) == 0
+    ids = torch.randint(3, 380, (30,), generator=torch.Generator().manual_seed(9))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens, _ = hf_greedy(hf, ids.tolist(), 12)
+    ours = LLM(str(out), dtype="float32").generate([ids.tolist()], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                 ignore_eos=True), use_tqdm=False)
+    assert list(ours[0].outputs[0].token_ids) == tokens
+    model, _ = load_model(out, "float32")
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, torch.arange(30)))
+        if options.startswith("w8a16"):  # weights only: the same arithmetic as HF's dequantized reference
+            torch.testing.assert_close(logits, hf(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
+        # and close to the model before quantization (a norm written back without Gemma's offset is far off)
+        original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)(ids.unsqueeze(0)).logits[0]
+        assert (logits - original).abs().mean() < 0.15, (logits - original).abs().mean()
 
 
 @pytest.mark.parametrize("options", ["w4a16 --algo gptq", "w8a16 --algo awq", "fp8-dynamic",
