@@ -18,7 +18,6 @@ text it will actually serve, which is the chat-rendered form.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import warnings
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from engine.json_object import parse_json_object
 
 
 class CalibrationDataError(ValueError):
@@ -86,11 +87,9 @@ def _parse_line(raw: str, path: Path, line_no: int) -> CalibrationRecord:
         return CalibrationDataError(f"{path}:{line_no}: {what}; expected {_EXPECTED}")
 
     try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise fail(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise fail(f"got a JSON {type(obj).__name__}")
+        obj = parse_json_object(raw)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:

@@ -11,10 +11,11 @@ forwards per token falls, when drafts are right.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 
 import numpy as np
+
+from engine.json_object import parse_json_object
 
 SPEC_METHODS = ("ngram",)
 
@@ -50,9 +51,9 @@ class SpeculativeConfig:
             return value
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative config is not valid JSON ({e.msg} at column {e.colno}): {value!r}") from None
+                value = parse_json_object(value)
+            except ValueError as e:
+                raise ValueError(f"speculative config: {e}: {value!r}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
         unknown = sorted(set(value) - set(cls.__slots__))

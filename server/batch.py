@@ -23,6 +23,7 @@ import httpx
 from fastapi import FastAPI
 from tqdm import tqdm
 
+from engine.json_object import parse_json_object
 from server.app import build_app
 from server.cli import add_serve_args, build_engine, is_cluster, server_config
 
@@ -46,11 +47,9 @@ class _LineError(ValueError):
 def _request(number: int, text: str) -> tuple[object, str, dict]:
     """(custom_id, url, body) of input line `number`, or _LineError saying why it is not one."""
     try:
-        line = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _LineError(f"line {number}: not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(line, dict):
-        raise _LineError(f"line {number}: a request is a JSON object, got {type(line).__name__}")
+        line = parse_json_object(text)
+    except ValueError as exc:
+        raise _LineError(f"line {number}: {exc}") from None
     custom_id, body = line.get("custom_id"), line.get("body")
     if line.get("method", "POST") != "POST":
         raise _LineError(f"line {number}: method must be POST, got {line['method']!r}", custom_id)

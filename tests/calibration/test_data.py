@@ -22,7 +22,7 @@ def _load(path, tokenizer, **overrides):
 
 
 @pytest.mark.parametrize(("bad_line", "reason"), [
-    ('{"text": "unterminated', "invalid JSON"),
+    ('{"text": "unterminated', "not valid JSON"),
     ('["a list"]', "JSON list"),
     ('{"txt": "typo"}', "no recognised key"),
     ('{"text": ""}', '"text" is not a non-empty string'),

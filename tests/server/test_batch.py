@@ -55,7 +55,7 @@ def test_each_line_gets_what_serve_answers_and_bad_lines_say_why(tmp_path, tiny_
     bad = by_id["bad-field"]["response"]
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
     # lines that are no request: an error naming the line, no response
-    assert records[2]["error"]["message"].startswith("line 3: not JSON")
+    assert records[2]["error"]["message"].startswith("line 3: not valid JSON")
     assert by_id["embeddings"]["error"]["message"].startswith("line 6: url must be one of")
     assert by_id["streamed"]["error"]["message"] == "line 7: a batch answers whole; stream must be false"
     assert all(r["response"] is None for r in (records[2], by_id["embeddings"], by_id["streamed"]))
