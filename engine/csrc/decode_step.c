@@ -1,4 +1,4 @@
-/* A decode step's whole Llama block stack in one call, for CPUs.
+/* A decode step's whole Llama (or Gemma 3) block stack in one call, for CPUs.
  *
  * Through the modules, a batch-1 decode step of a small model spent about half its time in
  * Python between kernels: per layer some twelve module calls and eight kernel calls, each with
@@ -36,7 +36,9 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm;
-    const float *q_norm, *k_norm; /* Qwen3's per-head query and key norms [head_dim], else NULL */
+    const float *q_norm, *k_norm; /* Qwen3's and Gemma's per-head query and key norms [head_dim], else NULL */
+    const float *pre_mlp_norm, *post_mlp_norm; /* Gemma's sandwich: post_norm then norms the attention output */
+    const float *cos, *sin; /* this layer's rotary tables (Gemma's local layers have their own) */
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     const float *k_table, *v_table; /* fp8 caches, [num_kv_heads, 256]: the e4m3 values times each head's scale */
@@ -47,7 +49,8 @@ typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, kv_type;
     float eps, attn_scale;
     int32_t rotary_dim; /* the leading dims of a head that rotate */
-    const float *cos, *sin, *final_norm;
+    int32_t gelu;       /* the MLP's gate: 0 silu (SwiGLU), 1 gelu with tanh (GeGLU) */
+    const float *final_norm;
     const Layer *layers;
 } Model;
 
@@ -160,8 +163,8 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                 rms_norm_f32(row + q_size, NULL, row + q_size, NULL, layer->k_norm, m->num_kv_heads, m->head_dim,
                              m->eps, 1);
             }
-        rotary_f32(qkv, positions, m->cos, m->sin, rows, qkv_size, m->num_heads + m->num_kv_heads, m->head_dim,
-                   m->rotary_dim, threads);
+        rotary_f32(qkv, positions, layer->cos, layer->sin, rows, qkv_size, m->num_heads + m->num_kv_heads,
+                   m->head_dim, m->rotary_dim, threads);
         for (int t = 0; t < rows; t++) {
             const float *row = qkv + (size_t)t * qkv_size;
             memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);
@@ -175,10 +178,16 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                                         m->attn_scale, m->kv_type, layer->k_table, layer->v_table,
                                         layer->window, threads);
         if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
-        rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
+        if (layer->pre_mlp_norm) { /* the attention output normed, then added and normed for the MLP */
+            rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_norm, rows, width, m->eps, threads);
+            rms_norm_f32(normed, residual, hidden, residual, layer->pre_mlp_norm, rows, width, m->eps, threads);
+        } else {
+            rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
+        }
         if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;
-        silu_mul_f32(act, gate_up, rows, m->inter, threads);
-        status = linear(&layer->down, hidden, act, staging, rows, threads);
+        (m->gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(act, gate_up, rows, m->inter, threads);
+        if ((status = linear(&layer->down, hidden, act, staging, rows, threads))) break;
+        if (layer->post_mlp_norm) rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_mlp_norm, rows, width, m->eps, threads);
     }
     if (status == STEP_OK)
         rms_norm_f32(hidden, residual, hidden, residual, m->final_norm, rows, width, m->eps, threads);

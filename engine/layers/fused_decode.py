@@ -40,7 +40,8 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("k_norm", ctypes.c_void_p), ("pre_mlp_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("k_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p), ("window", ctypes.c_int32)]
 
@@ -49,8 +50,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("rotary_dim", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p),
+                ("rotary_dim", ctypes.c_int32), ("gelu", ctypes.c_int32), ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -100,7 +100,7 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
 class FusedDecode:
     """The C description of a Llama model's layers, built once after `prepack_for_cpu`."""
 
-    def __init__(self, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module, rotary: nn.Module,
+    def __init__(self, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module,
                  descriptions: list[tuple[_Linear, ...]], keep: list[torch.Tensor]):
         self._keep = keep
         self._layers = (_Layer * len(layers))()
@@ -110,6 +110,10 @@ class FusedDecode:
             if layer.self_attn.q_norm is not None:
                 c_layer.q_norm = layer.self_attn.q_norm.weight.data_ptr()
                 c_layer.k_norm = layer.self_attn.k_norm.weight.data_ptr()
+            if layer.sandwich_norms:
+                c_layer.pre_mlp_norm = layer.pre_feedforward_layernorm.weight.data_ptr()
+                c_layer.post_mlp_norm = layer.post_feedforward_layernorm.weight.data_ptr()
+            c_layer.cos, c_layer.sin = layer.self_attn.rotary.cos.data_ptr(), layer.self_attn.rotary.sin.data_ptr()
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
             c_layer.window = layer.self_attn.attn.sliding_window or 0
         self._attention = [layer.self_attn.attn for layer in layers]
@@ -117,9 +121,8 @@ class FusedDecode:
         self._model = _Model(len(layers), model_args.hidden_size, model_args.num_heads, model_args.num_kv_heads,
                              model_args.head_dim, model_args.intermediate_size,
                              CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
-                             final_norm.eps, attn.scale, rotary.rotary_dim,
-                             rotary.cos.data_ptr(), rotary.sin.data_ptr(), final_norm.weight.data_ptr(),
-                             self._layers)
+                             final_norm.eps, attn.scale, model_args.rotary_dim, int(model_args.activation == "gelu_tanh"),
+                             final_norm.weight.data_ptr(), self._layers)
         self._cache_bound: object | None = None
         self._fp8_scales_bound: list[torch.Tensor] = []  # each layer's K and V scale tensors, as bound
         self._fp8_keep: list[torch.Tensor] = []
@@ -131,16 +134,17 @@ class FusedDecode:
         self._hook_dicts = [d for m in observable for d in (m._forward_hooks, m._forward_pre_hooks)]
 
     @classmethod
-    def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module,
-              rotary: nn.Module) -> FusedDecode | None:
+    def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here."""
-        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None or not model_args.llama_block:
+        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
-        tensors = [final_norm.weight, rotary.cos, rotary.sin]
+        tensors = [final_norm.weight]
         for layer in layers:
-            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if layer.self_attn.q_norm is not None:
-                tensors += [layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                     layer.self_attn.k_norm, getattr(layer, "pre_feedforward_layernorm", None),
+                     getattr(layer, "post_feedforward_layernorm", None)]
+            tensors += [norm.weight for norm in norms if norm is not None]
+            tensors += [layer.self_attn.rotary.cos, layer.self_attn.rotary.sin]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             return None
         keep: list[torch.Tensor] = []
@@ -151,7 +155,7 @@ class FusedDecode:
             if any(d is None for d in linears):
                 return None
             descriptions.append(linears)
-        return cls(model_args, layers, final_norm, rotary, descriptions, keep)
+        return cls(model_args, layers, final_norm, descriptions, keep)
 
     def accepts(self, ctx: ForwardContext | None) -> bool:
         """Whether this step is one the C path runs: decode tokens only, on an fp32, bf16 or fp8

@@ -66,12 +66,6 @@ class LlamaArgs:
     local_rope_theta: float | None = None  # windowed layers' rotary base, unscaled (else as the others)
 
     @property
-    def llama_block(self) -> bool:
-        """A plain Llama block, which the one-call C decode step implements."""
-        return not self.sandwich_norms and self.activation == "silu" and self.embed_scale == 1.0 \
-            and self.local_rope_theta is None and self.attn_scale is None
-
-    @property
     def sliding_window(self) -> int | None:
         """The window of the model's windowed layers (one value for all of them), if any."""
         return next((w for w in self.layer_windows if w), None)
@@ -257,11 +251,14 @@ class LlamaModel(nn.Module):
                                     for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] → [T, hidden], scaled (Gemma) in the embedding's dtype, as the reference scales it."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden if self.embed_scale == 1.0 else hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if self.embed_scale != 1.0:  # in the embedding's dtype, as Gemma's reference scales it
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        hidden, residual = self.embed(input_ids), None  # [T, hidden]
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, ctx)
         hidden, _ = self.norm(hidden, residual)
@@ -306,12 +303,12 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.packed_embedding = panel_matmul.pack(self.model.embed_tokens.weight,
                                                       bf16_activations=self.quantized_linears)
-        self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm, self.model.rotary)
+        self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
         if self.fused_decode is not None and self.fused_decode.accepts(ctx):
-            return self.fused_decode(self.model.embed_tokens(input_ids), positions, ctx)
+            return self.fused_decode(self.model.embed(input_ids), positions, ctx)
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

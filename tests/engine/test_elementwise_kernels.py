@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.layers import activation, rotary
-from engine.layers.activation import silu_and_mul
+from engine.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from engine.layers.rotary import RotaryEmbedding, _rotate_half
 from tests.helpers import cpu_kernels_off
 
@@ -66,6 +66,18 @@ def test_silu_and_mul_kernel_equals_the_formula(tokens, inter, seed):
     before = x.clone()
     torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :inter]) * x[:, inter:], rtol=1e-6, atol=1e-6)
     assert torch.equal(x, before)
+
+
+@needs_kernels
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(0, 40), inter=st.sampled_from([1, 17, 1536]), seed=st.integers(0, 100))
+def test_gelu_tanh_and_mul_kernel_equals_the_formula(tokens, inter, seed):
+    """Gemma's GeGLU gate in C (the module path and the one-call decode step share it)."""
+    x = torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(seed)) * 6
+    expected = F.gelu(x[:, :inter], approximate="tanh") * x[:, inter:]
+    torch.testing.assert_close(gelu_tanh_and_mul(x), expected, rtol=1e-5, atol=1e-5)
+    with cpu_kernels_off():
+        torch.testing.assert_close(gelu_tanh_and_mul(x), expected)
 
 
 def test_torch_paths_where_the_kernels_do_not_apply():

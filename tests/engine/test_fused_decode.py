@@ -62,6 +62,10 @@ MODELS = {
     "qwen2-qkv-bias": {"architecture": "Qwen2ForCausalLM"},
     "qwen3-qk-norm": {"architecture": "Qwen3ForCausalLM", "head_dim": 32},
     "mha-untied": {"num_kv_heads": 4, "tie_word_embeddings": False},
+    # Gemma 3: sandwich norms, GeGLU, scaled embeddings, a local layer with its own window and rotary base
+    "gemma3": {"architecture": "Gemma3ForCausalLM", "head_dim": 16, "extra_config": {
+        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
+        "pad_token_id": 0}},
     # Phi-4-mini's partial rotation: 3/4 of each head
     "phi3-partial-rotary": {"architecture": "Phi3ForCausalLM",
                             "extra_config": {"pad_token_id": 0, "partial_rotary_factor": 0.75}},
