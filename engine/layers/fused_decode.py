@@ -126,7 +126,7 @@ class FusedDecode:
         self._cache_bound: object | None = None
         self._fp8_scales_bound: list[torch.Tensor] = []  # each layer's K and V scale tensors, as bound
         self._fp8_keep: list[torch.Tensor] = []
-        # the hook dicts of every module a hook could watch (the rotary table is shared by all layers):
+        # the hook dicts of every module a hook could watch (layers share their rotary modules: once each):
         # torch registers and removes hooks in these same dicts, and testing ~600 dicts for emptiness
         # costs ~35 µs a step where reading them through each module's attributes cost ~240 µs
         # (after a step's weights have streamed through the caches, every object is a cache miss)
