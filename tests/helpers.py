@@ -85,6 +85,7 @@ def make_tiny_model_dir(
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
         "Phi3ForCausalLM": transformers.Phi3Config,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[architecture]
     config = config_cls(

@@ -50,6 +50,7 @@ typedef struct {
     float eps, attn_scale;
     int32_t rotary_dim; /* the leading dims of a head that rotate */
     int32_t gelu;       /* the MLP's gate: 0 silu (SwiGLU), 1 gelu with tanh (GeGLU) */
+    float attn_softcap; /* > 0: attention scores capped (Gemma 2) */
     const float *final_norm;
     const Layer *layers;
 } Model;
@@ -176,7 +177,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         status = paged_decode_attention(attn, q, layer->k_cache, layer->v_cache, block_tables, context_lens, rows,
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
                                         m->attn_scale, m->kv_type, layer->k_table, layer->v_table,
-                                        layer->window, threads);
+                                        layer->window, m->attn_softcap, threads);
         if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
         if (layer->pre_mlp_norm) { /* the attention output normed, then added and normed for the MLP */
             rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_norm, rows, width, m->eps, threads);

@@ -16,7 +16,8 @@
  *                (slot = block_id * block_size + offset)
  *   block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]
  * With a sliding window (window > 0) a sequence attends to its last `window` tokens only; its
- * ranges then start at the window's first token.
+ * ranges then start at the window's first token. With softcap > 0 scores become
+ * softcap · tanh(score / softcap) before the softmax (Gemma 2).
  * fp8 values decode through 256-entry tables, one per KV head ([num_kv_heads, 256]), that already
  * hold that head's dequantization scale.
  *
@@ -130,6 +131,7 @@ typedef struct {
     float *first;
     size_t stride;
     int range_tokens;
+    float softcap; /* > 0: the scores are capped before each range's softmax */
 } Partials;
 
 static inline float *range_partials(Partials p, int r) { return p.first + p.stride * (size_t)r; }
@@ -140,6 +142,12 @@ static inline void softmax_ranges(float *scores, int heads, int head_dim, int be
     for (int r = 0; r * p.range_tokens < span; r++) {
         const int first = r * p.range_tokens, n = span - first < p.range_tokens ? span - first : p.range_tokens;
         float *m = range_partials(p, r);
+        if (p.softcap > 0.0f)
+            for (int h = 0; h < heads; h++)
+                for (int t = first; t < first + n; t++) {
+                    float *score = scores + (int64_t)h * span + t;
+                    *score = p.softcap * tanhf(*score / p.softcap);
+                }
         softmax_rows(scores + first, heads, span, n, m, m + heads);
         memset(m + 2 * heads, 0, sizeof(float) * (size_t)heads * head_dim);
     }
@@ -326,7 +334,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
                            const int32_t *block_tables, const int32_t *context_lens, int num_seqs,
                            int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
                            float scale, int cache_type, const float *k_table, const float *v_table, int window,
-                           int num_threads) {
+                           float softcap, int num_threads) {
     const int group = num_heads / num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (block_size < 1 || (block_size & (block_size - 1))) return -2;
@@ -370,7 +378,7 @@ int paged_decode_attention(float *out, const float *q, const void *k_cache, cons
             const int end = begin + per_task * tokens < context_lens[seq] ? begin + per_task * tokens : context_lens[seq];
             if (begin >= end) continue; /* a short context leaves its last tasks nothing */
             const Partials mine = {partials + per_range * (size_t)(first_range[seq] + split * per_task), per_range,
-                                   tokens};
+                                   tokens, softcap};
             attend_range(q + (int64_t)seq * num_heads * head_dim, k_cache, v_cache,
                          block_tables + (int64_t)seq * max_blocks, block_shift, begin, end, num_kv_heads, group,
                          head_dim, scale, cache_type, k_table, v_table, scores, tile, mine);

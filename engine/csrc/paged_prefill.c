@@ -22,6 +22,7 @@
  *                 tokens, so query i sits at position context_len - num_queries + i and sees keys
  *                 up to and including that position; with a sliding window (window > 0), only
  *                 the last `window` of them.
+ *   softcap       > 0: scores become softcap · tanh(score / softcap) before the softmax (Gemma 2).
  *
  * Built at first use by engine/layers/cpu_kernels.py; OpenMP shares torch's thread pool.
  */
@@ -114,6 +115,15 @@ static inline __attribute__((always_inline)) void store_transposed(float *dst, i
         for (int t = 0; t < n; t++) dst[t * stride + d0] = ((const float *)&src[d0])[t] * factor[t];
 }
 
+/* softcap · tanh(x / softcap), 16 lanes: tanh from exp16 of -2|y|, which stays in its domain. */
+static inline vec16 softcap16(vec16 x, float softcap) {
+    const vec16 y = x / softcap, negative_y = (vec16){0} - y;
+    const vec16i negative = y < 0.0f;
+    const vec16 t = exp16(select16(negative, y, negative_y) * 2.0f); /* e^(-2|y|) */
+    const vec16 magnitude = (1.0f - t) / (1.0f + t);
+    return select16(negative, (vec16){0} - magnitude, magnitude) * softcap;
+}
+
 /* One query head's 16 query tokens (lanes) against one tile of keys (rows krow/vrow; the first
  * `keys` are real): scores, online-softmax update of its running max and sum, and the weighted
  * sum of values into ot, with the tile's scores kept in registers throughout. `hidden` lanes
@@ -121,7 +131,7 @@ static inline __attribute__((always_inline)) void store_transposed(float *dst, i
 static inline __attribute__((always_inline)) void attend_keys(const vec16 *qt, vec16 *ot, vec16 *run_max,
                                                               vec16 *run_sum, const float *const *krow,
                                                               const float *const *vrow, int keys,
-                                                              const vec16i *hidden, int D) {
+                                                              const vec16i *hidden, float softcap, int D) {
     const vec16 minus_inf = (vec16){0} - INFINITY;
     vec16 s[KEY_TILE];
 #pragma GCC unroll 2
@@ -134,7 +144,8 @@ static inline __attribute__((always_inline)) void attend_keys(const vec16 *qt, v
                 for (int jb = 0; jb < KEY_BLOCK; jb++) acc[jb] += qd * krow[j0 + jb][d];
             }
 #pragma GCC unroll 8
-        for (int jb = 0; jb < KEY_BLOCK; jb++) s[j0 + jb] = j0 < keys ? acc[jb] : minus_inf;
+        for (int jb = 0; jb < KEY_BLOCK; jb++)
+            s[j0 + jb] = j0 >= keys ? minus_inf : softcap > 0.0f ? softcap16(acc[jb], softcap) : acc[jb];
     }
     if (hidden != NULL)
 #pragma GCC unroll 16
@@ -176,7 +187,7 @@ static inline __attribute__((always_inline)) void attend_keys(const vec16 *qt, v
 static inline __attribute__((always_inline)) void attend_tile_body(
     const float *q, float *out, int num_queries, int first_pos, const void *k_cache, const void *v_cache,
     const int32_t *table, int block_shift, int kv, int kv_heads, int group, int head_dim, float scale,
-    int cache_type, const float *k_tables, const float *v_tables, int window, float *scratch) {
+    int cache_type, const float *k_tables, const float *v_tables, int window, float softcap, float *scratch) {
     const int G = group, D = head_dim, row = kv_heads * G * D;
     vec16 *qt = (vec16 *)scratch, *ot = qt + G * D, *run_max = ot + G * D, *run_sum = run_max + G;
     float *k_upcast = (float *)(run_sum + G), *v_upcast = k_upcast + KEY_TILE * D, *zero_row = v_upcast + KEY_TILE * D;
@@ -214,7 +225,7 @@ static inline __attribute__((always_inline)) void attend_tile_body(
             hidden[j] = (positions < k0 + j) | (leaves_window ? positions - window >= k0 + j : (vec16i){0});
         for (int g = 0; g < G; g++)
             attend_keys(qt + g * D, ot + g * D, run_max + g, run_sum + g, krow, vrow, keys,
-                        crosses || leaves_window ? hidden : NULL, D);
+                        crosses || leaves_window ? hidden : NULL, softcap, D);
     }
     for (int g = 0; g < G; g++)
         store_transposed(out + (kv * G + g) * D, row, ot + g * D, 1.0f / run_sum[g], num_queries, D);
@@ -225,17 +236,17 @@ static inline __attribute__((always_inline)) void attend_tile_body(
 static void attend_tile(const float *q, float *out, int num_queries, int first_pos, const void *k_cache,
                         const void *v_cache, const int32_t *table, int block_shift, int kv, int kv_heads, int group,
                         int head_dim, float scale, int cache_type, const float *k_tables, const float *v_tables,
-                        int window, float *scratch) {
+                        int window, float softcap, float *scratch) {
 #define FIXED_SHAPE(G, D)                                                                                          \
     if (group == G && head_dim == D) {                                                                             \
         attend_tile_body(q, out, num_queries, first_pos, k_cache, v_cache, table, block_shift, kv, kv_heads, G, D, \
-                         scale, cache_type, k_tables, v_tables, window, scratch);                                  \
+                         scale, cache_type, k_tables, v_tables, window, softcap, scratch);                         \
         return;                                                                                                    \
     }
     FIXED_SHAPE(1, 64) FIXED_SHAPE(3, 64) FIXED_SHAPE(4, 64) FIXED_SHAPE(1, 128) FIXED_SHAPE(4, 128) FIXED_SHAPE(8, 128)
 #undef FIXED_SHAPE
     attend_tile_body(q, out, num_queries, first_pos, k_cache, v_cache, table, block_shift, kv, kv_heads, group,
-                     head_dim, scale, cache_type, k_tables, v_tables, window, scratch);
+                     head_dim, scale, cache_type, k_tables, v_tables, window, softcap, scratch);
 }
 
 /* A task: one sequence's query tile (first_query, last_pos) against one KV head. */
@@ -260,7 +271,7 @@ int paged_prefill_attention(float *out, const float *q, const void *k_cache, con
                             const int32_t *block_tables, const int32_t *query_start, const int32_t *context_lens,
                             int num_seqs, int max_blocks, int num_heads, int num_kv_heads, int head_dim,
                             int block_size, float scale, int cache_type, const float *k_tables,
-                            const float *v_tables, int window, int num_threads) {
+                            const float *v_tables, int window, float softcap, int num_threads) {
     if (block_size < 1 || (block_size & (block_size - 1))) return -2;
     if (head_dim % DIM_BLOCK) return -3;
     if (num_threads < 1) num_threads = 1;
@@ -296,7 +307,8 @@ int paged_prefill_attention(float *out, const float *q, const void *k_cache, con
         const int64_t first_row = query_start[s] + task.first_query;
         attend_tile(q + first_row * row, out + first_row * row, count, task.last_pos - count + 1, k_cache, v_cache,
                     block_tables + (int64_t)s * max_blocks, block_shift, task.kv, num_kv_heads, group, head_dim,
-                    scale, cache_type, k_tables, v_tables, window, scratch + per_thread * (size_t)omp_get_thread_num());
+                    scale, cache_type, k_tables, v_tables, window, softcap,
+                    scratch + per_thread * (size_t)omp_get_thread_num());
     }
     free(tasks);
     free(scratch);

@@ -163,7 +163,7 @@ class Attention(nn.Module):
     """Scaled dot-product attention of one layer over the paged cache (torch backend, the oracle)."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None, scale: float | None = None):
+                 sliding_window: int | None = None, scale: float | None = None, softcap: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         # each query sees only the latest `sliding_window` keys, itself included (Mistral v0.1, Phi-3):
@@ -173,6 +173,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale  # Gemma's comes from query_pre_attn_scalar
+        self.softcap = softcap  # Gemma 2: scores become softcap · tanh(score / softcap) before the softmax
         # Multiply-to-dequantize FP8 KV scales; set by the loader from the checkpoint (or, with
         # dynamic scales, from the first K/V this layer stores).
         self.register_buffer("k_scale", torch.ones(()), persistent=False)
@@ -215,7 +216,7 @@ class Attention(nn.Module):
             out = triton_attention.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                 batch.max_query_len, batch.block_size, self.scale, self.k_scale, self.v_scale, batch.num_splits,
-                sliding_window=self.sliding_window)
+                sliding_window=self.sliding_window, softcap=self.softcap)
             return out.reshape(num_tokens, -1)
         out = torch.empty_like(q)
         if meta.paged_decode is not None:
@@ -223,23 +224,23 @@ class Attention(nn.Module):
             rows = slice(0, meta.num_decode_tokens)
             out[rows] = paged_decode_attention(
                 q[rows], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size,
-                self.scale, self.k_scale, self.v_scale, self.sliding_window,
+                self.scale, self.k_scale, self.v_scale, self.sliding_window, self.softcap,
             )
         if meta.paged_prefill is not None:
             prefill = meta.paged_prefill
             rows = slice(meta.num_decode_tokens, num_tokens)
             out[rows] = paged_prefill_attention(
                 q[rows], k_cache, v_cache, prefill.block_tables, prefill.query_start, prefill.context_lens,
-                prefill.block_size, self.scale, self.k_scale, self.v_scale, self.sliding_window,
+                prefill.block_size, self.scale, self.k_scale, self.v_scale, self.sliding_window, self.softcap,
             )
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.slots.shape[0])
             keys = _load(k_cache, group.slots, self.k_scale, q.dtype)  # [n, L, KV, D]
             values = _load(v_cache, group.slots, self.v_scale, q.dtype)
-            o = F.scaled_dot_product_attention(
+            o = self._attend(
                 q[rows].unsqueeze(2),  # [n, H, 1, D]
                 keys.transpose(1, 2), values.transpose(1, 2),  # [n, KV, L, D]
-                attn_mask=group.window_mask if self.sliding_window else group.mask, scale=self.scale, enable_gqa=True,
+                group.window_mask if self.sliding_window else group.mask, causal=False,
             )
             out[rows] = o.squeeze(2)
         for span in meta.prefills:
@@ -256,8 +257,23 @@ class Attention(nn.Module):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """One sequence: q [Tq, H, D], k/v [Tk, KV, D] → [Tq, H, D]."""
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
-        )
+        o = self._attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                         v.transpose(0, 1).unsqueeze(0), mask, causal)
         return o.squeeze(0).transpose(0, 1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        """q [B, H, Tq, D], k/v [B, KV, Tk, D] → [B, H, Tq, D]: SDPA, or written out where the scores
+        are capped (SDPA has no softcap), as the reference does it."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                                  enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

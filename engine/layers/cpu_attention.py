@@ -22,8 +22,8 @@ PREFILL_HEAD_DIM_MULTIPLE = 8  # the prefill kernel's register blocks span 8 dim
 
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
 # out, q, k_cache, v_cache, block_tables, [query_start,] context_lens; num_seqs, max_blocks,
-# num_heads, num_kv_heads, head_dim, block_size; scale; cache_type; k/v tables; window; num_threads
-_TAIL = (*[_INT] * 6, ctypes.c_float, _INT, _PTR, _PTR, _INT, _INT)
+# num_heads, num_kv_heads, head_dim, block_size; scale; cache_type; k/v tables; window; softcap; num_threads
+_TAIL = (*[_INT] * 6, ctypes.c_float, _INT, _PTR, _PTR, _INT, ctypes.c_float, _INT)
 _KERNELS = {
     "decode": ("paged_decode", "paged_decode_attention", (*[_PTR] * 6, *_TAIL)),
     "prefill": ("paged_prefill", "paged_prefill_attention", (*[_PTR] * 7, *_TAIL)),
@@ -48,7 +48,7 @@ def fp8_table(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def _call(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_args: list[torch.Tensor],
           block_size: int, scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-          sliding_window: int | None) -> torch.Tensor:
+          sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Run a kernel over q [rows, H, D]; seq_args are its int32 per-sequence tensors, block tables first."""
     kernel = _kernel(kind)
     if kernel is None:
@@ -64,7 +64,7 @@ def _call(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in seq_args),
         block_tables.shape[0], block_tables.shape[1], num_heads, k_cache.shape[1], head_dim, block_size, scale,
         cache_type, None if k_table is None else k_table.data_ptr(), None if v_table is None else v_table.data_ptr(),
-        sliding_window or 0, torch.get_num_threads(),
+        sliding_window or 0, softcap or 0.0, torch.get_num_threads(),
     )
     if status == -2:
         raise ValueError(f"paged-{kind} kernel: block_size must be a power of two, got {block_size}")
@@ -78,27 +78,29 @@ def _call(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [n, H, D] (one query token per sequence) → attention output [n, H, D] float32.
 
     block_tables int32 [n, max_blocks] and context_lens int32 [n] describe each sequence's
     cached tokens (its own new token included), of which it sees the last `sliding_window`
-    only if set; k/v_scale matter only for fp8 caches.
+    only if set; scores are capped at ±`softcap` (softcap · tanh(score / softcap)) if set;
+    k/v_scale matter only for fp8 caches.
     """
     return _call("decode", q, k_cache, v_cache, [block_tables, context_lens], block_size, scale, k_scale, v_scale,
-                 sliding_window)
+                 sliding_window, softcap)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
                             block_size: int, scale: float, k_scale: torch.Tensor,
-                            v_scale: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor, sliding_window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """q [rows, H, D] (sequence s owns rows query_start[s]:query_start[s + 1]) → causal attention [rows, H, D] float32.
 
     A sequence's queries are the last tokens of its context_lens[s] cached tokens (prompt chunks
     after a prefix-cache hit or earlier chunks attend to those too), each seeing the last
-    `sliding_window` keys up to itself if set. All int32; the new tokens' K/V must already be in
-    the cache.
+    `sliding_window` keys up to itself if set, its scores capped as in decode. All int32; the new
+    tokens' K/V must already be in the cache.
     """
     return _call("prefill", q, k_cache, v_cache, [block_tables, query_start, context_lens], block_size, scale,
-                 k_scale, v_scale, sliding_window)
+                 k_scale, v_scale, sliding_window, softcap)

@@ -50,7 +50,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("rotary_dim", ctypes.c_int32), ("gelu", ctypes.c_int32), ("final_norm", ctypes.c_void_p),
+                ("rotary_dim", ctypes.c_int32), ("gelu", ctypes.c_int32), ("attn_softcap", ctypes.c_float),
+                ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -122,7 +123,7 @@ class FusedDecode:
                              model_args.head_dim, model_args.intermediate_size,
                              CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
                              final_norm.eps, attn.scale, model_args.rotary_dim, int(model_args.activation == "gelu_tanh"),
-                             final_norm.weight.data_ptr(), self._layers)
+                             attn.softcap or 0.0, final_norm.weight.data_ptr(), self._layers)
         self._cache_bound: object | None = None
         self._fp8_scales_bound: list[torch.Tensor] = []  # each layer's K and V scale tensors, as bound
         self._fp8_keep: list[torch.Tensor] = []

@@ -28,6 +28,7 @@ from engine.layers.triton_support import available, interpreting, tl, triton
 __all__ = ["available", "decode_splits", "paged_attention"]
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E) if tl is not None else LOG2E
 
 
 if triton is not None:
@@ -40,7 +41,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kvh, stride_table,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-        DOT_F16: tl.constexpr, WINDOW: tl.constexpr,
+        DOT_F16: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1) // NUM_SPLITS
@@ -95,6 +96,9 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * k_scale
             else:
                 s = tl.dot(q, tl.trans(k)) * k_scale
+            if SOFTCAP > 0:  # Gemma 2: cap · tanh(score / cap) on the natural-log score (s is in log2 units)
+                capped = s / (LOG2E_C * SOFTCAP)
+                s = (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)) * (SOFTCAP * LOG2E_C)
             visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 visible = visible & (keys[None, :] > q_pos[:, None] - WINDOW)
@@ -153,14 +157,15 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, page_size: int,
                     scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int = 1,
-                    out: torch.Tensor | None = None, *, sliding_window: int | None = None, block_n: int | None = None,
+                    out: torch.Tensor | None = None, *, sliding_window: int | None = None, softcap: float | None = None,
+                    block_n: int | None = None,
                     num_warps: int = 4, fp8_dot_f16: bool | None = None) -> torch.Tensor:
     """q [T, H, D] (each sequence's queries contiguous, in `query_start_loc` order) → out [T, H, D].
 
     k/v_cache [slots, KV, D] (slot = block · page_size + offset); block_tables int32 [S, max_blocks];
     query_start_loc int32 [S + 1]; seq_lens int32 [S] (context including the new tokens);
     k/v_scale fp32 scalars (dequantize by multiplying; ones for a model-dtype cache); each query
-    sees its latest `sliding_window` keys only, if set.
+    sees its latest `sliding_window` keys only, if set, and its scores are capped at ±`softcap` if set.
     `max_query_len` and `num_splits` only size the grid (host ints, no device reads); `block_n`
     (keys per iteration), `num_warps` and `fp8_dot_f16` (an fp8 cache's tiles meet q in fp16
     rather than q's bf16) exist for bench/gpu.py's sweep. Its H200 timings at 32k context chose
@@ -185,7 +190,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  # the interpreter's dot is wrong on 16-bit floats: it gets fp32 tiles (values unchanged)
                  DOT_FP32=q.dtype == torch.float32 or interpreting(),
                  DOT_F16=fp8_dot_f16 and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
-                 and not interpreting(), WINDOW=sliding_window or 0)
+                 and not interpreting(), WINDOW=sliding_window or 0, SOFTCAP=softcap or 0.0)
     grid = (num_seqs, tiles * num_splits, num_kv_heads)
     if num_splits == 1:
         _attend_tile[grid](out, None, None, *args, out.stride(0), out.stride(1), k_cache.stride(0),

@@ -1,6 +1,7 @@
 """The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), SmolLM2
 (tied embeddings), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
-Gemma 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers).
+Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers;
+Gemma 2's capped attention scores and logits).
 
     x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
     Gemma 3: x · √d → N × [x + norm(attn(norm(x))); x + norm(mlp(norm(x)))] → norm → lm_head,
@@ -27,7 +28,7 @@ from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
-SUPPORTED_ARCHITECTURES = {"Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
                            "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
@@ -64,6 +65,8 @@ class LlamaArgs:
     activation: str = "silu"  # of the gated MLP: silu or gelu_tanh
     attn_scale: float | None = None  # query scale, else head_dim ** -0.5
     local_rope_theta: float | None = None  # windowed layers' rotary base, unscaled (else as the others)
+    attn_softcap: float | None = None  # Gemma 2: attention scores become cap · tanh(score / cap)
+    logit_softcap: float | None = None  # Gemma 2: logits likewise
 
     @property
     def sliding_window(self) -> int | None:
@@ -88,7 +91,7 @@ class LlamaArgs:
             raise ValueError(f"unsupported architecture {arch!r}; driftgate serves "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        gemma = _gemma3(config) if arch == "Gemma3ForCausalLM" else {}
+        gemma = _gemma(config, arch) if arch.startswith("Gemma") else {}
         if "full_attention" in rope:  # rotary settings per layer type (Gemma 3 under transformers 5)
             rope = rope["full_attention"]
         rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -123,16 +126,18 @@ class LlamaArgs:
         )
 
 
-def _gemma3(config: dict) -> dict:
-    """Gemma 3's departures from the Llama block, as LlamaArgs fields."""
-    for capping in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if config.get(capping):
-            raise ValueError(f"{capping} (Gemma 2) is not implemented")
-    rope = config.get("rope_parameters") or {}
-    local = rope.get("sliding_attention", {}).get("rope_theta") or config.get("rope_local_base_freq", 10000.0)
-    return {"sandwich_norms": True, "norm_offset": 1.0, "embed_scale": config["hidden_size"] ** 0.5,
-            "activation": "gelu_tanh", "attn_scale": config["query_pre_attn_scalar"] ** -0.5,
-            "local_rope_theta": float(local)}
+def _gemma(config: dict, arch: str) -> dict:
+    """Gemma 2's and 3's departures from the Llama block, as LlamaArgs fields (Gemma 3's local
+    layers have their own rotary base; Gemma 2 caps its attention scores and logits)."""
+    fields = {"sandwich_norms": True, "norm_offset": 1.0, "embed_scale": config["hidden_size"] ** 0.5,
+              "activation": "gelu_tanh", "attn_scale": config["query_pre_attn_scalar"] ** -0.5,
+              "attn_softcap": config.get("attn_logit_softcapping") or None,
+              "logit_softcap": config.get("final_logit_softcapping") or None}
+    if arch == "Gemma3ForCausalLM":
+        rope = config.get("rope_parameters") or {}
+        local = rope.get("sliding_attention", {}).get("rope_theta") or config.get("rope_local_base_freq", 10000.0)
+        fields["local_rope_theta"] = float(local)
+    return fields
 
 
 def _layer_windows(config: dict, arch: str) -> tuple[int | None, ...]:
@@ -173,7 +178,7 @@ class LlamaAttention(nn.Module):
                                   quant_config=quant_config, dtype=dtype)
         self.rotary = rotary  # shared by every layer
         self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim,
-                              args.layer_windows[layer_idx], args.attn_scale)
+                              args.layer_windows[layer_idx], args.attn_scale, args.attn_softcap)
         self.qk_size = q_size + kv_size
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
@@ -312,8 +317,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] → fp32 logits [N, vocab]."""
+        """hidden [N, hidden] → fp32 logits [N, vocab] (Gemma 2's capped at ±logit_softcap)."""
         if self.lm_head is None:
             weight = self.model.embed_tokens.weight if self.packed_embedding is None else self.packed_embedding
-            return dense_matmul(hidden, weight).float()
-        return self.lm_head(hidden).float()
+            logits = dense_matmul(hidden, weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.args.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

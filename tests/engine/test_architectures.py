@@ -19,10 +19,13 @@ _LONGROPE = {**_PHI3, "original_max_position_embeddings": 64, "rope_parameters":
 # local (window 8, base 10k) and global (base 1M) layers, a query scale not head_dim's
 _GEMMA3 = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
            "pad_token_id": 0}
+_GEMMA2 = {**_GEMMA3, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}
 # case → (architecture, make_tiny_model_dir arguments, prompt lengths, LLM arguments)
 CASES = {
     # sandwich norms scaling by (1 + w), GeGLU, scaled embeddings, per-head q/k norms
     "gemma3": ("Gemma3ForCausalLM", {"head_dim": 16, "extra_config": _GEMMA3}, (3, 18, 40), {}),
+    # Gemma 2: the same block without q/k norms, attention scores and logits capped (small caps that bite)
+    "gemma2": ("Gemma2ForCausalLM", {"head_dim": 16, "extra_config": _GEMMA2}, (3, 18, 40), {}),
     "qwen2": ("Qwen2ForCausalLM", {}, (3, 18, 40), {}),  # q/k/v biases
     "mistral": ("MistralForCausalLM", {}, (3, 18, 40), {}),
     # per-head query/key RMSNorm, and a head_dim that is not hidden_size / heads (64 / 4)
@@ -82,7 +85,8 @@ _QWEN_WINDOW = {"use_sliding_window": True, "max_window_layers": 1}
 
 @pytest.mark.parametrize("architecture, extra", [("MistralForCausalLM", {}), ("Phi3ForCausalLM", _PHI3),
                                                  ("Qwen2ForCausalLM", _QWEN_WINDOW),
-                                                 ("Gemma3ForCausalLM", {**_GEMMA3, "head_dim": 16})])
+                                                 ("Gemma3ForCausalLM", {**_GEMMA3, "head_dim": 16}),
+                                                 ("Gemma2ForCausalLM", {**_GEMMA2, "head_dim": 16})])
 def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture, extra):
     """Each query sees its latest 8 keys only (Mistral v0.1's window in every layer, Phi-3-mini-4k's,
     Qwen's and Gemma 3's in some): prompts and decodes past the window, in one batch and chunked, through the C
@@ -154,17 +158,19 @@ def test_qwen_windows_only_under_use_sliding_window(tmp_path):
     assert LlamaArgs.from_hf_config(listed).layer_windows == (32, None)
 
 
-@pytest.mark.parametrize("options", ["w8a16 --algo awq", "w8a8-int8 --smoothquant 0.5", "fp8-dynamic"])
-def test_quantized_gemma3_answers_as_hf_on_it(tmp_path, options):
-    """Gemma 3 quantizes, AWQ and SmoothQuant folding scales into its (1 + w) norms (the MLP's
+@pytest.mark.parametrize("architecture, options", [
+    ("Gemma3ForCausalLM", "w8a16 --algo awq"), ("Gemma3ForCausalLM", "w8a8-int8 --smoothquant 0.5"),
+    ("Gemma3ForCausalLM", "fp8-dynamic"), ("Gemma2ForCausalLM", "w8a16 --algo awq")])
+def test_quantized_gemma_answers_as_hf_on_it(tmp_path, architecture, options):
+    """Gemma 3 (and 2) quantizes, AWQ and SmoothQuant folding scales into its (1 + w) norms (the MLP's
     input norm is pre_feedforward_layernorm); the checkpoint, its norms written back in Gemma's
     convention, loads in HF transformers, whose logits equal this engine's."""
     from calibration.cli import main
     from engine.loader import load_model
     from tests.calibration.factories import write_calib_file
 
-    source = make_tiny_model_dir(tmp_path / "gemma3", architecture="Gemma3ForCausalLM", head_dim=16,
-                                 extra_config=_GEMMA3)
+    source = make_tiny_model_dir(tmp_path / "gemma", architecture=architecture, head_dim=16,
+                                 extra_config=_GEMMA3 if architecture == "Gemma3ForCausalLM" else _GEMMA2)
     calib = write_calib_file(tmp_path / "calib.jsonl", 12)
     out = tmp_path / "quantized"
     assert main([str(source), "--calib", str(calib), "-o", str(out), "--scheme", *options.split(),

@@ -208,3 +208,31 @@ def test_block_size_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         cpu_attention.paged_decode_attention(torch.zeros(1, 1, 8), cache, cache, torch.zeros(1, 2, dtype=torch.int32),
                                             torch.tensor([4], dtype=torch.int32), 3, 1.0, one, one)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_capped_scores_equal_the_formula(cache_dtype):
+    """Gemma 2's softcap: each score becomes cap · tanh(score / cap) before the softmax, in the
+    decode kernel (contexts over several ranges) and the prefill kernel (masked lanes stay -inf)."""
+    g = torch.Generator().manual_seed(3)
+    cap, lens, news = 2.0, [5, 130, 300], [5, 20, 1]
+    k_cache, v_cache, tables, k_scale, v_scale = _random_cache(cache_dtype, 2, 64, 16, lens, g, False)
+    q = torch.randn(len(lens), 6, 64, generator=g) * 4  # scores large enough for the cap to bite
+    decoded = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                                   16, 64**-0.5, k_scale, v_scale, softcap=cap)
+    queries = torch.randn(sum(news), 6, 64, generator=g) * 4
+    query_start = torch.tensor([0, *news], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    prefilled = cpu_attention.paged_prefill_attention(queries, k_cache, v_cache, tables, query_start,
+                                                      torch.tensor(lens, dtype=torch.int32), 16, 64**-0.5, k_scale,
+                                                      v_scale, softcap=cap)
+    for i, n in enumerate(lens):
+        k, v = _gathered(k_cache, tables[i], n, 16, k_scale), _gathered(v_cache, tables[i], n, 16, v_scale)
+        rows = slice(int(query_start[i]), int(query_start[i + 1]))
+        for out, qs, first in ((decoded[i:i + 1], q[i:i + 1], n - 1), (prefilled[rows], queries[rows], n - news[i])):
+            rep = qs.shape[1] // k.shape[1]
+            scores = torch.einsum("qhd,khd->hqk", qs, k.repeat_interleave(rep, 1)) * 64**-0.5
+            scores = torch.tanh(scores / cap) * cap
+            visible = torch.arange(n)[None, :] <= torch.arange(first, first + qs.shape[0])[:, None]
+            weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", weights, v.repeat_interleave(rep, 1)),
+                                       atol=2e-5, rtol=1e-4)

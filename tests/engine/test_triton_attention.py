@@ -20,12 +20,14 @@ DEVICES = [
 ]
 
 
-def _reference(q, k, v, first_pos, window=None):
+def _reference(q, k, v, first_pos, window=None, softcap=None):
     """Causal attention in float64 (within the latest `window` keys if set); q [Tq, H, D] at
     positions first_pos.., k/v [Tk, KV, D]."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     keys, queries = torch.arange(k.shape[0])[None, :], torch.arange(first_pos, first_pos + q.shape[0])[:, None]
     visible = (keys <= queries) & (keys > queries - window if window else True)
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
@@ -33,7 +35,7 @@ def _reference(q, k, v, first_pos, window=None):
 
 
 def _run(device, dtype, cache_dtype, spans, *, kv_heads=2, group=3, head_dim=64, page=16, num_splits=1, seed=0,
-         window=None):
+         window=None, softcap=None):
     """spans: (query tokens, context length) per sequence. Returns the max relative error."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-ctx // page) for _, ctx in spans) + 2
@@ -53,13 +55,13 @@ def _run(device, dtype, cache_dtype, spans, *, kv_heads=2, group=3, head_dim=64,
     out = torch.full_like(q, float("nan"), device=device)  # every row must be written
     on = [t.to(device) for t in (q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale)]
     triton_attention.paged_attention(*on[:6], max(n for n, _ in spans), page, head_dim**-0.5, *on[6:],
-                                     num_splits=num_splits, out=out, sliding_window=window)
+                                     num_splits=num_splits, out=out, sliding_window=window, softcap=softcap)
     errors = []
     for i, (n, ctx) in enumerate(spans):
         slots = torch.tensor([tables[i][p // page] * page + p % page for p in range(ctx)])
         keys = k_cache[slots].float() * k_scale
         values = v_cache[slots].float() * v_scale
-        expected = _reference(q[query_start[i]:query_start[i + 1]], keys, values, ctx - n, window)
+        expected = _reference(q[query_start[i]:query_start[i + 1]], keys, values, ctx - n, window, softcap)
         got = out[query_start[i]:query_start[i + 1]].double().cpu()
         errors.append(float((got - expected).norm() / expected.norm()))
     return max(errors)
@@ -104,6 +106,14 @@ def test_sliding_window(device, num_splits, window):
     different key blocks, decodes split over a window that starts mid-block."""
     spans = [(1, 300), (1, 5)] if num_splits > 1 else MIXED
     assert _run(device, torch.float32, torch.float32, spans, num_splits=num_splits, window=window) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_capped_scores(device, num_splits):
+    """Gemma 2's softcap: each score becomes cap · tanh(score / cap) before the softmax."""
+    spans = [(1, 300), (1, 5)] if num_splits > 1 else MIXED
+    assert _run(device, torch.float32, torch.float32, spans, num_splits=num_splits, softcap=0.5) < 1e-5
 
 
 def test_decode_splits_fill_the_gpu():
