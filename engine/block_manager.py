@@ -174,11 +174,9 @@ class BlockManager:
         Returns False and changes nothing when there are not enough free blocks.
         """
         computed = computed or []
-        needed = self.num_free_blocks_needed(request, num_new_tokens, computed, num_lookahead_tokens)
-        if needed > self.free_queue.num_free:
+        num_tokens, num_new_blocks, num_reclaimed = self._plan(request, num_new_tokens, computed, num_lookahead_tokens)
+        if num_new_blocks + num_reclaimed > self.free_queue.num_free:
             return False
-        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        num_new_blocks = self._num_blocks_to_add(request, num_tokens + num_lookahead_tokens, computed)
         for block in computed:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
@@ -198,15 +196,17 @@ class BlockManager:
     def num_free_blocks_needed(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None,
                                num_lookahead_tokens: int = 0) -> int:
         """Free blocks that `allocate` with the same arguments would take (it changes nothing)."""
-        computed = computed or []
-        num_slots = (request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-                     + num_lookahead_tokens)
-        # hit blocks with no other user are in the free queue: taking them costs capacity too
-        return self._num_blocks_to_add(request, num_slots, computed) + sum(1 for b in computed if b.ref_count == 0)
+        _, num_new_blocks, num_reclaimed = self._plan(request, num_new_tokens, computed or [], num_lookahead_tokens)
+        return num_new_blocks + num_reclaimed
 
-    def _num_blocks_to_add(self, request: Request, num_slots: int, computed: list[Block]) -> int:
-        """Blocks beyond the request's own and the hit ones that `num_slots` token slots need."""
-        return max(-(-num_slots // self.block_size) - len(request.block_ids) - len(computed), 0)
+    def _plan(self, request: Request, num_new_tokens: int, computed: list[Block],
+              num_lookahead_tokens: int) -> tuple[int, int, int]:
+        """(the request's tokens once the step runs, blocks to take beyond its own and the hit ones,
+        hit blocks with no other user, which sit in the free queue and cost capacity too)."""
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_slots = num_tokens + num_lookahead_tokens
+        num_new_blocks = max(-(-num_slots // self.block_size) - len(request.block_ids) - len(computed), 0)
+        return num_tokens, num_new_blocks, sum(1 for b in computed if b.ref_count == 0)
 
     def _evict(self, block: Block) -> None:
         if block.hash is not None:
@@ -246,9 +246,11 @@ class BlockManager:
         """Let go of the request's blocks that hold only tokens before `position`, which its
         sliding window no longer reaches. Their hashes stay cached for prefix hits."""
         first_kept = min(max(position, 0) // self.block_size, len(request.block_ids))
+        if first_kept <= request.num_released_blocks:  # most steps: the window has not left another block
+            return
         for block_id in request.block_ids[request.num_released_blocks:first_kept]:
             self._unref(self.blocks[block_id])
-        request.num_released_blocks = max(request.num_released_blocks, first_kept)
+        request.num_released_blocks = first_kept
 
     def _unref(self, block: Block) -> None:
         block.ref_count -= 1

@@ -238,9 +238,10 @@ class ModelRunner:
             tables = self._block_tables(group, torch.long)
             pos = torch.arange(int(context_lens.max()))
             slots = tables[:, pos // bs] * bs + pos % bs  # [n, max_len]
-            mask, window_mask = (attention_mask(context_lens - 1, len(pos), window)[:, None, None, :] if wanted
-                                 else None for window, wanted in ((None, self.full_attention),
-                                                                  (self.sliding_window, self.sliding_window)))
+            queries, num_keys = context_lens - 1, len(pos)
+            mask = attention_mask(queries, num_keys, None)[:, None, None, :] if self.full_attention else None
+            window_mask = (attention_mask(queries, num_keys, self.sliding_window)[:, None, None, :]
+                           if self.sliding_window else None)
             groups.append(DecodeGroup(start, slots, mask, window_mask))
             slot_parts.append(slots.gather(1, (context_lens - 1).unsqueeze(1)).squeeze(1))
         return groups

@@ -146,10 +146,9 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
     return OUTPUT_LOGPROBS in (body.include or [])
 
 
-def as_chat(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletionRequest:
-    """The chat request this response runs as, after `history` (the previous response's turns);
-    the Responses fields it cannot honour are 400s."""
-    logprobs = wants_logprobs(body)
+def as_chat(body: ResponsesRequest, history: list[ChatMessage], logprobs: bool) -> ChatCompletionRequest:
+    """The chat request this response runs as, after `history` (the previous response's turns),
+    with the answer's logprobs if asked for."""
     conversation = history + input_turns(body)
     if body.instructions:
         conversation.insert(0, ChatMessage(role="system", content=body.instructions))
@@ -387,10 +386,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     stored = body.store and state.config.responses_store_size > 0
     if body.background:
         _check_background(body, stored)
-    if wants_logprobs(body) and state.config.reasoning_parser:
+    logprobs = wants_logprobs(body)
+    if logprobs and state.config.reasoning_parser:
         raise APIError(400, "output_text logprobs are not available with --reasoning-parser (the thinking and the "
                             "answer share the tokens)", param="include")
-    job = prepare_chat(as_chat(body, history), state)
+    job = prepare_chat(as_chat(body, history, logprobs), state)
     response_id = f"resp_{uuid.uuid4().hex}"
     record = RequestRecord(response_id)
     request.state.record = record
@@ -400,7 +400,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             turns = history + input_turns(body) + [renderer.answer_turn(out)]
             _keep(state, response_id, StoredResponse(response, turns))
 
-    token_text = token_namer(state.token_text, as_ids=False) if wants_logprobs(body) else None
+    token_text = token_namer(state.token_text, as_ids=False) if logprobs else None
     renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
                          state.config.reasoning_parser, job.reader, stored, finish, token_text)
     generation = Generation(state, job.engine, [EngineRequest(response_id, job.prompt_token_ids, job.params,
