@@ -163,8 +163,14 @@ class _BatchedRunner:
 @contextmanager
 def _observing(layer: nn.Module, stats: dict[str, LinearStats],
                kv: tuple[AbsMaxObserver, AbsMaxObserver] | None) -> Iterator[None]:
-    """Hook the observers onto the layer's Linear inputs and attention K/V for the duration."""
+    """Hook the observers onto the layer's Linear inputs and attention K/V for the duration.
+    While Linears are observed, every expert of a mixture runs on every token (its outputs for
+    tokens not routed to it unused), so each is calibrated on the whole set, as llm-compressor
+    does, rather than on the few tokens a router happens to send it."""
     handles = []
+    mixtures = [m for m in layer.modules() if hasattr(m, "calibrate_all_experts")]
+    for mixture in mixtures:
+        mixture.calibrate_all_experts = bool(stats)
     for path, linear_stats in stats.items():
         module = layer.get_submodule(path)
         handles.append(module.register_forward_pre_hook(lambda _m, args, s=linear_stats: s.update(args[0])))
@@ -182,6 +188,8 @@ def _observing(layer: nn.Module, stats: dict[str, LinearStats],
     finally:
         for handle in handles:
             handle.remove()
+        for mixture in mixtures:
+            mixture.calibrate_all_experts = False
 
 
 def _relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float | None:

@@ -56,20 +56,30 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     """The Llama block's smoothable pairs.
 
     v_proj → o_proj is left out under grouped-query attention: its scales would have to be
-    shared by the query heads reading one KV head, which the search does not model.
+    shared by the query heads reading one KV head, which the search does not model. In a
+    mixture of experts each expert's down_proj is smoothed against its own up rows; the norm
+    before the experts is not, as its scales would have to be shared by every expert and folded
+    into the (unquantized) router.
     """
-    attn, inter = layer.self_attn, layer.mlp.down_proj.input_size
-    mappings = [
-        _SmoothMapping("self_attn.qkv_proj", "input_layernorm"),
-        # the MLP's input norm (Gemma's sandwich block norms the attention output with post_attention_layernorm)
-        _SmoothMapping("mlp.gate_up_proj",
-                       "pre_feedforward_layernorm" if layer.sandwich_norms else "post_attention_layernorm"),
-        _SmoothMapping("mlp.down_proj", "mlp.gate_up_proj", slice(inter, 2 * inter)),  # the up rows
-    ]
+    attn = layer.self_attn
+    mappings = [_SmoothMapping("self_attn.qkv_proj", "input_layernorm")]
     if attn.num_heads == attn.num_kv_heads:
         v_size = attn.num_kv_heads * attn.head_dim  # the v rows, last in the fused q/k/v output
         mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj",
                                        slice(attn.qk_size, attn.qk_size + v_size)))
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None:
+        # the MLP's input norm (Gemma's sandwich block norms the attention output with post_attention_layernorm)
+        mlps = {"mlp": layer.mlp}
+        mappings.append(_SmoothMapping(
+            "mlp.gate_up_proj", "pre_feedforward_layernorm" if layer.sandwich_norms else "post_attention_layernorm"))
+    else:
+        mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(experts)}
+        if layer.mlp.shared_expert is not None:
+            mlps["mlp.shared_expert"] = layer.mlp.shared_expert
+    for path, mlp in mlps.items():
+        inter = mlp.down_proj.input_size
+        mappings.append(_SmoothMapping(f"{path}.down_proj", f"{path}.gate_up_proj", slice(inter, 2 * inter)))  # up rows
     return mappings
 
 

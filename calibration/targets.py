@@ -26,16 +26,7 @@ class LinearTarget:
     prefixes: tuple[str, ...]  # checkpoint names of its shards, e.g. model.layers.0.self_attn.q_proj
     input_size: int
     output_sizes: tuple[int, ...]
-
-
-def _shard_prefixes(full_path: str, num_shards: int, packed: dict[str, tuple[str, int]]) -> tuple[str, ...]:
-    parent, _, leaf = full_path.rpartition(".")
-    shards = sorted((shard, name) for name, (fused, shard) in packed.items() if fused == leaf)
-    if not shards:
-        return (full_path,)
-    if len(shards) != num_shards:
-        raise TargetError(f"{full_path}: {num_shards} shards but packed_modules names {len(shards)}")
-    return tuple(f"{parent}.{name}" for _, name in shards)
+    quantizable: bool = True  # False: kept dense whatever is asked (a mixture-of-experts router)
 
 
 def layer_linears(model: nn.Module) -> list[LinearTarget]:
@@ -44,16 +35,14 @@ def layer_linears(model: nn.Module) -> list[LinearTarget]:
     for layer_idx, layer in enumerate(model.model.layers):
         for path, module in layer.named_modules():
             if hasattr(module, "output_sizes"):
-                full = f"model.layers.{layer_idx}.{path}"
-                targets.append(LinearTarget(
-                    layer_idx=layer_idx, module_path=path,
-                    prefixes=_shard_prefixes(full, len(module.output_sizes), model.packed_modules),
-                    input_size=module.input_size, output_sizes=tuple(module.output_sizes)))
+                targets.append(LinearTarget(layer_idx=layer_idx, module_path=path, prefixes=module.prefixes,
+                                            input_size=module.input_size, output_sizes=tuple(module.output_sizes),
+                                            quantizable=module.quantizable))
     return targets
 
 
 def select_targets(linears: list[LinearTarget], ignore: tuple[str, ...]) -> list[LinearTarget]:
-    """The Linears not ignored; shards of a fused Linear must share the decision.
+    """The quantizable Linears not ignored; shards of a fused Linear must share the decision.
 
     Every ignore entry (exact checkpoint name or ``re:`` regex, as in compressed-tensors) other
     than ``lm_head``, which is outside the decoder layers, must match some Linear: a typo would
@@ -71,7 +60,7 @@ def select_targets(linears: list[LinearTarget], ignore: tuple[str, ...]) -> list
         if len(decisions) > 1:
             raise TargetError(f"--ignore must cover all or none of {', '.join(target.prefixes)}: "
                               "they are fused into one Linear and share one scheme")
-        if decisions == {False}:
+        if decisions == {False} and target.quantizable:
             selected.append(target)
     return selected
 

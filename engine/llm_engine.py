@@ -85,7 +85,8 @@ class LLMEngine:
                 raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len="
                                  f"{config.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
             self.max_model_len = capacity
-        use_graphs = config.device.startswith("cuda") and not config.enforce_eager
+        # a mixture of experts picks each expert's rows per step: shapes a graph cannot replay
+        use_graphs = config.device.startswith("cuda") and not config.enforce_eager and not args.is_moe
         # CUDA graphs pad decode batches; the padding rows write to one spare slot past the blocks
         self.kv_cache = KVCache(args.num_layers, capacity + (1 if use_graphs else 0), args.num_kv_heads,
                                 args.head_dim, kv_dtype, config.device)

@@ -62,16 +62,10 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _route(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int, str] | None:
-    """Checkpoint tensor name → (our module path, shard index, tensor suffix) for Linear tensors."""
-    parts = name.split(".")
-    for i in range(len(parts) - 2, -1, -1):
-        if parts[i] in packed:
-            fused, shard = packed[parts[i]]
-            return ".".join(parts[:i] + [fused]), shard, ".".join(parts[i + 1:])
-        if parts[i] in ("o_proj", "down_proj", "lm_head", "qkv_proj", "gate_up_proj"):  # the last two: Phi-3
-            return ".".join(parts[: i + 1]), 0, ".".join(parts[i + 1:])
-    return None
+def _linear_shards(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Checkpoint Linear name → (our module path, shard index), from the names each Linear carries."""
+    return {prefix: (path, shard) for path, module in model.named_modules()
+            for shard, prefix in enumerate(getattr(module, "prefixes", ()))}
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -96,6 +90,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
             module.reset_buffers()
 
     modules = dict(model.named_modules())
+    linear_shards = _linear_shards(model)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     kv_tensors: dict[str, torch.Tensor] = {}  # applied only if the engine stores KV in fp8
@@ -112,10 +107,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                 if is_kv_cache_tensor(name):
                     kv_tensors[name] = f.get_tensor(name)
                     continue
-                routed = _route(name, model.packed_modules)
-                if routed is not None and routed[0] in modules:
-                    module_path, shard, suffix = routed
-                    shards[(module_path, shard)][suffix] = f.get_tensor(name)
+                prefix, _, suffix = name.rpartition(".")
+                if prefix in linear_shards:
+                    shards[linear_shards[prefix]][suffix] = f.get_tensor(name)
                 elif name in params:
                     _copy_param(params[name], f.get_tensor(name), name)
                     loaded.add(name)

@@ -87,6 +87,9 @@ def make_tiny_model_dir(
         "Phi3ForCausalLM": transformers.Phi3Config,
         "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     }[architecture]
     config = config_cls(
         vocab_size=vocab_size,

@@ -136,8 +136,9 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module) -> FusedDecode | None:
-        """The fused step for these layers, or None where some part has no C kernel here."""
-        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
+        """The fused step for these layers, or None where some part has no C kernel here (the
+        experts of a mixture-of-experts model run in torch)."""
+        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None or model_args.is_moe:
             return None
         tensors = [final_norm.weight]
         for layer in layers:

@@ -5,6 +5,9 @@ the scheme:
 
 - ``output_sizes`` lists the shards fused into the layer (q/k/v → 3 shards, gate/up → 2,
   anything else → 1); shard ``i`` fills rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
+- ``prefixes`` names each shard's HF Linear in the checkpoint (``model.layers.0.self_attn.q_proj``),
+  so the loader and the quantizer map tensors to it without knowing the model's naming;
+  ``quantizable`` says whether the quantizer may touch it.
 - ``load_shard(shard_id, tensors)`` receives the checkpoint tensors of one HF Linear, keyed by
   suffix (``"weight"``, ``"bias"``, ``"weight_scale"``, ``"weight_packed"``, ...).
 - ``finalize()`` runs once after every shard is loaded (merge shard scales, prepack for a fast
@@ -93,19 +96,25 @@ def make_linear(
     prefixes: list[str],
     quant_config: QuantizationConfig | None,
     dtype: torch.dtype,
+    quantizable: bool = True,
 ) -> nn.Module:
     """Build the Linear for checkpoint layers ``prefixes`` (one per shard).
 
     Fused shards must share a scheme (q/k/v, gate/up): the quantization config decides per
-    prefix, and a mismatch is a checkpoint error.
+    prefix, and a mismatch is a checkpoint error. A Linear that is not ``quantizable`` (a
+    mixture-of-experts router) stays dense whatever the config says, and the quantizer skips it.
     """
-    if quant_config is None:
-        return DenseLinear(input_size, output_sizes, bias, dtype)
-    schemes = [quant_config.scheme_for(prefix) for prefix in prefixes]
+    if len(prefixes) != len(output_sizes):
+        raise ValueError(f"{len(output_sizes)} shards but {len(prefixes)} checkpoint names {prefixes}")
+    config = quant_config if quantizable else None
+    schemes = [None if config is None else config.scheme_for(prefix) for prefix in prefixes]
     if any(s != schemes[0] for s in schemes):
         raise ValueError(f"fused layers {prefixes} have different quantization schemes")
     if schemes[0] is None:
-        return DenseLinear(input_size, output_sizes, bias, dtype)
-    from quant.linear import make_quantized_linear
+        linear = DenseLinear(input_size, output_sizes, bias, dtype)
+    else:
+        from quant.linear import make_quantized_linear
 
-    return make_quantized_linear(schemes[0], input_size, output_sizes, bias=bias, dtype=dtype)
+        linear = make_quantized_linear(schemes[0], input_size, output_sizes, bias=bias, dtype=dtype)
+    linear.prefixes, linear.quantizable = tuple(prefixes), quantizable
+    return linear

@@ -1,16 +1,17 @@
 """The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), SmolLM2
 (tied embeddings), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
 Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers;
-Gemma 2's capped attention scores and logits).
+Gemma 2's capped attention scores and logits), and the mixtures of experts Mixtral, Qwen2-MoE
+and Qwen3-MoE (a router's top-k expert MLPs per token in place of the MLP).
 
     x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
     Gemma 3: x · √d → N × [x + norm(attn(norm(x))); x + norm(mlp(norm(x)))] → norm → lm_head,
              its norms scaling by (1 + w), as the loader stores them
 
 Attention is grouped-query (num_kv_heads ≤ num_heads) with rotary positions; the MLP is
-SwiGLU, down(silu(gate(x)) · up(x)). q/k/v and gate/up are fused into one Linear each; the
-loader fills them from the checkpoint's separate tensors through `packed_modules`, or from its
-fused ones where it stores them so (Phi-3).
+SwiGLU, down(silu(gate(x)) · up(x)). q/k/v and gate/up are fused into one Linear each, which
+names the checkpoint tensors it is filled from: the separate ones, or the fused ones where the
+checkpoint stores them so (Phi-3).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
+MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
-                           "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE_ARCHITECTURES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,19 @@ class LlamaArgs:
     local_rope_theta: float | None = None  # windowed layers' rotary base, unscaled (else as the others)
     attn_softcap: float | None = None  # Gemma 2: attention scores become cap · tanh(score / cap)
     logit_softcap: float | None = None  # Gemma 2: logits likewise
+    o_proj_bias: bool = False  # Llama-style attention_bias covers the output projection too (not Qwen2's)
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the layers in moe_layers replace the MLP by
+    # experts_per_token of num_experts MLPs, picked per token by a router
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    renormalize_experts: bool = True  # the picked experts' weights rescaled to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one more expert every token goes through, gated
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
 
     @property
     def sliding_window(self) -> int | None:
@@ -115,14 +130,17 @@ class LlamaArgs:
             rope_scaling=scaling,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            attention_bias=(arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False))
+                            or (arch == "Qwen2MoeForCausalLM" and config.get("qkv_bias", True))),
+            o_proj_bias=not arch.startswith("Qwen2") and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             layer_windows=_layer_windows(config, arch),
             rotary_dim=int(head_dim * partial),
             checkpoint_fuses=arch == "Phi3ForCausalLM",
             max_model_len=max_model_len,
             **gemma,
+            **(_moe(config, arch) if arch in MOE_ARCHITECTURES else {}),
         )
 
 
@@ -138,6 +156,23 @@ def _gemma(config: dict, arch: str) -> dict:
         local = rope.get("sliding_attention", {}).get("rope_theta") or config.get("rope_local_base_freq", 10000.0)
         fields["local_rope_theta"] = float(local)
     return fields
+
+
+def _moe(config: dict, arch: str) -> dict:
+    """The mixture-of-experts fields. Mixtral routes in every layer and always renormalizes; Qwen's
+    MoE routes in every decoder_sparse_step-th layer not listed in mlp_only_layers."""
+    num_layers = config["num_hidden_layers"]
+    num_experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 names both so
+    fields = {"num_experts": num_experts, "experts_per_token": config["num_experts_per_tok"]}
+    if arch == "MixtralForCausalLM":
+        return {**fields, "moe_layers": (True,) * num_layers, "expert_intermediate_size": config["intermediate_size"]}
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    return {**fields, "moe_layers": tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
+                                          for i in range(num_layers)),
+            "expert_intermediate_size": config["moe_intermediate_size"],
+            "renormalize_experts": bool(config.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": (config.get("shared_expert_intermediate_size") or 0
+                                                if arch == "Qwen2MoeForCausalLM" else 0)}
 
 
 def _layer_windows(config: dict, arch: str) -> tuple[int | None, ...]:
@@ -174,7 +209,7 @@ class LlamaAttention(nn.Module):
         sizes, names = _shards(args, prefix, "qkv_proj", {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size})
         self.qkv_proj = make_linear(args.hidden_size, sizes, bias=args.attention_bias, prefixes=names,
                                     quant_config=quant_config, dtype=dtype)
-        self.o_proj = make_linear(q_size, [args.hidden_size], bias=False, prefixes=[f"{prefix}.o_proj"],
+        self.o_proj = make_linear(q_size, [args.hidden_size], bias=args.o_proj_bias, prefixes=[f"{prefix}.o_proj"],
                                   quant_config=quant_config, dtype=dtype)
         self.rotary = rotary  # shared by every layer
         self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim,
@@ -197,18 +232,68 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, args: LlamaArgs, prefix: str, quant_config, dtype: torch.dtype):
+    """down(act(gate(x)) · up(x)); `names` are the checkpoint's for gate, up and down (Mixtral's
+    experts call them w1, w3, w2)."""
+
+    def __init__(self, args: LlamaArgs, prefix: str, quant_config, dtype: torch.dtype,
+                 intermediate_size: int | None = None, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
-        sizes, names = _shards(args, prefix, "gate_up_proj",
-                               {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size})
-        self.gate_up_proj = make_linear(args.hidden_size, sizes, bias=args.mlp_bias, prefixes=names,
+        inter = intermediate_size or args.intermediate_size
+        gate, up, down = names
+        sizes, shard_names = _shards(args, prefix, "gate_up_proj", {gate: inter, up: inter})
+        self.gate_up_proj = make_linear(args.hidden_size, sizes, bias=args.mlp_bias, prefixes=shard_names,
                                         quant_config=quant_config, dtype=dtype)
-        self.down_proj = make_linear(args.intermediate_size, [args.hidden_size], bias=args.mlp_bias,
-                                     prefixes=[f"{prefix}.down_proj"], quant_config=quant_config, dtype=dtype)
+        self.down_proj = make_linear(inter, [args.hidden_size], bias=args.mlp_bias,
+                                     prefixes=[f"{prefix}.{down}"], quant_config=quant_config, dtype=dtype)
         self.act = gelu_tanh_and_mul if args.activation == "gelu_tanh" else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    """Mixture of experts: a router scores every expert for each token, the top experts_per_token
+    run on it, and their outputs are summed weighted by the router's softmax (renormalized over
+    the picked ones where the model does). Qwen2-MoE adds a shared expert gated by a sigmoid.
+
+    The router (and the shared expert's gate) stay unquantized, as vLLM and llm-compressor keep them.
+    """
+
+    def __init__(self, args: LlamaArgs, prefix: str, quant_config, dtype: torch.dtype):
+        super().__init__()
+        mixtral = args.architecture == "MixtralForCausalLM"
+        prefix = f"{prefix.rpartition('.')[0]}.block_sparse_moe" if mixtral else prefix
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        self.top_k, self.renormalize = args.experts_per_token, args.renormalize_experts
+        self.gate = make_linear(args.hidden_size, [args.num_experts], bias=False, prefixes=[f"{prefix}.gate"],
+                                quant_config=quant_config, dtype=dtype, quantizable=False)
+        self.experts = nn.ModuleList(LlamaMLP(args, f"{prefix}.experts.{e}", quant_config, dtype,
+                                              args.expert_intermediate_size, names)
+                                     for e in range(args.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if args.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(args, f"{prefix}.shared_expert", quant_config, dtype,
+                                          args.shared_expert_intermediate_size)
+            self.shared_expert_gate = make_linear(args.hidden_size, [1], bias=False,
+                                                  prefixes=[f"{prefix}.shared_expert_gate"],
+                                                  quant_config=quant_config, dtype=dtype, quantizable=False)
+        self.calibrate_all_experts = False  # calibration: every expert sees every token (its outputs unused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        experts = range(len(self.experts)) if self.calibrate_all_experts else chosen.unique().tolist()
+        for e in experts:
+            tokens, slot = (chosen == e).nonzero(as_tuple=True)
+            y = self.experts[e](x)[tokens] if self.calibrate_all_experts else self.experts[e](x[tokens])
+            out.index_add_(0, tokens, y * weights[tokens, slot, None])
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -219,7 +304,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(args, layer_idx, f"{prefix}.self_attn", quant_config, dtype, rotary)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(args, f"{prefix}.mlp", quant_config, dtype)
+        moe = bool(args.moe_layers) and args.moe_layers[layer_idx]
+        self.mlp = (SparseMoE if moe else LlamaMLP)(args, f"{prefix}.mlp", quant_config, dtype)
         if args.sandwich_norms:  # Gemma: the MLP's input norm, and one on its output
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -276,11 +362,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: LlamaArgs, quant_config=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.args = args
-        # checkpoint sub-module name → (fused module name, shard index)
-        self.packed_modules = {} if args.checkpoint_fuses else {
-            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-        }
         self.quantized_linears = quant_config is not None and bool(quant_config.groups)
         self.model = LlamaModel(args, quant_config, dtype)
         if args.tie_word_embeddings:

@@ -20,6 +20,7 @@ _LONGROPE = {**_PHI3, "original_max_position_embeddings": 64, "rope_parameters":
 _GEMMA3 = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
            "pad_token_id": 0}
 _GEMMA2 = {**_GEMMA3, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}
+_EXPERTS = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
 # case → (architecture, make_tiny_model_dir arguments, prompt lengths, LLM arguments)
 CASES = {
     # sandwich norms scaling by (1 + w), GeGLU, scaled embeddings, per-head q/k norms
@@ -27,6 +28,7 @@ CASES = {
     # Gemma 2: the same block without q/k norms, attention scores and logits capped (small caps that bite)
     "gemma2": ("Gemma2ForCausalLM", {"head_dim": 16, "extra_config": _GEMMA2}, (3, 18, 40), {}),
     "qwen2": ("Qwen2ForCausalLM", {}, (3, 18, 40), {}),  # q/k/v biases
+    "llama-attention-bias": ("LlamaForCausalLM", {"extra_config": {"attention_bias": True}}, (3, 18), {}),  # o too
     "mistral": ("MistralForCausalLM", {}, (3, 18, 40), {}),
     # per-head query/key RMSNorm, and a head_dim that is not hidden_size / heads (64 / 4)
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}, (3, 18, 40), {}),
@@ -39,6 +41,15 @@ CASES = {
     "phi3-longrope-short": ("Phi3ForCausalLM", {"extra_config": _LONGROPE}, (3, 18, 40), {"max_model_len": 64}),
     # ... and past it: the long factors, as HF uses them for sequences past 64 tokens
     "phi3-longrope-long": ("Phi3ForCausalLM", {"extra_config": _LONGROPE}, (65, 90), {}),
+    # mixtures of experts: 2 of 6 (Mixtral: of 4) experts per token, picked by a router
+    "mixtral": ("MixtralForCausalLM", {"extra_config": {"num_local_experts": 4, "num_experts_per_tok": 2}},
+                (3, 18, 40), {}),
+    # Qwen3-MoE: q/k norms, renormalized expert weights, a dense MLP in the second layer
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {"head_dim": 32, "extra_config": {
+        **_EXPERTS, "norm_topk_prob": True, "mlp_only_layers": [1]}}, (3, 18, 40), {}),
+    # Qwen2-MoE: q/k/v biases, raw softmax weights, and a shared expert behind a sigmoid gate
+    "qwen2-moe": ("Qwen2MoeForCausalLM", {"extra_config": {**_EXPERTS, "shared_expert_intermediate_size": 96}},
+                  (3, 18, 40), {}),
 }
 
 
