@@ -284,13 +284,20 @@ class SparseMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        experts = range(len(self.experts)) if self.calibrate_all_experts else chosen.unique().tolist()
-        for e in experts:
-            tokens, slot = (chosen == e).nonzero(as_tuple=True)
-            y = self.experts[e](x)[tokens] if self.calibrate_all_experts else self.experts[e](x[tokens])
-            out.index_add_(0, tokens, y * weights[tokens, slot, None])
+        # the (token, expert) pairs grouped by expert: each expert runs once on its rows
+        order = chosen.flatten().argsort(stable=True)
+        tokens = order // self.top_k
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        grouped = x if self.calibrate_all_experts else x[tokens]
+        outputs, start = [], 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if self.calibrate_all_experts:
+                outputs.append(expert(x)[tokens[start:start + n]])
+            elif n:
+                outputs.append(expert(grouped[start:start + n]))
+            start += n
+        routed = torch.cat(outputs) * weights.to(x.dtype).flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, tokens, routed)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
