@@ -28,6 +28,7 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    cache_salt: str | None = None  # as SamplingParams': the beams share blocks only with this salt
 
     def __post_init__(self) -> None:
         if not 1 <= self.beam_width <= 10:  # each step asks for 2 x beam_width logprobs, at most 20
@@ -37,7 +38,8 @@ class BeamSearchParams:
 
     def step_params(self) -> SamplingParams:
         """What each beam's one-token request asks for: its 2 × beam_width most probable next tokens."""
-        return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * self.beam_width)
+        return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * self.beam_width,
+                              cache_salt=self.cache_salt)
 
 
 @dataclass(slots=True)

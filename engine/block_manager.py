@@ -3,7 +3,8 @@
 - Every block object exists from the start; free blocks sit in an intrusive doubly linked
   queue in eviction order (head = evict next), so taking a block out of the middle is O(1).
 - A full block is identified by a chained hash: sha256(parent hash ‖ its token ids), seeded
-  with a fixed root so every process (and an external router) computes the same hashes.
+  with a fixed root so every process (and an external router) computes the same hashes; a
+  request's cache salt changes its root, so only requests with the same salt share blocks.
 - Freed blocks keep their hash until reused: the prefix cache costs no capacity.
 - A request frees its blocks tail first, so its longest (least shareable) prefix is evicted
   before the shared head of the sequence.
@@ -21,6 +22,13 @@ from dataclasses import dataclass
 from engine.sequence import Request
 
 ROOT_HASH = hashlib.sha256(b"driftgate-kv-block-hash-v1").digest()
+
+
+def root_hash(cache_salt: str | None = None) -> bytes:
+    """The parent of a request's first block: the fixed root, or one derived from its cache salt
+    (vLLM's `cache_salt`: tenants with different salts cannot probe each other's cached prompts
+    through time to first token)."""
+    return ROOT_HASH if cache_salt is None else hashlib.sha256(ROOT_HASH + cache_salt.encode()).digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -144,7 +152,7 @@ class BlockManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request.params.cache_salt)
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> list[Block]:

@@ -50,6 +50,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # filled by the engine from bad_words
     structured_outputs: StructuredOutputs | None = None
     structured_outputs_after: list[int] | None = None
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +91,8 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty")
         if any(not word.strip() for word in self.bad_words):
             raise ValueError("bad_words must be non-empty words")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         if self.structured_outputs_after is not None and (not self.structured_outputs_after
                                                           or self.structured_outputs is None):
             raise ValueError("structured_outputs_after must be a non-empty list of token ids, with structured_outputs")

@@ -135,7 +135,7 @@ def engine_params(req: SamplingFields, *, max_tokens: int, max_n: int, logprobs:
         raise APIError(400, "tool_choice cannot be combined with use_beam_search", param="tool_choice")
     try:
         return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                length_penalty=req.length_penalty)
+                                length_penalty=req.length_penalty, cache_salt=req.cache_salt)
     except ValueError as exc:
         raise APIError(400, str(exc), param="n") from None
 
@@ -201,6 +201,7 @@ def build_sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             bad_words=list(req.bad_words or []),
             structured_outputs=constraint,
+            cache_salt=req.cache_salt,
         )
         params.check_vocabulary(vocab_size)
         return params

@@ -69,6 +69,8 @@ class SamplingFields(_Request):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     # vLLM's: lower is served first; other than 0 only under serve --scheduling-policy priority
     priority: int = 0
+    # vLLM's: only requests with the same salt share cached prompt blocks (tenants cannot probe each other)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class CompletionRequest(SamplingFields):

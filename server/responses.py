@@ -105,6 +105,7 @@ class ResponsesRequest(_Request):
     store: bool = True
     metadata: dict[str, str] | None = None
     priority: int = 0
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's, as on the chat route
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None  # "message.output_text.logprobs": the answer's tokens' logprobs
 
@@ -160,8 +161,8 @@ def as_chat(body: ResponsesRequest, history: list[ChatMessage], logprobs: bool) 
         model=body.model, messages=conversation, max_tokens=body.max_output_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, seed=body.seed, response_format=_response_format(body.text),
         structured_outputs=body.structured_outputs, tools=tools, tool_choice=choice,
-        parallel_tool_calls=body.parallel_tool_calls, priority=body.priority, logprobs=logprobs,
-        top_logprobs=(body.top_logprobs or 0) if logprobs else None)
+        parallel_tool_calls=body.parallel_tool_calls, priority=body.priority, cache_salt=body.cache_salt,
+        logprobs=logprobs, top_logprobs=(body.top_logprobs or 0) if logprobs else None)
 
 
 def _conversation(items: list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem],

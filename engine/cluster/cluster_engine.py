@@ -229,7 +229,8 @@ class ClusterEngine:
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
                 caller.call_soon_threadsafe(outputs.put_nowait, item)
 
-        flight = _Flight(RouteRequest(request_id, token_ids, params.max_tokens * params.n, priority), params, deliver)
+        flight = _Flight(RouteRequest(request_id, token_ids, params.max_tokens * params.n, priority,
+                                        params.cache_salt), params, deliver)
         self._loop.call_soon_threadsafe(self._begin, flight)
         ended = False  # the router side is done (an error or _End): the id may already be reused
         try:

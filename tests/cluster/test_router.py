@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, KVEvent, hash_token_blocks
+from engine.block_manager import BlockManager, KVEvent, hash_token_blocks, root_hash
 from engine.cluster.index import KVTimeline, PrefixIndex, ReplicaState
 from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
 from tests.helpers import make_requests
@@ -79,6 +79,24 @@ def test_prefix_affinity_picks_the_replica_holding_the_prompt():
     # the router's prediction counts only the uncached part: 40 prompt tokens − 8 blocks hit
     entry = router.replicas[2].in_flight["a"]
     assert entry.num_prefill_tokens == 8 and (entry.num_tail_tokens, entry.max_tokens) == (4, 4)
+
+
+def test_a_salted_request_has_affinity_only_to_its_salts_blocks():
+    """Its hashes start from its cache salt, as its engine's do: another salt's (or no salt's)
+    copy of the prompt is no hit, its own salt's is."""
+    router = make_router()
+    system = list(range(100, 132))
+    cache_on(router.replicas[2], system)  # cached unsalted
+    salted = req("a", 8, prefix=system)
+    salted.cache_salt = "tenant-a"
+    (d,) = router.submit(salted)
+    assert d.replica_id == 0 and router.replicas[0].in_flight["a"].num_prefill_tokens == 40
+    hashes = tuple(hash_token_blocks(system, BS, root_hash("tenant-a")))
+    assert router.replicas[1].prefix.apply([KVEvent(router.replicas[1].prefix.last_seq + 1, "stored", hashes)])
+    again = req("b", 8, prefix=system, seed=1)
+    again.cache_salt = "tenant-a"
+    (d,) = router.submit(again)
+    assert d.replica_id == 1 and router.replicas[1].in_flight["b"].num_prefill_tokens == 8
 
 
 def test_without_prefix_caching_nothing_counts_as_cached_or_shared():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, hash_token_blocks
+from engine.block_manager import BlockManager, hash_token_blocks, root_hash
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
 
@@ -76,6 +76,25 @@ def test_hits_only_on_identical_prefixes_and_capped():
     assert len(bm.get_computed_blocks(diverging)) == 1
     shifted = Request("e", [99] + list(range(12)), PARAMS)
     assert bm.get_computed_blocks(shifted) == []  # same tokens, other position: chained hashes differ
+
+
+def test_cache_salts_separate_the_prefix_cache():
+    """Only requests with the same salt share blocks; with none, the root is the unsalted one
+    (which the router's hash_token_blocks reproduces)."""
+    from dataclasses import replace
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    salted = {salt: replace(PARAMS, cache_salt=salt) for salt in ("tenant-a", "tenant-b")}
+    a = Request("a", list(range(12)), salted["tenant-a"])
+    assert bm.allocate(a, 12)
+    bm.free(a)
+    assert bm.get_computed_blocks(Request("b", list(range(12)), salted["tenant-b"])) == []
+    assert bm.get_computed_blocks(Request("c", list(range(12)), PARAMS)) == []
+    assert len(bm.get_computed_blocks(Request("d", list(range(12)), salted["tenant-a"]))) == 2
+    assert a.block_hashes == hash_token_blocks(list(range(12)), 4, root_hash("tenant-a"))
+    plain = Request("e", list(range(12)), PARAMS)
+    bm.get_computed_blocks(plain)
+    assert plain.block_hashes == hash_token_blocks(list(range(12)), 4)
 
 
 def test_freed_blocks_keep_hash_and_tail_is_evicted_first():

@@ -352,3 +352,26 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
     client.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=2)
     assert client.chat.completions.create(model=MODEL_NAME, messages=chat,
                                           max_tokens=2).usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_cache_salt_keeps_tenants_out_of_each_others_prefix_cache(client, base_url):
+    """vLLM's cache_salt: a prompt cached under one salt is no hit under another or none, and is
+    one under the same salt; the answer is the same throughout. An empty salt is a 400."""
+    prompt = [(19 * i) % 300 + 35 for i in range(40)]  # 40 tokens no other test sends
+
+    def complete(salt):
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                        extra_body={} if salt is None else {"cache_salt": salt})
+        return out.choices[0].text, out.usage.prompt_tokens_details.cached_tokens
+
+    first, cached = complete("tenant-a")
+    assert cached == 0
+    assert complete("tenant-b") == (first, 0)
+    assert complete(None) == (first, 0)
+    assert complete("tenant-a") == (first, 32)
+    chat = [{"role": "user", "content": "Say it again: " + "da " * 30}]
+    answers = [client.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=2,
+                                              extra_body={"cache_salt": "tenant-c"}) for _ in range(2)]
+    assert [a.usage.prompt_tokens_details.cached_tokens >= 16 for a in answers] == [False, True]
+    refused = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "cache_salt": ""})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
