@@ -43,6 +43,7 @@ class _RequestState:
     params: SamplingParams
     sequences: list[_SequenceState]
     prompt_logprobs: list[LogprobsDict | None] | None
+    prompt_logprob_ranks: list[int | None] | None  # each prompt token's rank in its row of logits
 
     @property
     def finished(self) -> bool:
@@ -57,8 +58,9 @@ class _RequestState:
         ]
         cached = max(self.sequences[0].request.num_cached_tokens, 0)
         prompt_lp = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
+        ranks = list(self.prompt_logprob_ranks) if self.prompt_logprob_ranks is not None else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, prompt_lp, cached)
+                             self.finished, prompt_lp, cached, ranks)
 
 
 class LLMEngine:
@@ -196,9 +198,10 @@ class LLMEngine:
             sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar, priority=priority),
                                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                             [] if params.logprobs is not None else None))
-        prompt_lp = [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
+        wants_prompt_lp = params.prompt_logprobs is not None
         return _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
-                             sequences, prompt_lp)
+                             sequences, [None] * len(prompt_ids) if wants_prompt_lp else None,
+                             [None] * len(prompt_ids) if wants_prompt_lp else None)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens as it would appear at the start of the text and after a space."""
@@ -290,9 +293,10 @@ class LLMEngine:
             self.num_prompt_tokens_computed += max(0, min(chunk.start + chunk.num_tokens, req.num_prompt_tokens)
                                                    - chunk.start)
             if req.request_id in result.prompt_logprobs:
-                first, entries = result.prompt_logprobs[req.request_id]
+                first, entries, ranks = result.prompt_logprobs[req.request_id]
                 if state.prompt_logprobs is not None and req is state.sequences[0].request:
                     state.prompt_logprobs[first:first + len(entries)] = entries
+                    state.prompt_logprob_ranks[first:first + len(ranks)] = ranks
             tokens = result.sampled.get(req.request_id)
             if tokens is None:
                 continue

@@ -37,6 +37,7 @@ class RequestOutput:
     # One entry per prompt token; the first is None (nothing precedes it).
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank (1 = most probable)
 
 
 @dataclass(slots=True)

@@ -33,8 +33,9 @@ class StepResult:
     # drafts the sampler accepted and one more
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[LogprobsDict]]  # one entry per new token, for requests that asked
-    # request id → (index of the first prompt token covered, entries), for prompt_logprobs requests
-    prompt_logprobs: dict[str, tuple[int, list[LogprobsDict]]]
+    # request id → (index of the first prompt token covered, entries, the prompt tokens' ranks),
+    # for prompt_logprobs requests
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsDict], list[int]]]
 
 
 def _length_groups(lengths: list[int], max_ratio: float = 1.5) -> list[tuple[int, int]]:
@@ -322,8 +323,8 @@ class ModelRunner:
         for c, row_start, first, count in prompt_spans:
             logits = self.model.compute_logits(hidden[row_start:row_start + count])
             targets = c.request.all_token_ids[first + 1:first + 1 + count]
-            entries = prompt_logprobs(logits, targets, c.request.params.prompt_logprobs)
-            result.prompt_logprobs[c.request.request_id] = (first + 1, entries)
+            entries, ranks = prompt_logprobs(logits, targets, c.request.params.prompt_logprobs)
+            result.prompt_logprobs[c.request.request_id] = (first + 1, entries, ranks)
         return result
 
     @staticmethod

@@ -197,15 +197,18 @@ def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], genera
     return tokens, logprobs
 
 
-def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) -> list[LogprobsDict]:
-    """logits [T, vocab] at prompt positions; entry t holds the logprob of next_tokens[t] (+ top-n)."""
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) -> tuple[list[LogprobsDict], list[int]]:
+    """logits [T, vocab] at prompt positions → (entries, ranks): entry t holds the logprob of
+    next_tokens[t] (+ top-n), rank t that token's place in its row (1 = the most probable)."""
     lp = logits.log_softmax(dim=-1)
     ids = torch.tensor(next_tokens, device=logits.device)
-    actual = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    actual_lp = lp.gather(1, ids.unsqueeze(1))  # [T, 1]
+    ranks = ((lp > actual_lp).sum(dim=-1) + 1).tolist()
+    actual = actual_lp.squeeze(1).tolist()
     result = [{tok: val} for tok, val in zip(next_tokens, actual, strict=True)]
     if top_n:
         values, top_ids = lp.topk(top_n, dim=-1)
         for entry, vs, ts in zip(result, values.tolist(), top_ids.tolist(), strict=True):
             for t, v in zip(ts, vs, strict=True):
                 entry.setdefault(t, v)
-    return result
+    return result, ranks

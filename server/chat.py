@@ -14,7 +14,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
-from server.logprobs import TokenNamer, chat_logprobs, token_namer
+from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs, token_namer
 from server.params import (
     check_model_name,
     check_prompt_ids,
@@ -80,8 +80,9 @@ class _Renderer:
     which of the answer is text and which tool calls."""
 
     def __init__(self, body: ChatCompletionRequest, request_id: str, model: str, text: TokenNamer,
-                 prompt_tokens: int, reader: ToolCallReader, reasoning_parser: str | None = None) -> None:
+                 prompt_ids: list[int], reader: ToolCallReader, reasoning_parser: str | None = None) -> None:
         self.body = body
+        self.prompt_ids = prompt_ids
         self.reader = reader
         self.reasoning_parser = reasoning_parser
         self.request_id = request_id
@@ -90,7 +91,7 @@ class _Renderer:
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None
         self.sent: dict[int, tuple[int, int, int]] = {}  # choice index -> (thinking chars, chars, tokens sent)
         self.done: set[int] = set()
-        self.usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=0)
+        self.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=0, total_tokens=0)
 
     def _logprobs(self, c: CompletionOutput, tokens: int) -> ChatLogprobs | None:
         if self.top_n is None:
@@ -111,10 +112,20 @@ class _Renderer:
             reasoning, content, calls, reason = self._finish(c)
             message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0),
-                                      finish_reason=reason))
+                                      finish_reason=reason, token_ids=self._token_ids(c, 0)))
         self.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
+        response = ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
+        if self.body.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs(self.text, self.prompt_ids, out.prompt_logprobs,
+                                                       out.prompt_logprob_ranks, self.body.prompt_logprobs)
+        if self.body.return_token_ids:
+            response.prompt_token_ids = self.prompt_ids
+        return response
+
+    def _token_ids(self, c: CompletionOutput, tokens: int) -> list[int] | None:
+        """return_token_ids: the choice's output ids from `tokens` on."""
+        return list(c.token_ids[tokens:]) if self.body.return_token_ids else None
 
     def delta(self, _: int, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
@@ -125,6 +136,8 @@ class _Renderer:
             if c.index not in self.sent:  # OpenAI opens every choice with the role alone
                 chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
                                                                                          content=""))))
+                if self.body.return_token_ids and not self.sent:  # the prompt's ids, on the stream's first chunk
+                    chunks[-1].prompt_token_ids = self.prompt_ids
                 self.sent[c.index] = (0, 0, 0)
             thought, chars, tokens = self.sent[c.index]
             if c.finished:
@@ -136,11 +149,12 @@ class _Renderer:
             else:
                 reasoning, answer = split_reasoning(c.text, self.reasoning_parser, final=False)
                 thinking, text, reason = (reasoning or "")[thought:], self.reader.streamable(answer)[chars:], None
-                if not (thinking or text or (self.top_n is not None and tokens < len(c.token_ids))):
+                wants_tokens = self.top_n is not None or self.body.return_token_ids
+                if not (thinking or text or (wants_tokens and tokens < len(c.token_ids))):
                     continue
                 delta = ChatDelta(content=text if text or not thinking else None, reasoning_content=thinking or None)
             chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=delta, logprobs=self._logprobs(c, tokens),
-                                                      finish_reason=reason)))
+                                                      finish_reason=reason, token_ids=self._token_ids(c, tokens))))
             self.sent[c.index] = (thought + len(thinking), chars + len(text), len(c.token_ids))
             if c.finished:
                 self.done.add(c.index)
@@ -183,7 +197,7 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n,
                            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                           prompt_logprobs=None, vocab_size=len(engine.tokenizer),
+                           prompt_logprobs=body.prompt_logprobs, vocab_size=len(engine.tokenizer),
                            defaults=config.sampling_defaults, tool_constraint=reader.constraint)
     if config.reasoning_parser and isinstance(params, SamplingParams) and params.structured_outputs is not None:
         # the constraint holds the answer, from the token after </think> (as vLLM does): in the
@@ -202,7 +216,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     record = RequestRecord(request_id)
     request.state.record = record
     renderer = _Renderer(body, request_id, config.served_model_name,
-                         token_namer(state.token_text, body.return_tokens_as_token_ids), len(job.prompt_token_ids),
+                         token_namer(state.token_text, body.return_tokens_as_token_ids), job.prompt_token_ids,
                          job.reader, config.reasoning_parser)
     generation = Generation(state, job.engine, [EngineRequest(request_id, job.prompt_token_ids, job.params,
                                                               body.priority)], record)

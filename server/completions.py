@@ -1,4 +1,5 @@
-"""`POST /v1/completions`: prompts as text, token ids or lists of either; echo with prompt logprobs."""
+"""`POST /v1/completions`: prompts as text, token ids or lists of either; echo with prompt logprobs,
+or vLLM's prompt_logprobs and return_token_ids beside the text."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from server.generation import EngineRequest, Generation, collect, until_disconnect
-from server.logprobs import TokenNamer, completion_logprobs, token_namer
+from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs, token_namer
 from server.params import (
     check_model_name,
     check_prompt_ids,
@@ -50,9 +51,11 @@ class _Renderer:
         self.cached: dict[int, int] = {}  # prompt index -> its prompt tokens the prefix cache served
 
     def _choice(self, prompt_index: int, out: RequestOutput, c: CompletionOutput, chars: int, tokens: int,
-                echo: bool) -> CompletionChoice:
-        """The choice for `c` from char/token offset on; with `echo`, the prompt comes first."""
+                first: bool) -> CompletionChoice:
+        """The choice for `c` from char/token offset on; the `first` of a choice echoes the prompt
+        (when asked) and carries what is said of the prompt once."""
         prompt_text, prompt_ids = self.prompts[prompt_index]
+        echo = first and self.body.echo
         text = c.text[chars:]
         logprobs = None
         if self.body.logprobs is not None:
@@ -63,8 +66,15 @@ class _Renderer:
             logprobs = completion_logprobs(self.text, ids, entries, self.body.logprobs, offset)
         if echo:
             text = prompt_text + text
-        return CompletionChoice(index=prompt_index * self.body.n + c.index, text=text, logprobs=logprobs,
-                                finish_reason=c.finish_reason)
+        choice = CompletionChoice(index=prompt_index * self.body.n + c.index, text=text, logprobs=logprobs,
+                                  finish_reason=c.finish_reason)
+        if self.body.prompt_logprobs is not None and not self.body.stream:
+            choice.prompt_logprobs = prompt_logprobs(self.text, prompt_ids, out.prompt_logprobs,
+                                                     out.prompt_logprob_ranks, self.body.prompt_logprobs)
+        if self.body.return_token_ids:
+            choice.prompt_token_ids = prompt_ids if first else None
+            choice.token_ids = list(c.token_ids[tokens:])
+        return choice
 
     def full(self, finals: dict[int, RequestOutput]) -> CompletionResponse:
         choices = []
@@ -72,7 +82,7 @@ class _Renderer:
         for prompt_index in sorted(finals):
             out = finals[prompt_index]
             for c in out.outputs:
-                choices.append(self._choice(prompt_index, out, c, 0, 0, self.body.echo))
+                choices.append(self._choice(prompt_index, out, c, 0, 0, first=True))
                 self.usage.completion_tokens += len(c.token_ids)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
@@ -89,7 +99,7 @@ class _Renderer:
             chars, tokens = self.sent.get(index, (0, 0))
             if not (tokens < len(c.token_ids) or chars < len(c.text) or c.finished or first and self.body.echo):
                 continue
-            choices.append(self._choice(prompt_index, out, c, chars, tokens, first and self.body.echo))
+            choices.append(self._choice(prompt_index, out, c, chars, tokens, first))
             self.sent[index] = (len(c.text), len(c.token_ids))
             if c.finished:
                 self.done.add(index)
@@ -120,10 +130,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             prompt_text, ids = None, kept
         max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
                                       max_tokens=body.max_tokens)
-        wants_prompt_logprobs = body.echo and body.logprobs is not None
+        # echo with logprobs and vLLM's prompt_logprobs both read the prompt's: the engine gives the most asked
+        asked = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
         params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n, logprobs=body.logprobs,
-                                       prompt_logprobs=body.logprobs if wants_prompt_logprobs else None,
-                                       vocab_size=len(engine.tokenizer), defaults=config.sampling_defaults)
+                               prompt_logprobs=max(asked) if asked else None,
+                               vocab_size=len(engine.tokenizer), defaults=config.sampling_defaults)
         prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))
         engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params, body.priority))
 

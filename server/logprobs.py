@@ -10,7 +10,14 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from engine.outputs import LogprobsDict
-from server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 
 _FLOOR = -9999.0
 
@@ -72,6 +79,22 @@ def completion_logprobs(
         top = {text(t): _clamp(lp) for t, lp in _ranked(entry, top_n)}
         top.setdefault(token, _clamp(entry[token_id]))
         out.top_logprobs.append(top)
+    return out
+
+
+def prompt_logprobs(text: TokenNamer, prompt_ids: list[int], entries: list[LogprobsDict | None],
+                    ranks: list[int | None], top_n: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token (the first has none) the token itself and the
+    top `top_n`, keyed by id, each with its logprob, rank and text."""
+    out: PromptLogprobs = []
+    for token_id, entry, rank in zip(prompt_ids, entries, ranks, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        listed = {token_id: PromptLogprob(logprob=_clamp(entry[token_id]), rank=rank, decoded_token=text(token_id))}
+        for place, (t, lp) in enumerate(_ranked(entry, top_n), start=1):
+            listed.setdefault(t, PromptLogprob(logprob=_clamp(lp), rank=place, decoded_token=text(t)))
+        out.append(listed)
     return out
 
 

@@ -27,6 +27,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
     for name, message in _UNSUPPORTED.items():
         if getattr(body, name, None):
             raise APIError(400, message, param=name)
+    if body.stream and body.prompt_logprobs:  # as vLLM: they would all come before the first token
+        raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
 
 
 def check_model_name(requested: str | None, names: tuple[str, ...]) -> None:
@@ -115,7 +117,7 @@ _NOT_WITH_BEAM_SEARCH = {
     "stop": None, "stop_token_ids": None, "min_tokens": 0, "presence_penalty": None, "frequency_penalty": None,
     "repetition_penalty": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
     "response_format": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "logprobs": None,
+    "guided_choice": None, "guided_grammar": None, "logprobs": None, "prompt_logprobs": None,
 }
 
 

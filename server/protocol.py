@@ -45,6 +45,10 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:N", exact ids
+    # vLLM's: the prompt tokens' logprobs (each with this many alternatives; not with stream), and
+    # the prompt's and output's token ids beside the text
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -171,11 +175,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry for one token (rank 1 = the most probable)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token; the first is None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the whole prompt (a stream's first chunk)
+    token_ids: list[int] | None = None  # return_token_ids: this choice's output ids (a stream's: this chunk's)
 
 
 class CompletionResponse(BaseModel):
@@ -228,6 +246,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -237,6 +256,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -251,6 +272,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the ids this chunk adds
 
 
 class ChatCompletionChunk(BaseModel):
@@ -260,6 +282,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 class ModelCard(BaseModel):

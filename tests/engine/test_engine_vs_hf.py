@@ -84,13 +84,20 @@ def test_prompt_logprobs_equal_hf_log_softmax(tiny_model_dir, chunk):
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
-        assert out.prompt_logprobs[0] is None
-        assert len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None and out.prompt_logprob_ranks[0] is None
+        assert len(out.prompt_logprobs) == len(out.prompt_logprob_ranks) == len(prompt)
+        ranks = []
         for t in range(1, len(prompt)):
             entry = out.prompt_logprobs[t]
             assert abs(entry[prompt[t]] - ref[t - 1, prompt[t]].item()) < 1e-4
             top = ref[t - 1].topk(3).indices.tolist()
             assert set(top) <= set(entry)
+            # its place among the vocabulary's logprobs (rows without a near-tie to it)
+            gaps = (ref[t - 1] - ref[t - 1, prompt[t]]).abs()
+            if not ((gaps < 1e-4) & (gaps > 0)).any():
+                assert out.prompt_logprob_ranks[t] == int((ref[t - 1] > ref[t - 1, prompt[t]]).sum()) + 1
+                ranks.append(out.prompt_logprob_ranks[t])
+        assert len(set(ranks)) > 3  # random prompts: tokens from far down the ranking too
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 8, "block_size": 4}])

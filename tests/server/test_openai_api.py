@@ -88,6 +88,68 @@ def test_echo_with_logprobs_returns_prompt_logprobs_first_null(client, base_url)
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
 
 
+def test_prompt_logprobs_list_each_prompt_token_with_its_rank(client, base_url):
+    """vLLM's prompt_logprobs: per prompt token (the first none) the token and the top n by id,
+    each with logprob, rank and text; the logprobs are echo's, ranks 1..n for the top ones and the
+    prompt token's true place. The chat route returns them for its rendered prompt."""
+    prompt_ids = httpx.post(base_url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3, "echo": True, "logprobs": 1}
+    choice = httpx.post(base_url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    listed, echoed = choice["prompt_logprobs"], choice["logprobs"]
+    assert len(listed) == len(prompt_ids) and listed[0] is None
+    for t in range(1, len(prompt_ids)):
+        entries = {int(k): v for k, v in listed[t].items()}
+        mine = entries[prompt_ids[t]]
+        assert mine["logprob"] == pytest.approx(echoed["token_logprobs"][t])
+        assert mine["decoded_token"] == echoed["tokens"][t]
+        top = sorted((v for k, v in entries.items() if k != prompt_ids[t] or v["rank"] <= 3),
+                     key=lambda v: v["rank"])
+        assert [v["rank"] for v in top] == [1, 2, 3]
+        assert [v["logprob"] for v in top] == sorted((v["logprob"] for v in top), reverse=True)
+        better = sum(v["logprob"] > mine["logprob"] for v in top)
+        assert mine["rank"] == better + 1 if better < 3 else mine["rank"] > 3
+        assert len(entries) == 3 + (mine["rank"] > 3)
+    chat = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                               "prompt_logprobs": 0}, timeout=30).json()
+    chat_ids = httpx.post(base_url + "/tokenize", json={"messages": MESSAGES}, timeout=10).json()["tokens"]
+    assert len(chat["prompt_logprobs"]) == len(chat_ids) and chat["prompt_logprobs"][0] is None
+    assert all(list(e) == [str(t)] for e, t in zip(chat["prompt_logprobs"][1:], chat_ids[1:], strict=True))
+    for route, extra in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        for fields in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                       {"prompt_logprobs": 1, "use_beam_search": True, "n": 2}):
+            refused = httpx.post(base_url + route, json={**extra, **fields}, timeout=10)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", fields
+
+
+def test_return_token_ids_give_the_prompt_and_output_ids(client, base_url):
+    """vLLM's return_token_ids: the prompt's ids and each choice's output ids beside the text; a
+    stream carries the prompt's on its first chunk and each chunk's own new ids."""
+    prompt_ids = httpx.post(base_url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra)
+    choice = full.choices[0].model_dump()
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 6
+    assert httpx.post(base_url + "/detokenize", json={"tokens": choice["token_ids"]},
+                      timeout=10).json()["prompt"] == choice["text"]
+    chunks = [c.model_dump() for c in client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6,
+                                                                temperature=0, stream=True, extra_body=extra)]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+
+    chat_ids = httpx.post(base_url + "/tokenize", json={"messages": MESSAGES}, timeout=10).json()["tokens"]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0,
+                                           extra_body=extra).model_dump()
+    assert reply["prompt_token_ids"] == chat_ids and len(reply["choices"][0]["token_ids"]) == 6
+    streamed = [c.model_dump() for c in client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0, stream=True, extra_body=extra)]
+    assert streamed[0]["prompt_token_ids"] == chat_ids
+    assert all(c.get("prompt_token_ids") is None for c in streamed[1:])
+    assert [t for c in streamed for t in (c["choices"][0].get("token_ids") or [])] == reply["choices"][0]["token_ids"]
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices[0].model_dump()
+    assert plain.get("token_ids") is None and plain.get("prompt_token_ids") is None
+
+
 def test_tokens_as_token_ids_name_the_exact_ids(client, base_url):
     """vLLM's `return_tokens_as_token_ids`: the ids, not texts that may not re-encode to them."""
     prompt_ids = httpx.post(base_url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
