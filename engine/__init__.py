@@ -8,7 +8,7 @@ from engine.structured_output import StructuredOutputs
 
 
 def __getattr__(name: str):
-    # LLM and AsyncEngine pull in torch and transformers; import them only when asked for.
+    # LLM, AsyncEngine and LoRA pull in torch and transformers; import them only when asked for.
     if name == "LLM":
         from engine.llm import LLM
 
@@ -17,8 +17,12 @@ def __getattr__(name: str):
         from engine.async_engine import AsyncEngine
 
         return AsyncEngine
+    if name == "LoRARequest":
+        from engine.lora import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)
 
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputs",
-           "RequestOutput", "CompletionOutput", "EngineStats"]
+           "RequestOutput", "CompletionOutput", "EngineStats", "LoRARequest"]

@@ -80,15 +80,15 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; ValueError before the first yield
         for a bad request. Cancelling the consumer aborts the request and frees its blocks."""
         if not self.is_alive:
             raise EngineError("the engine is not running")
         if params.structured_outputs is not None:  # compiling its grammar takes ms (the first 0.1 s): off the loop
-            state = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params, priority)
+            state = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params, priority, lora)
         else:
-            state = self.engine.make_request(request_id, prompt, params, priority)
+            state = self.engine.make_request(request_id, prompt, params, priority, lora)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._streams_lock:

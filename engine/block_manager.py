@@ -4,7 +4,8 @@
   queue in eviction order (head = evict next), so taking a block out of the middle is O(1).
 - A full block is identified by a chained hash: sha256(parent hash ‖ its token ids), seeded
   with a fixed root so every process (and an external router) computes the same hashes; a
-  request's cache salt changes its root, so only requests with the same salt share blocks.
+  request's cache salt and LoRA adapter change its root, so only requests with the same salt
+  and adapter share blocks.
 - Freed blocks keep their hash until reused: the prefix cache costs no capacity.
 - A request frees its blocks tail first, so its longest (least shareable) prefix is evicted
   before the shared head of the sequence.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,11 +26,13 @@ from engine.sequence import Request
 ROOT_HASH = hashlib.sha256(b"driftgate-kv-block-hash-v1").digest()
 
 
-def root_hash(cache_salt: str | None = None) -> bytes:
+def root_hash(cache_salt: str | None = None, lora: str | None = None) -> bytes:
     """The parent of a request's first block: the fixed root, or one derived from its cache salt
     (vLLM's `cache_salt`: tenants with different salts cannot probe each other's cached prompts
-    through time to first token)."""
-    return ROOT_HASH if cache_salt is None else hashlib.sha256(ROOT_HASH + cache_salt.encode()).digest()
+    through time to first token) and its LoRA adapter (whose KV differs from the base model's)."""
+    if cache_salt is None and lora is None:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + json.dumps([cache_salt, lora]).encode()).digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -152,7 +156,7 @@ class BlockManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else root_hash(request.params.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(request.params.cache_salt, request.lora)
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> list[Block]:

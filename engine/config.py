@@ -41,6 +41,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": requests carry a priority, lower values first
     # speculative decoding by prompt lookup: a SpeculativeConfig, or its dict / JSON (vLLM's keys)
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # LoRA adapters (PEFT folders) served over the base model: requests name one or none
+    enable_lora: bool = False
+    max_lora_rank: int = 64
+    lora_modules: dict[str, str] | None = None  # name → folder, loaded at start (implies enable_lora)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -71,6 +75,10 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.lora_modules:
+            self.enable_lora = True
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:

@@ -11,6 +11,7 @@ from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -26,23 +27,28 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts`; a bad prompt raises before anything runs.
 
-        `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`."""
+        `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`;
+        `lora_request` (one for all, or one or None per prompt) needs `enable_lora=True`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else self.default_sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         priority = [0] * len(prompts) if priority is None else list(priority)
-        if len(params) != len(prompts) or len(priority) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params and {len(priority)} priorities "
-                             f"for {len(prompts)} prompts")
+        loras = [lora_request] * len(prompts) if not isinstance(lora_request, Sequence) else list(lora_request)
+        if not len(params) == len(priority) == len(loras) == len(prompts):
+            raise ValueError(f"got {len(params)} sampling params, {len(priority)} priorities and {len(loras)} "
+                             f"LoRA requests for {len(prompts)} prompts")
+        for lora in {r for r in loras if r is not None}:
+            self.engine.add_lora(lora)
         ids = []
         try:
-            for prompt, p, rank in zip(prompts, params, priority, strict=True):
-                ids.append(self.engine.add_request(None, prompt, p, rank))
+            for prompt, p, rank, lora in zip(prompts, params, priority, loras, strict=True):
+                ids.append(self.engine.add_request(None, prompt, p, rank, None if lora is None else lora.lora_name))
         except ValueError:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -15,6 +15,7 @@ from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.generation_config import eos_token_ids, read_generation_config
 from engine.layers.attention import KVCache
 from engine.loader import apply_kv_scales, defer_kv_scales, load_model
+from engine.lora import LoRALayers, LoRARequest
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -73,6 +74,9 @@ class LLMEngine:
             raise ValueError(f"device {config.device!r}: torch {torch.__version__} sees no CUDA device here "
                              f"(use --device cpu, or auto)")
         self.model, self.hf_config = load_model(config.model, config.dtype, config.device, config.max_model_len)
+        self.lora = LoRALayers(self.model, config.max_lora_rank) if config.enable_lora else None
+        for name, path in (config.lora_modules or {}).items():
+            self.lora.add(LoRARequest(name, len(self.lora.adapters) + 1, path))
         self.model.prepack_for_cpu()
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         args = self.model.args
@@ -99,7 +103,7 @@ class LLMEngine:
                             config.max_prefill_tokens_with_decodes, config.scheduling_policy, args.window_everywhere),
             self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.seed,
-                                  config.attention_backend)
+                                  config.attention_backend, self.lora)
         if use_graphs and self.runner.backend == "triton":
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, config.max_num_seqs,
                                               self.max_model_len, pad_slot=capacity)
@@ -163,17 +167,27 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> str:
+                    priority: int = 0, lora: str | None = None) -> str:
         """Validate and queue a request; every foreseeable mistake is a ValueError here, not later."""
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.submit(self.make_request(request_id, prompt, params, priority))
+        return self.submit(self.make_request(request_id, prompt, params, priority, lora))
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load a LoRA adapter requests can then name (not while a step runs: LLM, or at start)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need enable_lora=True (serve --enable-lora or --lora-modules)")
+        self.lora.add(request)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int = 0) -> _RequestState:
-        """Tokenize and validate without touching engine state (safe from any thread)."""
+                     priority: int = 0, lora: str | None = None) -> _RequestState:
+        """Tokenize and validate without touching engine state (safe from any thread). `lora` names
+        a loaded adapter to serve the request with."""
         check_priority(priority, self.config.scheduling_policy)
+        if lora is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {lora!r} asked for, but this engine serves none (enable_lora)")
+        lora_index = None if lora is None else self.lora.index(lora)
         prompt_ids = self.tokenize_prompt(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -195,7 +209,8 @@ class LLMEngine:
         for i in range(params.n):
             p = seq_params if params.seed is None or i == 0 else dataclasses.replace(seq_params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar, priority=priority),
+            sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar, priority=priority,
+                                                    lora=lora, lora_index=lora_index),
                                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                             [] if params.logprobs is not None else None))
         wants_prompt_lp = params.prompt_logprobs is not None

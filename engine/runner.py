@@ -20,6 +20,7 @@ from engine.layers.attention import (
     TritonBatch,
     attention_mask,
 )
+from engine.lora import LoRALayers
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import LogprobsDict
 from engine.sampler import SamplingRow, prompt_logprobs, sample, verify
@@ -50,8 +51,9 @@ def _length_groups(lengths: list[int], max_ratio: float = 1.5) -> list[tuple[int
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, seed: int = 0,
-                 backend: str = "auto"):
+                 backend: str = "auto", lora: LoRALayers | None = None):
         self.model = model
+        self.lora = lora  # the LoRA adapters' wrappers, told each step which rows are whose
         self.kv_cache = kv_cache
         self.block_size = block_size
         # the torch path's masks: causal for layers that attend fully, windowed for the others
@@ -252,12 +254,19 @@ class ModelRunner:
         """Run the model over `chunks` (single-token ones first); hidden states [num_tokens, hidden]."""
         input_ids, positions, meta = self.build_metadata(chunks, input_ids)
         num_tokens = input_ids.shape[0]
-        if (self.graphs is not None and meta.num_decode_tokens == num_tokens
+        adapted = self.lora is not None and self.lora.begin_step([(c.request.lora_index, c.num_tokens) for c in chunks])
+        if (not adapted and self.graphs is not None and meta.num_decode_tokens == num_tokens
                 and self.graphs.padded_size(num_tokens) is not None):
             return self.graphs.run(input_ids, positions, meta)
         if self.device.type != "cpu":
             input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), self._to_device(meta)
-        return self.model(input_ids, positions, ForwardContext(meta, self.kv_cache))
+        ctx = ForwardContext(meta, self.kv_cache)
+        if not adapted:
+            return self.model(input_ids, positions, ctx)
+        try:  # the module path: the one-call C decode step knows no adapters
+            return self.model.model(input_ids, positions, ctx)
+        finally:
+            self.lora.end_step()
 
     @staticmethod
     def _queries(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:

@@ -28,10 +28,11 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "stop_reason", "first_token_time", "grammar", "spec_token_ids",
-                 "priority", "num_released_blocks")
+                 "priority", "num_released_blocks", "lora", "lora_index")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, grammar=None, priority: int = 0):
+                 arrival_time: float | None = None, grammar=None, priority: int = 0,
+                 lora: str | None = None, lora_index: int | None = None):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         self.request_id = request_id
@@ -51,6 +52,7 @@ class Request:
         self.grammar = grammar  # params.structured_outputs compiled for this tokenizer, or None
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (speculative decoding)
         self.priority = priority  # lower is more urgent; used by the "priority" scheduling policy
+        self.lora, self.lora_index = lora, lora_index  # the LoRA adapter serving it (name, index), if any
 
     @property
     def num_tokens(self) -> int:

@@ -36,9 +36,10 @@ class ServingEngine(Protocol):
         ...
 
     def generate(self, prompt: str | list[int], params: SamplingParams,
-                 request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 request_id: str, priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished; ValueError before the first one for a bad request
-        (a non-zero `priority` included, unless the engine schedules by priority)."""
+        (a non-zero `priority` included, unless the engine schedules by priority; a `lora` adapter
+        name the engine did not load)."""
         ...
 
     def abort(self, request_id: str) -> None:

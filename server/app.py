@@ -21,7 +21,7 @@ from server.config import ServerConfig
 from server.errors import APIError, error_response, install_error_handlers
 from server.metrics import cluster_health
 from server.middleware import AccessLogMiddleware, AuthMiddleware
-from server.params import check_model_name
+from server.params import requested_adapter
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from server.responses import cancel_response, create_response, delete_response, retrieve_response
 from server.state import Phase, ServerState
@@ -55,7 +55,9 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     async def list_models() -> ModelList:
         engine = state.ready_engine()
         return ModelList(data=[ModelCard(id=name, root=config.model_root, max_model_len=engine.max_model_len)
-                               for name in config.model_names])
+                               for name in config.model_names]
+                         + [ModelCard(id=name, root=path, parent=config.served_model_name,
+                                      max_model_len=engine.max_model_len) for name, path in config.lora_modules.items()])
 
     @app.get("/health")
     async def health() -> Response:
@@ -75,7 +77,7 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         engine = state.ready_engine()
-        check_model_name(body.model, config.model_names)
+        requested_adapter(body.model, config)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
@@ -87,7 +89,7 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         engine = state.ready_engine()
-        check_model_name(body.model, config.model_names)
+        requested_adapter(body.model, config)
         vocab_size = len(engine.tokenizer)
         bad = next((t for t in body.tokens if t >= vocab_size), None)
         if bad is not None:

@@ -16,10 +16,10 @@ from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs, token_namer
 from server.params import (
-    check_model_name,
     check_prompt_ids,
     engine_params,
     refuse_unsupported,
+    requested_adapter,
     truncate_prompt,
 )
 from server.protocol import (
@@ -179,13 +179,14 @@ class ChatJob:
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams
     reader: ToolCallReader
+    lora: str | None  # the LoRA adapter the request's `model` names
 
 
 def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
     """Validate a chat body (400s) and render its conversation to token ids."""
     engine = state.ready_engine()
     config = state.config
-    check_model_name(body.model, config.model_names)
+    lora = requested_adapter(body.model, config)
     refuse_unsupported(body)
     reader = ToolCallReader(body, config.tool_call_parser)
     ids = truncate_prompt(render_chat(engine.tokenizer, body, config.chat_template), body.truncate_prompt_tokens,
@@ -205,7 +206,7 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
         params.structured_outputs_after = engine.tokenizer.encode(THINK_END, add_special_tokens=False)
     if reader.keeps_special_tokens and isinstance(params, SamplingParams):
         params.skip_special_tokens = False
-    return ChatJob(engine, ids, params, reader)
+    return ChatJob(engine, ids, params, reader, lora)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -215,11 +216,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = RequestRecord(request_id)
     request.state.record = record
-    renderer = _Renderer(body, request_id, config.served_model_name,
+    renderer = _Renderer(body, request_id, job.lora or config.served_model_name,
                          token_namer(state.token_text, body.return_tokens_as_token_ids), job.prompt_token_ids,
                          job.reader, config.reasoning_parser)
     generation = Generation(state, job.engine, [EngineRequest(request_id, job.prompt_token_ids, job.params,
-                                                              body.priority)], record)
+                                                              body.priority, job.lora)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)
     try:

@@ -140,6 +140,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action="store_false", dest="no_prefix_caching",
                         help="vLLM's flag; prefix caching is on by default")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="PEFT LoRA adapter folders, each served as model NAME over the base model")
+    parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
     parser.add_argument("--request-timeout", type=float, default=None, help="seconds before 504")
     parser.add_argument("--max-n", type=int, default=16, help="largest n per request")
@@ -202,7 +206,8 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, device=args.device,
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, enable_lora=args.enable_lora,
+        lora_modules=lora_modules(args.lora_modules), max_lora_rank=args.max_lora_rank,
     )
     if not is_cluster(args):
         return AsyncEngine(config)
@@ -232,6 +237,21 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
         logger.warning("fp8 KV cache with dynamic scales (uncalibrated, from the first batch)")
 
 
+def lora_modules(specs: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as {name: folder} (vLLM's form); each folder must exist."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        if not Path(path).is_dir():
+            raise ValueError(f"LoRA adapter folder not found: {path}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = str(Path(path).resolve())
+    return modules
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The serve arguments checked and turned into the app's config; ValueError says what is wrong."""
     if not Path(args.model).is_dir():
@@ -253,7 +273,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
         chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-        responses_store_size=args.responses_store_size,
+        responses_store_size=args.responses_store_size, lora_modules=lora_modules(args.lora_modules),
     )
     if config.sampling_defaults:
         logger.info("requests that leave them out sample with the model's generation_config.json: %s",

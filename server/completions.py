@@ -12,10 +12,10 @@ from engine.outputs import CompletionOutput, RequestOutput
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs, token_namer
 from server.params import (
-    check_model_name,
     check_prompt_ids,
     engine_params,
     refuse_unsupported,
+    requested_adapter,
     truncate_prompt,
 )
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
@@ -119,7 +119,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state: ServerState = request.app.state.driftgate
     engine = state.ready_engine()
     config = state.config
-    check_model_name(body.model, config.model_names)
+    lora = requested_adapter(body.model, config)
     refuse_unsupported(body)
     prompts = []
     engine_requests = []
@@ -136,11 +136,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                                prompt_logprobs=max(asked) if asked else None,
                                vocab_size=len(engine.tokenizer), defaults=config.sampling_defaults)
         prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))
-        engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params, body.priority))
+        engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params, body.priority, lora))
 
     record = RequestRecord(request_id)
     request.state.record = record
-    renderer = _Renderer(body, request_id, config.served_model_name,
+    renderer = _Renderer(body, request_id, lora or config.served_model_name,
                          token_namer(state.token_text, body.return_tokens_as_token_ids), prompts)
     generation = Generation(state, engine, engine_requests, record)
     if body.stream:

@@ -28,6 +28,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # how tool_choice "auto" finds calls in the output (server.tools)
     reasoning_parser: str | None = None  # how a reasoning model's thinking is told from its answer (server.reasoning)
     responses_store_size: int = 256  # finished /v1/responses kept for previous_response_id (oldest dropped; 0: none)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapter name (a `model` to ask for) → folder
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -36,6 +37,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.aliases):
             raise ValueError("served model names must be non-empty")
+        if clash := sorted(set(self.lora_modules) & set(self.model_names)):
+            raise ValueError(f"LoRA adapter name(s) {', '.join(clash)} are also the base model's served names")
         if self.api_key == "":
             raise ValueError("api_key must be non-empty when given")
         if self.responses_store_size < 0:

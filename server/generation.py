@@ -9,6 +9,7 @@ its KV blocks are freed before the next forward pass.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams
     priority: int = 0
+    lora: str | None = None  # the LoRA adapter serving it
 
 
 class _Done:
@@ -74,13 +76,15 @@ class Generation:
     def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if isinstance(request.params, BeamSearchParams):
             return self._beam_search(request)
-        return self._engine.generate(request.prompt_token_ids, request.params, request.request_id, request.priority)
+        return self._engine.generate(request.prompt_token_ids, request.params, request.request_id, request.priority,
+                                     request.lora)
 
     async def _beam_search(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """One finished output once the search ends (its one-token requests stop with the pump)."""
         engine = self._engine
         search = BeamSearch(request.prompt_token_ids, request.params, engine.eos_token_ids, engine.max_model_len)
-        await search_async(engine.generate, search, request.request_id, request.priority)
+        await search_async(functools.partial(engine.generate, lora=request.lora), search, request.request_id,
+                           request.priority)
         yield search.output(request.request_id, None, engine.tokenizer)
 
     def _observe(self, index: int, out: RequestOutput) -> None:

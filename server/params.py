@@ -8,6 +8,7 @@ from __future__ import annotations
 from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputs
+from server.config import ServerConfig
 from server.errors import APIError
 from server.protocol import SamplingFields
 
@@ -31,10 +32,13 @@ def refuse_unsupported(body: SamplingFields) -> None:
         raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
 
 
-def check_model_name(requested: str | None, names: tuple[str, ...]) -> None:
+def requested_adapter(requested: str | None, config: ServerConfig) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model), once checked as served."""
+    names = config.model_names + tuple(config.lora_modules)
     if requested is not None and requested not in names:
         raise APIError(400, f"model {requested!r} is not served here; this server serves "
                             f"{', '.join(repr(n) for n in names)}", param="model")
+    return requested if requested in config.lora_modules else None
 
 
 def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

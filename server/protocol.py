@@ -291,6 +291,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "driftgate"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -402,10 +402,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             _keep(state, response_id, StoredResponse(response, turns))
 
     token_text = token_namer(state.token_text, as_ids=False) if logprobs else None
-    renderer = _Renderer(body, response_id, state.config.served_model_name, len(job.prompt_token_ids),
+    renderer = _Renderer(body, response_id, job.lora or state.config.served_model_name, len(job.prompt_token_ids),
                          state.config.reasoning_parser, job.reader, stored, finish, token_text)
     generation = Generation(state, job.engine, [EngineRequest(response_id, job.prompt_token_ids, job.params,
-                                                              body.priority)], record)
+                                                              body.priority, job.lora)], record)
     if body.background:
         queued = {**renderer.response(None), "status": "queued"}
         entry = StoredResponse(queued, [])

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     # kernels are defined, so before any test imports engine.layers.triton_attention.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers import make_tiny_model_dir
+from tests.helpers import make_tiny_model_dir, write_lora_adapter
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -21,6 +21,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A LoRA adapter on the tiny model's q, v and down projections."""
+    pytest.importorskip("peft")
+    return write_lora_adapter(tiny_model_dir, tmp_path_factory.mktemp("tiny-lora") / "adapter",
+                              ["q_proj", "v_proj", "down_proj"], seed=5)
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,21 @@ def make_tiny_model_dir(
     return dest
 
 
+def write_lora_adapter(base_dir: Path, dest: Path, targets: list[str], rank: int = 4, *, rslora: bool = False,
+                       seed: int = 0) -> Path:
+    """A PEFT LoRA adapter for the model at `base_dir`, written by PEFT itself, with random A and B
+    (PEFT's default B = 0 would change nothing)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
+                             use_rslora=rslora, init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(dest)
+    return Path(dest)
+
+
 def make_requests(num: int, num_tokens: int | list[int], *, max_tokens: int = 4, vocab: int = 50,
                   seed: int = 0, prefix: list[int] | None = None):
     """Requests with random prompts (optionally sharing `prefix`), for scheduler/block tests."""

@@ -118,6 +118,7 @@ class ClusterEngine:
         self.tokenizer = tokenizer
         self.max_model_len = min(s.max_model_len for s in shapes)
         self.eos_token_ids = shapes[0].eos_token_ids
+        self.lora_names = frozenset(shapes[0].lora_names)
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.num_dispatched = [0] * len(actors)
@@ -212,11 +213,13 @@ class ClusterEngine:
     # ---- requests (any thread, any loop) ------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs from whichever replica the router picks (and re-picks)."""
         if not self.is_alive:
             raise EngineError("the cluster engine is not running")
         check_priority(priority, self.router.config.scheduling_policy)
+        if lora is not None and lora not in self.lora_names:
+            raise ValueError(f"unknown LoRA adapter {lora!r}; loaded: {', '.join(sorted(self.lora_names)) or 'none'}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         with self._ids_lock:
             if request_id in self._ids:
@@ -230,7 +233,7 @@ class ClusterEngine:
                 caller.call_soon_threadsafe(outputs.put_nowait, item)
 
         flight = _Flight(RouteRequest(request_id, token_ids, params.max_tokens * params.n, priority,
-                                        params.cache_salt), params, deliver)
+                                        params.cache_salt, lora), params, deliver)
         self._loop.call_soon_threadsafe(self._begin, flight)
         ended = False  # the router side is done (an error or _End): the id may already be reused
         try:
@@ -383,7 +386,7 @@ class ClusterEngine:
         yielded = over = withdrawn = stopped = False
         try:
             stream = self.actors[replica_id].generate.options(num_returns="streaming").remote(
-                flight.request.token_ids, flight.params, request_id, flight.request.priority)
+                flight.request.token_ids, flight.params, request_id, flight.request.priority, flight.request.lora)
             async for ref in stream:
                 out: RequestOutput = await ref
                 self.router.on_progress(replica_id, request_id, sum(len(c.token_ids) for c in out.outputs))

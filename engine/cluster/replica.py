@@ -38,6 +38,7 @@ class ReplicaShape:
     max_num_seqs: int
     max_model_len: int
     eos_token_ids: list[int]
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters it loaded (every replica the same)
 
 
 class Replica:
@@ -58,12 +59,14 @@ class Replica:
     def shape(self) -> ReplicaShape:
         if self.refused is not None:
             raise self.refused
+        lora = self.engine.engine.lora
         return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
-                            self.engine.config.max_num_seqs, self.engine.max_model_len, self.engine.eos_token_ids)
+                            self.engine.config.max_num_seqs, self.engine.max_model_len, self.engine.eos_token_ids,
+                            tuple(lora.adapters) if lora is not None else ())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(prompt_token_ids, params, request_id, priority):
+                       request_id: str, priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(prompt_token_ids, params, request_id, priority, lora):
             yield out
 
     def abort(self, request_id: str) -> None:

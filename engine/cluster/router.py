@@ -96,7 +96,8 @@ class RouteRequest:
     token_ids: Sequence[int]
     max_tokens: int
     priority: int = 0  # lower is more urgent (only non-zero under the "priority" policy)
-    cache_salt: str | None = None  # its blocks' hashes start from this salt, as in its engine
+    cache_salt: str | None = None  # its blocks' hashes start from this salt and adapter, as in its engine
+    lora: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     excluded: set[int] = field(default_factory=set)  # replicas it was withdrawn from
     num_overtaken: int = 0  # later requests placed while it waited at the head of the queue
@@ -130,7 +131,7 @@ class Router:
     def submit(self, request: RouteRequest) -> list[Dispatch]:
         """Accept a request; returns what can be dispatched now (possibly nothing)."""
         bs = self.config.block_size
-        request.block_hashes = hash_token_blocks(request.token_ids, bs, root_hash(request.cache_salt))
+        request.block_hashes = hash_token_blocks(request.token_ids, bs, root_hash(request.cache_salt, request.lora))
         room = max(r.num_total_blocks for r in self.replicas.values()) * bs - len(request.token_ids)
         if room < 1:
             raise ValueError(f"request {request.request_id}'s prompt needs more KV blocks than any replica has")

@@ -153,7 +153,9 @@ class FusedDecode:
         descriptions = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = tuple(_describe(m, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            # a LoRA wrapper's base: steps with adapter rows take the module path (engine/lora.py)
+            linears = tuple(_describe(getattr(m, "base", m), keep)
+                            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             if any(d is None for d in linears):
                 return None
             descriptions.append(linears)

@@ -22,23 +22,25 @@ BLOCK_SIZE = 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def cluster(tiny_model_dir, tiny_lora_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    config = EngineConfig(str(tiny_model_dir), block_size=BLOCK_SIZE, num_kv_blocks=64, max_num_seqs=4)
+    config = EngineConfig(str(tiny_model_dir), block_size=BLOCK_SIZE, num_kv_blocks=64, max_num_seqs=4,
+                          lora_modules={"sql": str(tiny_lora_dir)})
     actors = launch_replicas(config, 2, num_cpus=0.5)
     yield actors, load_tokenizer(tiny_model_dir)
     ray.shutdown()
 
 
 def run(engine: ClusterEngine, prompts: list[list[int]], max_tokens: int = 4, sequential: bool = False,
-        params: SamplingParams | None = None):
-    """Generate for every prompt (concurrently, or one after another with a refresh between)."""
+        params: SamplingParams | None = None, lora: str | None = None):
+    """Generate for every prompt (concurrently, or one after another with a refresh between),
+    under LoRA adapter `lora` if given."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     async def one(i: int) -> object:
         last = None
-        async for out in engine.generate(prompts[i], params, f"req-{i}-{id(engine)}"):
+        async for out in engine.generate(prompts[i], params, f"req-{i}-{id(engine)}", lora=lora):
             last = out
         return last
 
@@ -67,6 +69,28 @@ def test_requests_complete_with_every_policy(cluster, policy):
     assert all(o.finished and len(o.outputs[0].token_ids) == 4 for o in outs)
     assert sum(engine.num_dispatched) == 6
     assert not engine.router.queue and all(not r.in_flight for r in engine.router.replicas.values())
+
+
+def test_lora_requests_are_served_by_their_adapter_on_every_replica(cluster, tiny_model_dir, tiny_lora_dir):
+    """Both replicas load the adapter; requests naming it answer as one engine with it does, and
+    an adapter no replica loaded is refused before anything runs."""
+    from engine import LLM, LoRARequest
+
+    actors, tokenizer = cluster
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(9 + i)] for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    offline = LLM(str(tiny_model_dir), dtype="float32", block_size=BLOCK_SIZE, enable_lora=True)
+    expected = [o.outputs[0].token_ids for o in offline.generate(
+        prompts, greedy, use_tqdm=False, lora_request=LoRARequest("sql", 1, str(tiny_lora_dir)))]
+    engine = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    assert engine.lora_names == {"sql"}
+    outs = run(engine, prompts, lora="sql")
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.num_dispatched == [2, 2]
+    base = run(ClusterEngine(actors, RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01), prompts)
+    assert [o.outputs[0].token_ids for o in base] != expected  # the adapter changed the answers
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nosql'"):
+        run(ClusterEngine(actors, RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01), prompts[:1], lora="nosql")
 
 
 def test_the_router_learns_output_lengths_from_requests_that_stop_on_their_own(cluster):

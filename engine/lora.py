@@ -1,0 +1,201 @@
+"""LoRA adapters served over one base model (vLLM's multi-LoRA serving, in torch).
+
+Every Linear of the decoder layers is wrapped once (`LoRALayers.wrap`); each loaded adapter
+puts its low-rank factors on the wrappers it targets. A step's rows are grouped by adapter, and
+each wrapper adds, for the rows of each adapter, ``scale · (x Aᵀ) Bᵀ`` to the base output:
+
+    y = x Wᵀ (+ b)  →  y[rows] += (x[rows] A_catᵀ) B_fullᵀ
+
+A_cat stacks the A of every shard the adapter targets in a fused Linear (q, k, v → qkv_proj),
+B_full places each shard's B at its output rows with the scale folded in, so one adapter costs
+two small matmuls per Linear whatever it targets there. The base weights stay as loaded
+(quantized ones included), so adapters serve over an FP8 / INT4 checkpoint unchanged, and a
+step without adapter rows runs exactly as without LoRA (the C decode step included).
+
+Adapters come in PEFT's format (adapter_config.json + adapter_model.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """vLLM's shape: an adapter's name (what requests ask for), an id (kept for vLLM's callers;
+    the name identifies it here), and its folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class LoRAStep:
+    """The current step's rows per adapter, shared by every wrapper; empty outside LoRA steps."""
+
+    def __init__(self) -> None:
+        # (adapter index, its row indices, or None when it has every row of the step)
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+
+
+class LoRALinear(nn.Module):
+    """A Linear plus the low-rank updates of the adapters that target it."""
+
+    def __init__(self, base: nn.Module, step: LoRAStep):
+        super().__init__()
+        self.base = base
+        self.step = step
+        self.prefixes: tuple[str, ...] = base.prefixes
+        self.input_size: int = base.input_size
+        self.output_sizes: list[int] = list(base.output_sizes)
+        self.factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter index → (A_cat, B_full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for index, rows in self.step.groups:
+            factors = self.factors.get(index)
+            if factors is None:
+                continue
+            a, b = factors
+            if rows is None:  # one adapter for the whole step: no gather, one fused multiply-add
+                y.addmm_(x.to(a.dtype) @ a.T, b.T)
+            else:
+                y.index_add_(0, rows, (x[rows].to(a.dtype) @ a.T @ b.T).to(y.dtype))
+        return y
+
+
+def _adapter_config(folder: Path) -> dict:
+    path = folder / "adapter_config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no adapter_config.json; is it a PEFT LoRA adapter folder?")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
+    # what would change the model in ways these two matmuls do not express
+    unsupported = {"use_dora": config.get("use_dora"), "modules_to_save": config.get("modules_to_save"),
+                   "alpha_pattern": config.get("alpha_pattern"), "fan_in_fan_out": config.get("fan_in_fan_out"),
+                   "bias": config.get("bias", "none") != "none" and config.get("bias")}
+    named = [name for name, value in unsupported.items() if value]
+    if named:
+        raise ValueError(f"{folder}: LoRA with {', '.join(named)} is not supported")
+    return config
+
+
+def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Checkpoint Linear name → {"A": [r, in], "B": [out, r]}."""
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no adapter_model.safetensors")
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors' own errors for a corrupt header
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    with handle as f:
+        for name in f.keys():
+            prefix, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+            if kind not in ("A.weight", "B.weight"):
+                raise ValueError(f"{path.name}: tensor {name!r} is not a LoRA A or B of a Linear")
+            factors.setdefault(prefix, {})[kind[0]] = f.get_tensor(name)
+    return factors
+
+
+class LoRALayers:
+    """The model's wrapped Linears and the adapters loaded onto them."""
+
+    def __init__(self, model: nn.Module, max_lora_rank: int):
+        self.step = LoRAStep()
+        self.max_lora_rank = max_lora_rank
+        self.adapters: dict[str, int] = {}  # name → index
+        self.paths: dict[str, str] = {}
+        self.by_prefix: dict[str, tuple[LoRALinear, int]] = {}  # checkpoint Linear name → (wrapper, shard)
+        for layer in model.model.layers:
+            for path, module in list(layer.named_modules()):
+                # not a mixture's routed experts: each sees a gather of the step's rows, not the rows
+                if getattr(module, "quantizable", False) and ".experts." not in f".{path}":
+                    parent, _, leaf = path.rpartition(".")
+                    wrapper = LoRALinear(module, self.step)
+                    setattr(layer.get_submodule(parent), leaf, wrapper)
+                    self.by_prefix.update({p: (wrapper, i) for i, p in enumerate(wrapper.prefixes)})
+        embedding = model.model.embed_tokens.weight  # the model's dtype and device
+        self._dtype, self._device = embedding.dtype, embedding.device
+
+    def add(self, request: LoRARequest) -> None:
+        """Load an adapter (once per name; the same name with another folder is an error)."""
+        known = self.paths.get(request.lora_name)
+        if known is not None:
+            if known != str(request.lora_path):
+                raise ValueError(f"LoRA adapter {request.lora_name!r} is already loaded from {known}")
+            return
+        folder = Path(request.lora_path)
+        if not folder.is_dir():
+            raise ValueError(f"LoRA adapter folder not found: {folder}")
+        config = _adapter_config(folder)
+        index = len(self.adapters)
+        staged: dict[LoRALinear, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
+        for prefix, pair in sorted(_adapter_tensors(folder).items()):
+            if prefix not in self.by_prefix:
+                raise ValueError(f"{folder}: LoRA target {prefix!r} is none of the attention and MLP projections "
+                                 "adapters can target here")
+            if set(pair) != {"A", "B"}:
+                raise ValueError(f"{folder}: {prefix} lacks its lora_{'B' if 'A' in pair else 'A'}")
+            wrapper, shard = self.by_prefix[prefix]
+            a, b = pair["A"], pair["B"]
+            rank = a.shape[0]
+            if rank > self.max_lora_rank:
+                raise ValueError(f"{folder}: rank {rank} of {prefix} exceeds max_lora_rank={self.max_lora_rank}")
+            if tuple(a.shape) != (rank, wrapper.input_size) or tuple(b.shape) != (wrapper.output_sizes[shard], rank):
+                raise ValueError(f"{folder}: {prefix} has A {tuple(a.shape)} and B {tuple(b.shape)}; expected "
+                                 f"({rank}, {wrapper.input_size}) and ({wrapper.output_sizes[shard]}, {rank})")
+            alpha = config.get("lora_alpha", rank)
+            scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+            staged.setdefault(wrapper, []).append((shard, a, b, scale))
+        if not staged:
+            raise ValueError(f"{folder}: the adapter holds no LoRA weights")
+        for wrapper, shards in staged.items():
+            wrapper.factors[index] = self._fuse(wrapper, shards)
+        self.adapters[request.lora_name] = index
+        self.paths[request.lora_name] = str(request.lora_path)
+
+    def _fuse(self, wrapper: LoRALinear, shards: list[tuple[int, torch.Tensor, torch.Tensor, float]],
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_cat [Σr, in], B_full [out, Σr]): each shard's B, scaled, at its rows and its A's columns."""
+        device = self._device
+        a_cat = torch.cat([a for _, a, _, _ in shards]).to(device, self._dtype)
+        b_full = torch.zeros(sum(wrapper.output_sizes), a_cat.shape[0], dtype=self._dtype, device=device)
+        column = 0
+        for shard, a, b, scale in shards:
+            start = sum(wrapper.output_sizes[:shard])
+            b_full[start:start + b.shape[0], column:column + a.shape[0]] = b.to(device, self._dtype) * scale
+            column += a.shape[0]
+        return a_cat, b_full
+
+    def index(self, name: str) -> int:
+        if name not in self.adapters:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {', '.join(sorted(self.adapters)) or 'none'}")
+        return self.adapters[name]
+
+    def begin_step(self, row_adapters: list[tuple[int | None, int]]) -> bool:
+        """Group this step's rows ((adapter index or None, number of rows) per chunk, in row
+        order) by adapter; True when some row has one."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for index, count in row_adapters:
+            if index is not None:
+                rows.setdefault(index, []).extend(range(start, start + count))
+            start += count
+        self.step.groups = [(index, None if len(r) == start else torch.tensor(r, device=self._device))
+                            for index, r in rows.items()]
+        return bool(rows)
+
+    def end_step(self) -> None:
+        self.step.groups = []

@@ -1,0 +1,140 @@
+"""LoRA adapters over one base model, against PEFT's own model as the oracle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, LoRARequest, SamplingParams
+from tests.helpers import make_tiny_model_dir, write_lora_adapter
+from tests.oracle import assert_outputs_match_hf, hf_greedy
+
+peft = pytest.importorskip("peft")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+PROMPTS = [[5 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((3, 18, 40))]
+# adapter → (target modules, rank, rsLoRA): between them every projection, q/k/v and gate/up split
+ADAPTERS = {"a": (["q_proj", "v_proj", "gate_proj", "down_proj"], 4, False),
+            "b": (["k_proj", "o_proj", "up_proj"], 8, True)}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model_dir(root / "base")
+    folders = {name: write_lora_adapter(base, root / name, targets, rank, rslora=rslora, seed=i)
+               for i, (name, (targets, rank, rslora)) in enumerate(ADAPTERS.items())}
+    return base, folders
+
+
+def _peft_reference(base, folder, prompts, **load):
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **load)
+    if folder is not None:
+        model = peft.PeftModel.from_pretrained(model, folder)
+    return [hf_greedy(model.eval(), p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 7, "block_size": 4}])
+def test_one_batch_of_several_adapters_answers_as_peft(adapters, config):
+    """Every prompt under adapter a, adapter b and none, all in one batch (and chunked), gives
+    PEFT's greedy tokens and logprobs."""
+    base, folders = adapters
+    choices = [None, *folders]
+    reference = {name: _peft_reference(base, folders.get(name), PROMPTS) for name in choices}
+    llm = LLM(str(base), dtype="float32", enable_lora=True, **config)
+    requests = {name: LoRARequest(name, i + 1, str(folder)) for i, (name, folder) in enumerate(folders.items())}
+    prompts = [p for _ in choices for p in PROMPTS]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False,
+                        lora_request=[requests.get(name) for name in choices for _ in PROMPTS])
+    for k, name in enumerate(choices):
+        mine = outs[k * len(PROMPTS):(k + 1) * len(PROMPTS)]
+        assert_outputs_match_hf(mine, reference[name], f"adapter {name}{config}")
+        for out, (tokens, logprobs) in zip(mine, reference[name], strict=True):
+            ours = [lp[t] for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)]
+            theirs = [row[t].item() for row, t in zip(logprobs, tokens, strict=True)]
+            assert ours == pytest.approx(theirs, abs=1e-4)
+    assert llm.engine.model.fused_decode is not None  # steps without adapter rows keep the C decode step
+
+
+def test_adapters_never_share_cached_prompt_blocks(adapters):
+    """The KV of a prompt under one adapter is not the base model's, nor another adapter's."""
+    base, folders = adapters
+    llm = LLM(str(base), dtype="float32", lora_modules={name: str(f) for name, f in folders.items()})
+    prompt = PROMPTS[2]  # two full 16-token blocks
+    cached = []
+    for lora in (None, "a", "b", "a"):
+        request = None if lora is None else LoRARequest(lora, 0, str(folders[lora]))
+        cached.append(llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=request)[0].num_cached_tokens)
+    assert cached == [0, 0, 0, 32]
+
+
+def test_an_adapter_serves_over_a_quantized_base(adapters, tmp_path):
+    """LoRA over a w8a16 checkpoint: HF with compressed-tensors under PEFT answers the same."""
+    from calibration.cli import main
+    from tests.calibration.factories import write_calib_file
+
+    base, folders = adapters
+    quantized = tmp_path / "w8a16"
+    assert main([str(base), "--calib", str(write_calib_file(tmp_path / "calib.jsonl", 8)), "-o", str(quantized),
+                 "--scheme", "w8a16", "--num-samples", "4", "--num-heldout", "2"]) == 0
+    from transformers import CompressedTensorsConfig
+
+    # decompressed into plain Linears, which PEFT can wrap
+    reference = _peft_reference(quantized, folders["a"], PROMPTS,
+                                quantization_config=CompressedTensorsConfig(run_compressed=False))
+    llm = LLM(str(quantized), dtype="float32", lora_modules={"a": str(folders["a"])})
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(folders["a"])))
+    assert_outputs_match_hf(outs, reference, "a over w8a16")
+
+
+def test_an_adapter_over_a_mixture_of_experts(tmp_path):
+    """Attention and the shared expert take adapters in a MoE model too (PEFT's answers); its
+    routed experts see gathered rows, and an adapter naming them is refused."""
+    base = make_tiny_model_dir(tmp_path / "moe", architecture="Qwen2MoeForCausalLM", extra_config={
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96})
+    folder = write_lora_adapter(base, tmp_path / "adapter", ["q_proj", "o_proj", "shared_expert.up_proj"], seed=4)
+    llm = LLM(str(base), dtype="float32", lora_modules={"a": str(folder)})
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(folder)))
+    assert_outputs_match_hf(outs, _peft_reference(base, folder, PROMPTS), "moe adapter")
+    shutil.copytree(folder, tmp_path / "experts")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    renamed = {k.replace("shared_expert.", "experts.0."): v for k, v in tensors.items()}
+    save_file(renamed, str(tmp_path / "experts" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="experts.0.up_proj' is none of the attention and MLP projections"):
+        llm.engine.add_lora(LoRARequest("experts", 2, str(tmp_path / "experts")))
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_bad_adapters_and_requests_are_clear_errors(adapters, tmp_path):
+    base, folders = adapters
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+        llm.engine.add_request(None, PROMPTS[0], GREEDY, lora="nope")
+    with pytest.raises(ValueError, match="rank 8 .* exceeds max_lora_rank=4"):
+        llm.engine.add_lora(LoRARequest("b", 2, str(folders["b"])))
+    with pytest.raises(ValueError, match="LoRA adapter folder not found"):
+        llm.engine.add_lora(LoRARequest("gone", 3, str(tmp_path / "gone")))
+    dora = shutil.copytree(folders["a"], tmp_path / "dora")
+    _edit_config(dora, use_dora=True)
+    with pytest.raises(ValueError, match="use_dora is not supported"):
+        llm.engine.add_lora(LoRARequest("dora", 4, str(dora)))
+    embed = write_lora_adapter(base, tmp_path / "embed", ["embed_tokens"], seed=3)
+    with pytest.raises(ValueError, match="embed_tokens"):
+        llm.engine.add_lora(LoRARequest("embed", 5, str(embed)))
+    llm.engine.add_lora(LoRARequest("a", 1, str(folders["a"])))
+    with pytest.raises(ValueError, match="already loaded from"):
+        llm.engine.add_lora(LoRARequest("a", 1, str(folders["b"])))
+    assert llm.engine.lora.adapters == {"a": 0}  # the refused ones left nothing behind
+    plain = LLM(str(base), dtype="float32")
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(folders["a"])))
