@@ -40,6 +40,32 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, [s[0].float().log_softmax(-1) for s in out.scores]
 
 
+def assert_quantized_answers_as_hf(source, out, *, weights_only: bool, max_drift: float) -> None:
+    """A quantized checkpoint `out` of `source`: HF transformers (with compressed-tensors) loads it
+    and greedily answers as this engine does; weights-only schemes give HF's logits within 1e-4
+    (the same dequantized arithmetic); and the logits stay within `max_drift` (mean absolute
+    difference) of the unquantized model's."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from engine.loader import load_model
+
+    ids = torch.randint(3, 380, (30,), generator=torch.Generator().manual_seed(9))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens, _ = hf_greedy(hf, ids.tolist(), 12)
+    ours = LLM(str(out), dtype="float32").generate([ids.tolist()], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                 ignore_eos=True), use_tqdm=False)
+    assert list(ours[0].outputs[0].token_ids) == tokens
+    model, _ = load_model(out, "float32")
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, torch.arange(30)))
+        if weights_only:
+            torch.testing.assert_close(logits, hf(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
+        original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)(ids.unsqueeze(0)).logits[0]
+    drift = (logits - original).abs().mean()
+    assert drift < max_drift, drift
+
+
 def first_divergence(ours: list[int], our_logprobs: list[dict[int, float]], theirs: list[int],
                      their_logprobs: list[torch.Tensor]) -> Divergence | None:
     """None if the sequences agree; else where and how close the two choices were in each run."""

@@ -9,12 +9,10 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
 from engine.models.llama import LlamaArgs
 from tests.helpers import make_tiny_model_dir
-from tests.oracle import hf_greedy
+from tests.oracle import assert_quantized_answers_as_hf
 
 _MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 _QWEN_EXPERTS = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
@@ -73,7 +71,6 @@ def test_quantized_moe_answers_as_hf_on_it(tmp_path, architecture, options):
     every token), the routers are left dense and listed as ignored; HF transformers with
     compressed-tensors loads the checkpoint and greedily answers as this engine does."""
     from calibration.cli import main
-    from engine.loader import load_model
     from tests.calibration.factories import write_calib_file
 
     source = _tiny_moe(tmp_path / "moe", architecture)
@@ -98,16 +95,4 @@ def test_quantized_moe_answers_as_hf_on_it(tmp_path, architecture, options):
         assert "model.layers.0.mlp.shared_expert_gate" in ignore
         assert "model.layers.0.mlp.shared_expert.down_proj.weight_scale" in names
 
-    ids = torch.randint(3, 380, (30,), generator=torch.Generator().manual_seed(9))
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    tokens, _ = hf_greedy(hf, ids.tolist(), 12)
-    ours = LLM(str(out), dtype="float32").generate([ids.tolist()], SamplingParams(temperature=0.0, max_tokens=12,
-                                                                                 ignore_eos=True), use_tqdm=False)
-    assert list(ours[0].outputs[0].token_ids) == tokens
-    model, _ = load_model(out, "float32")
-    with torch.no_grad():
-        logits = model.compute_logits(model(ids, torch.arange(30)))
-        if "a16" in options:  # weights only: the same arithmetic as HF's dequantized reference
-            torch.testing.assert_close(logits, hf(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
-        original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)(ids.unsqueeze(0)).logits[0]
-        assert (logits - original).abs().mean() < 0.25, (logits - original).abs().mean()
+    assert_quantized_answers_as_hf(source, out, weights_only="a16" in options, max_drift=0.25)
