@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -135,6 +137,23 @@ class AsyncEngine:
         self._wake.set()
         return await asyncio.wrap_future(done)
 
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Load a LoRA adapter between steps (ValueError: the engine's reason)."""
+        await self._between_steps(functools.partial(self.engine.add_lora, request))
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload a LoRA adapter no request in flight uses, between steps."""
+        await self._between_steps(functools.partial(self.engine.remove_lora, name))
+
+    async def _between_steps(self, call: Callable[[], None]) -> None:
+        """Run `call` on the engine thread, where no step is running, and wait for it."""
+        if not self.is_alive:
+            raise EngineError("the engine is not running")
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(("call", (call, done)))
+        self._wake.set()
+        await asyncio.wrap_future(done)
+
     # ---- the loop (engine thread) -----------------------------------------------------------
 
     def _deliver(self, request_id: str, item) -> None:
@@ -161,6 +180,12 @@ class AsyncEngine:
                 if withdrawn:
                     self._deliver(request_id, _Withdrawn())
                 done.set_result(withdrawn)
+            elif kind == "call":
+                call, done = arg
+                try:
+                    done.set_result(call())
+                except ValueError as exc:
+                    done.set_exception(exc)
             else:
                 self.engine.abort_request(arg)
 

@@ -175,10 +175,18 @@ class LLMEngine:
         return self.submit(self.make_request(request_id, prompt, params, priority, lora))
 
     def add_lora(self, request: LoRARequest) -> None:
-        """Load a LoRA adapter requests can then name (not while a step runs: LLM, or at start)."""
+        """Load a LoRA adapter requests can then name (between steps: LLM, or AsyncEngine's thread)."""
         if self.lora is None:
             raise ValueError("LoRA adapters need enable_lora=True (serve --enable-lora or --lora-modules)")
         self.lora.add(request)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload a LoRA adapter no request in flight uses (between steps)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora)")
+        if users := [s.request_id for s in self.requests.values() if s.sequences[0].request.lora == name]:
+            raise ValueError(f"LoRA adapter {name!r} serves {len(users)} request(s) in flight; retry once they end")
+        self.lora.remove(name)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, lora: str | None = None) -> _RequestState:
@@ -228,6 +236,9 @@ class LLMEngine:
         """Queue a request made by `make_request` (engine thread only)."""
         if state.request_id in self.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
+        first = state.sequences[0].request
+        if first.lora is not None and self.lora.adapters.get(first.lora) != first.lora_index:
+            raise ValueError(f"LoRA adapter {first.lora!r} was unloaded")  # between make_request and now
         self.requests[state.request_id] = state
         for seq in state.sequences:
             self._seq_owner[seq.request.request_id] = state

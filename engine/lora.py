@@ -17,6 +17,7 @@ Adapters come in PEFT's format (adapter_config.json + adapter_model.safetensors)
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +116,9 @@ class LoRALayers:
     def __init__(self, model: nn.Module, max_lora_rank: int):
         self.step = LoRAStep()
         self.max_lora_rank = max_lora_rank
-        self.adapters: dict[str, int] = {}  # name → index
+        self.adapters: dict[str, int] = {}  # name → index (never reused, so a stale index finds nothing)
         self.paths: dict[str, str] = {}
+        self._indices = itertools.count()
         self.by_prefix: dict[str, tuple[LoRALinear, int]] = {}  # checkpoint Linear name → (wrapper, shard)
         for layer in model.model.layers:
             for path, module in list(layer.named_modules()):
@@ -140,7 +142,7 @@ class LoRALayers:
         if not folder.is_dir():
             raise ValueError(f"LoRA adapter folder not found: {folder}")
         config = _adapter_config(folder)
-        index = len(self.adapters)
+        index = next(self._indices)
         staged: dict[LoRALinear, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
         for prefix, pair in sorted(_adapter_tensors(folder).items()):
             if prefix not in self.by_prefix:
@@ -178,6 +180,13 @@ class LoRALayers:
             b_full[start:start + b.shape[0], column:column + a.shape[0]] = b.to(device, self._dtype) * scale
             column += a.shape[0]
         return a_cat, b_full
+
+    def remove(self, name: str) -> None:
+        """Unload an adapter (the engine checks no request uses it)."""
+        index = self.index(name)
+        for wrapper, _ in self.by_prefix.values():
+            wrapper.factors.pop(index, None)
+        del self.adapters[name], self.paths[name]
 
     def index(self, name: str) -> int:
         if name not in self.adapters:

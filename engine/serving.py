@@ -7,10 +7,13 @@ loop thread), so a server drives either through the same calls and never branche
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora import LoRARequest
 
 
 class ServingEngine(Protocol):
@@ -40,6 +43,14 @@ class ServingEngine(Protocol):
         """Cumulative outputs until finished; ValueError before the first one for a bad request
         (a non-zero `priority` included, unless the engine schedules by priority; a `lora` adapter
         name the engine did not load)."""
+        ...
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Load a LoRA adapter requests may then name (every replica of a cluster); ValueError says why not."""
+        ...
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload a LoRA adapter no request in flight uses; ValueError says why not."""
         ...
 
     def abort(self, request_id: str) -> None:

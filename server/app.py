@@ -19,6 +19,7 @@ from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.config import ServerConfig
 from server.errors import APIError, error_response, install_error_handlers
+from server.lora import load_lora_adapter, unload_lora_adapter
 from server.metrics import cluster_health
 from server.middleware import AccessLogMiddleware, AuthMiddleware
 from server.params import requested_adapter
@@ -50,6 +51,8 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     app.get("/v1/responses/{response_id}")(retrieve_response)
     app.delete("/v1/responses/{response_id}")(delete_response)
     app.post("/v1/responses/{response_id}/cancel")(cancel_response)
+    app.post("/v1/load_lora_adapter")(load_lora_adapter)
+    app.post("/v1/unload_lora_adapter")(unload_lora_adapter)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

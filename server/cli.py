@@ -144,6 +144,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="PEFT LoRA adapter folders, each served as model NAME over the base model")
     parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (reads folders named by clients)")
     parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
     parser.add_argument("--request-timeout", type=float, default=None, help="seconds before 504")
     parser.add_argument("--max-n", type=int, default=16, help="largest n per request")
@@ -274,7 +276,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size, lora_modules=lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
+    if args.allow_runtime_lora_updating and not (args.enable_lora or args.lora_modules):
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora (or --lora-modules)")
     if config.sampling_defaults:
         logger.info("requests that leave them out sample with the model's generation_config.json: %s",
                     config.sampling_defaults)

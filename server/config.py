@@ -29,6 +29,10 @@ class ServerConfig:
     reasoning_parser: str | None = None  # how a reasoning model's thinking is told from its answer (server.reasoning)
     responses_store_size: int = 256  # finished /v1/responses kept for previous_response_id (oldest dropped; 0: none)
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapter name (a `model` to ask for) → folder
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; off unless asked for: they
+    # read folders named over the network); adapters they load are added to lora_modules
+    allow_runtime_lora_updating: bool = False
+    runtime_loras: set[str] = field(default_factory=set)  # the names loaded that way (only they unload)
 
     @property
     def model_names(self) -> tuple[str, ...]:

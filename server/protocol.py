@@ -152,6 +152,15 @@ class DetokenizeRequest(_Request):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
 # ---- responses --------------------------------------------------------------------------------
 
 

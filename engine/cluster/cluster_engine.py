@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -42,9 +43,12 @@ from engine.cluster.index import ReplicaState
 from engine.cluster.replica import ReplicaReport, ReplicaShape, launch_replicas
 from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
 from engine.config import EngineConfig, check_priority
+from engine.lora import LoRARequest
 from engine.outputs import ClusterStats, EngineStats, ReplicaStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 _SUMMED = tuple(f.name for f in dataclasses.fields(EngineStats) if f.type == "int")
 
@@ -119,6 +123,7 @@ class ClusterEngine:
         self.max_model_len = min(s.max_model_len for s in shapes)
         self.eos_token_ids = shapes[0].eos_token_ids
         self.lora_names = frozenset(shapes[0].lora_names)
+        self._runtime_loras: dict[str, LoRARequest] = {}  # loaded since start: a restarted replica gets them again
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.num_dispatched = [0] * len(actors)
@@ -249,6 +254,41 @@ class ClusterEngine:
             if not ended:
                 self.abort(request_id)
 
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Load a LoRA adapter on every live replica (a dead one gets it when it rejoins); if one
+        refuses, the others unload it again and the ValueError says why."""
+        failed = [r for r in await self._on_replicas("add_lora", request) if isinstance(r, ValueError)]
+        if failed:
+            await self._on_replicas("remove_lora", request.lora_name)
+            raise failed[0]
+        self._runtime_loras[request.lora_name] = request
+        self.lora_names = self.lora_names | {request.lora_name}
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload a LoRA adapter from every replica; refused while any of them serves a request with it."""
+        if name not in self.lora_names:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        self.lora_names = self.lora_names - {name}  # no new requests for it while replicas unload it
+        failed = [r for r in await self._on_replicas("remove_lora", name) if isinstance(r, ValueError)]
+        if failed:
+            self.lora_names = self.lora_names | {name}
+            raise failed[0]
+        self._runtime_loras.pop(name, None)
+
+    async def _on_replicas(self, method: str, arg: object) -> list[object]:
+        """Call an actor method on every replica: each one's result, its ValueError, or None where it is dead."""
+        async def call(actor) -> object:
+            try:
+                return await _get(getattr(actor, method).remote(arg))
+            except RayTaskError as exc:
+                if isinstance(exc.cause, ValueError):
+                    return ValueError(str(exc.cause))
+                raise
+            except RayActorError:
+                return None
+
+        return list(await asyncio.gather(*(call(a) for a in self.actors)))
+
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is: the router's queue, a withdrawal, or a replica."""
         if self._loop is not None:
@@ -315,6 +355,12 @@ class ClusterEngine:
             report: ReplicaReport = await asyncio.wait_for(_get(actor.report.remote()), self.poll_timeout_s)
             if report.incarnation != self._incarnations[replica_id]:
                 state.prefix.mark_stale()  # restarted (or first seen): its seq began again
+                for request in list(self._runtime_loras.values()):  # its config holds only the first ones
+                    try:
+                        await _get(actor.add_lora.remote(request))
+                    except RayTaskError as exc:  # its requests for this adapter will fail, saying why
+                        log.warning("replica %d could not reload LoRA adapter %r: %s", replica_id,
+                                    request.lora_name, exc.cause)
                 self._incarnations[replica_id] = report.incarnation
             if not state.prefix.apply(report.events):
                 hashes, seq = await asyncio.wait_for(_get(actor.snapshot.remote()), self.poll_timeout_s)

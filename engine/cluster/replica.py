@@ -18,6 +18,7 @@ import ray
 from engine.async_engine import AsyncEngine
 from engine.block_manager import KVEvent
 from engine.config import EngineConfig
+from engine.lora import LoRARequest
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -68,6 +69,12 @@ class Replica:
                        request_id: str, priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         async for out in self.engine.generate(prompt_token_ids, params, request_id, priority, lora):
             yield out
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        await self.engine.add_lora(request)
+
+    async def remove_lora(self, name: str) -> None:
+        await self.engine.remove_lora(name)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -93,6 +93,32 @@ def test_lora_requests_are_served_by_their_adapter_on_every_replica(cluster, tin
         run(ClusterEngine(actors, RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01), prompts[:1], lora="nosql")
 
 
+def test_adapters_load_and_unload_on_every_replica_at_run_time(cluster, tiny_model_dir, tmp_path):
+    """add_lora reaches every replica (a refused one is rolled back everywhere); requests then name
+    it on any replica; remove_lora takes it from all of them."""
+    from engine import LLM, LoRARequest
+    from tests.helpers import write_lora_adapter
+
+    actors, tokenizer = cluster
+    folder = write_lora_adapter(tiny_model_dir, tmp_path / "extra", ["o_proj", "up_proj"], seed=9)
+    prompts = [[(3 * i + j) % 300 + 3 for j in range(8 + i)] for i in range(4)]
+    offline = LLM(str(tiny_model_dir), dtype="float32", block_size=BLOCK_SIZE, enable_lora=True)
+    expected = [o.outputs[0].token_ids for o in offline.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False,
+        lora_request=LoRARequest("extra", 1, str(folder)))]
+    engine = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    asyncio.run(engine.add_lora(LoRARequest("extra", 2, str(folder))))
+    assert engine.lora_names == {"sql", "extra"}
+    assert [o.outputs[0].token_ids for o in run(engine, prompts, lora="extra")] == expected
+    assert engine.num_dispatched == [2, 2]
+    with pytest.raises(ValueError, match="folder not found"):
+        asyncio.run(engine.add_lora(LoRARequest("bad", 3, str(tmp_path / "none"))))
+    asyncio.run(engine.remove_lora("extra"))
+    assert all(ray.get(a.shape.remote()).lora_names == ("sql",) for a in actors)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'extra'"):
+        run(ClusterEngine(actors, RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01), prompts[:1], lora="extra")
+
+
 def test_the_router_learns_output_lengths_from_requests_that_stop_on_their_own(cluster):
     actors, tokenizer = cluster
     prompt = [(3 * j) % 300 + 3 for j in range(10)]
@@ -252,10 +278,13 @@ def test_a_request_waiting_on_a_busy_replica_migrates_and_completes(cluster, tin
     assert engine.router.num_migrated == 1 and engine.num_dispatched == [2, 1]
 
 
-def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster):
-    """Runs last: it kills replica 0 (Ray restarts it)."""
+def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster, tiny_lora_dir):
+    """Runs last: it kills replica 0 (Ray restarts it). It rejoins with the adapter loaded at run time too."""
+    from engine import LoRARequest
+
     actors, tokenizer = cluster
     engine = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.02)
+    asyncio.run(engine.add_lora(LoRARequest("late", 9, str(tiny_lora_dir))))
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
 
     async def one(i: int) -> str:
@@ -278,6 +307,7 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster):
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             while not engine.router.replicas[0].is_alive:  # Ray restarts it; a report readmits it
                 await asyncio.sleep(0.1)
+            assert "late" in (await actors[0].shape.remote()).lora_names
             before = engine.num_dispatched[0]
             again = [asyncio.create_task(one(10 + i)) for i in range(4)]
             outcomes += await asyncio.wait_for(asyncio.gather(*again), 120)

@@ -138,3 +138,22 @@ def test_bad_adapters_and_requests_are_clear_errors(adapters, tmp_path):
     plain = LLM(str(base), dtype="float32")
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(folders["a"])))
+
+
+def test_an_adapter_unloads_only_when_no_request_uses_it(adapters):
+    """Unloading waits for the adapter's requests (refused while one is in flight); a request
+    made before the unload but queued after it is refused too, not served by the base model."""
+    base, folders = adapters
+    engine = LLM(str(base), dtype="float32", lora_modules={"a": str(folders["a"])}).engine
+    engine.add_request("busy", PROMPTS[0], GREEDY, lora="a")
+    with pytest.raises(ValueError, match="serves 1 request"):
+        engine.remove_lora("a")
+    engine.abort_request("busy")
+    late = engine.make_request("late", PROMPTS[0], GREEDY, lora="a")
+    engine.remove_lora("a")
+    with pytest.raises(ValueError, match="'a' was unloaded"):
+        engine.submit(late)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+        engine.add_request(None, PROMPTS[0], GREEDY, lora="a")
+    engine.add_lora(LoRARequest("a", 1, str(folders["a"])))  # loads again, under a fresh index
+    assert engine.lora.adapters == {"a": 1}

@@ -71,3 +71,29 @@ def test_lora_modules_arguments_are_checked(tmp_path):
                            ([f"a={tmp_path / 'adapter'}", f"a={tmp_path / 'adapter'}"], "twice")):
         with pytest.raises(ValueError, match=message):
             lora_modules(specs)
+
+
+def test_adapters_load_and_unload_at_run_time_when_allowed(lora_engine, lora_url, tiny_lora_dir, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: off unless allowed; a loaded
+    adapter is a model until unloaded; adapters given at start stay."""
+    body = {"lora_name": "sql2", "lora_path": str(tiny_lora_dir)}
+    off = httpx.post(lora_url + "/v1/load_lora_adapter", json=body)
+    assert off.status_code == 400 and "--allow-runtime-lora-updating" in off.json()["error"]["message"]
+    with serve(lora_engine, lora_modules={"sql": str(tiny_lora_dir)}, allow_runtime_lora_updating=True) as url:
+        loaded = httpx.post(url + "/v1/load_lora_adapter", json=body)
+        assert loaded.status_code == 200 and "sql2" in loaded.text
+        assert httpx.post(url + "/v1/load_lora_adapter", json=body).status_code == 400  # already loaded
+        completion = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        texts = {m: httpx.post(url + "/v1/completions", json={**completion, "model": m}, timeout=30).json()
+                 ["choices"][0]["text"] for m in ("sql", "sql2")}
+        assert texts["sql"] == texts["sql2"]  # the same folder under two names
+        assert {c["id"] for c in httpx.get(url + "/v1/models").json()["data"]} == {MODEL_NAME, "sql", "sql2"}
+        bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        assert "adapter_config.json" in bad.json()["error"]["message"]
+        kept = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert kept.status_code == 400 and "stays" in kept.json()["error"]["message"]
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}).status_code == 200
+        gone = httpx.post(url + "/v1/completions", json={**completion, "model": "sql2"})
+        assert gone.status_code == 400 and gone.json()["error"]["param"] == "model"
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}).status_code == 404
