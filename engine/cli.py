@@ -60,21 +60,23 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,
                         help=SPECULATIVE_CONFIG_HELP)
+    parser.add_argument("--lora", default=None, metavar="DIR", help="answer through this PEFT LoRA adapter")
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from engine import LLM, LoRARequest, SamplingParams
 
     try:
         llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
-                  speculative_config=args.speculative_config)
+                  speculative_config=args.speculative_config, enable_lora=args.lora is not None)
         if args.kv_scales == "dynamic":
             print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        lora = None if args.lora is None else LoRARequest("lora", 1, args.lora)
         if args.chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, lora_request=lora)
         else:
-            outs = llm.generate(args.prompts, params)
+            outs = llm.generate(args.prompts, params, lora_request=lora)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -142,7 +142,6 @@ class LoRALayers:
         if not folder.is_dir():
             raise ValueError(f"LoRA adapter folder not found: {folder}")
         config = _adapter_config(folder)
-        index = next(self._indices)
         staged: dict[LoRALinear, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
         for prefix, pair in sorted(_adapter_tensors(folder).items()):
             if prefix not in self.by_prefix:
@@ -163,6 +162,7 @@ class LoRALayers:
             staged.setdefault(wrapper, []).append((shard, a, b, scale))
         if not staged:
             raise ValueError(f"{folder}: the adapter holds no LoRA weights")
+        index = next(self._indices)
         for wrapper, shards in staged.items():
             wrapper.factors[index] = self._fuse(wrapper, shards)
         self.adapters[request.lora_name] = index

@@ -157,3 +157,16 @@ def test_an_adapter_unloads_only_when_no_request_uses_it(adapters):
         engine.add_request(None, PROMPTS[0], GREEDY, lora="a")
     engine.add_lora(LoRARequest("a", 1, str(folders["a"])))  # loads again, under a fresh index
     assert engine.lora.adapters == {"a": 1}
+
+
+def test_generate_cli_answers_through_an_adapter(tiny_model_dir, tiny_lora_dir, tmp_path, capsys):
+    from engine.cli import main as driftgate_main
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    expected = LLM(str(tiny_model_dir), dtype="float32", enable_lora=True).generate(
+        ["The quick"], greedy, use_tqdm=False, lora_request=LoRARequest("x", 1, str(tiny_lora_dir)))[0].outputs[0].text
+    assert driftgate_main(["generate", str(tiny_model_dir), "The quick", "--max-tokens", "5",
+                           "--lora", str(tiny_lora_dir)]) == 0
+    assert capsys.readouterr().out == f"### The quick\n{expected}\n\n"
+    assert driftgate_main(["generate", str(tiny_model_dir), "The quick", "--lora", str(tmp_path / "none")]) == 2
+    assert "LoRA adapter folder not found" in capsys.readouterr().err
