@@ -157,7 +157,7 @@ class LoRALayers:
             if tuple(a.shape) != (rank, wrapper.input_size) or tuple(b.shape) != (wrapper.output_sizes[shard], rank):
                 raise ValueError(f"{folder}: {prefix} has A {tuple(a.shape)} and B {tuple(b.shape)}; expected "
                                  f"({rank}, {wrapper.input_size}) and ({wrapper.output_sizes[shard]}, {rank})")
-            alpha = config.get("lora_alpha", rank)
+            alpha = config.get("lora_alpha", 8)  # PEFT's default, where a config leaves it out
             scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
             staged.setdefault(wrapper, []).append((shard, a, b, scale))
         if not staged:

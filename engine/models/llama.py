@@ -288,7 +288,7 @@ class SparseMoE(nn.Module):
         order = chosen.flatten().argsort(stable=True)
         tokens = order // self.top_k
         counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
-        grouped = x if self.calibrate_all_experts else x[tokens]
+        grouped = None if self.calibrate_all_experts else x[tokens]
         outputs, start = [], 0
         for expert, n in zip(self.experts, counts, strict=True):
             if self.calibrate_all_experts:
