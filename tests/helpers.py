@@ -88,6 +88,8 @@ def make_tiny_model_dir(
         "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
         "MixtralForCausalLM": transformers.MixtralConfig,
+        "GraniteForCausalLM": transformers.GraniteConfig,
+        "OlmoeForCausalLM": transformers.OlmoeConfig,
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     }[architecture]

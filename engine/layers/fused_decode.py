@@ -137,8 +137,12 @@ class FusedDecode:
     @classmethod
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here (the
-        experts of a mixture-of-experts model run in torch)."""
-        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None or model_args.is_moe:
+        experts of a mixture-of-experts model, OLMoE's whole-width q/k norms and clamps, Granite's
+        residual multiplier: the module path runs those)."""
+        if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
+            return None
+        if (model_args.is_moe or model_args.qk_norm_full or model_args.clip_qkv is not None
+                or model_args.residual_multiplier != 1.0):
             return None
         tensors = [final_norm.weight]
         for layer in layers:

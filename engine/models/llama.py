@@ -1,8 +1,9 @@
 """The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), SmolLM2
 (tied embeddings), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
 Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers;
-Gemma 2's capped attention scores and logits), and the mixtures of experts Mixtral, Qwen2-MoE
-and Qwen3-MoE (a router's top-k expert MLPs per token in place of the MLP).
+Gemma 2's capped attention scores and logits), Granite (scaled embeddings, attention, block
+outputs and logits), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (a
+router's top-k expert MLPs per token in place of the MLP; OLMoE norms q and k over all heads).
 
     x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
     Gemma 3: x · √d → N × [x + norm(attn(norm(x))); x + norm(mlp(norm(x)))] → norm → lm_head,
@@ -29,9 +30,10 @@ from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
-MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
-SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
-                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE_ARCHITECTURES}
+MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
+                           "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           *MOE_ARCHITECTURES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,12 @@ class LlamaArgs:
     attn_softcap: float | None = None  # Gemma 2: attention scores become cap · tanh(score / cap)
     logit_softcap: float | None = None  # Gemma 2: logits likewise
     o_proj_bias: bool = False  # Llama-style attention_bias covers the output projection too (not Qwen2's)
+    # OLMoE: q and k normed over all their heads at once (not per head), then q, k, v clamped to ±clip_qkv
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
+    # Granite: attention and MLP outputs scaled before their residual adds; logits scaled
+    residual_multiplier: float = 1.0
+    logit_scale: float = 1.0
     # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the layers in moe_layers replace the MLP by
     # experts_per_token of num_experts MLPs, picked per token by a router
     moe_layers: tuple[bool, ...] = ()
@@ -134,12 +142,15 @@ class LlamaArgs:
                             or (arch == "Qwen2MoeForCausalLM" and config.get("qkv_bias", True))),
             o_proj_bias=not arch.startswith("Qwen2") and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "OlmoeForCausalLM"),
+            qk_norm_full=arch == "OlmoeForCausalLM",
+            clip_qkv=config.get("clip_qkv"),
             layer_windows=_layer_windows(config, arch),
             rotary_dim=int(head_dim * partial),
             checkpoint_fuses=arch == "Phi3ForCausalLM",
             max_model_len=max_model_len,
             **gemma,
+            **(_granite(config) if arch == "GraniteForCausalLM" else {}),
             **(_moe(config, arch) if arch in MOE_ARCHITECTURES else {}),
         )
 
@@ -158,9 +169,17 @@ def _gemma(config: dict, arch: str) -> dict:
     return fields
 
 
+def _granite(config: dict) -> dict:
+    """Granite's multipliers, as LlamaArgs fields (its attention_multiplier replaces head_dim ** -0.5)."""
+    return {"embed_scale": config.get("embedding_multiplier", 1.0), "attn_scale": config.get("attention_multiplier"),
+            "residual_multiplier": config.get("residual_multiplier", 1.0),
+            "logit_scale": 1.0 / config.get("logits_scaling", 1.0)}
+
+
 def _moe(config: dict, arch: str) -> dict:
     """The mixture-of-experts fields. Mixtral routes in every layer and always renormalizes; Qwen's
-    MoE routes in every decoder_sparse_step-th layer not listed in mlp_only_layers."""
+    MoE (and OLMoE, which lists neither) routes in every decoder_sparse_step-th layer not listed in
+    mlp_only_layers."""
     num_layers = config["num_hidden_layers"]
     num_experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 names both so
     fields = {"num_experts": num_experts, "experts_per_token": config["num_experts_per_tok"]}
@@ -169,7 +188,7 @@ def _moe(config: dict, arch: str) -> dict:
     step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
     return {**fields, "moe_layers": tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
                                           for i in range(num_layers)),
-            "expert_intermediate_size": config["moe_intermediate_size"],
+            "expert_intermediate_size": config.get("moe_intermediate_size") or config["intermediate_size"],
             "renormalize_experts": bool(config.get("norm_topk_prob", False)),
             "shared_expert_intermediate_size": (config.get("shared_expert_intermediate_size") or 0
                                                 if arch == "Qwen2MoeForCausalLM" else 0)}
@@ -215,14 +234,22 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim,
                               args.layer_windows[layer_idx], args.attn_scale, args.attn_softcap)
         self.qk_size = q_size + kv_size
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.qk_norm_full, self.clip_qkv = args.qk_norm_full, args.clip_qkv
+        q_width, k_width = (q_size, kv_size) if args.qk_norm_full else (args.head_dim, args.head_dim)
+        self.q_norm = RMSNorm(q_width, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(k_width, args.rms_norm_eps, dtype) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.qk_norm_full:  # OLMoE: q and k normed whole, before splitting into heads
+            q, k, v = qkv.split([self.num_heads * self.head_dim, self.qk_size - self.num_heads * self.head_dim,
+                                 qkv.shape[1] - self.qk_size], dim=1)
+            qkv = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v], dim=1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         # q and k sit side by side in each row: rotate both heads at once
         qk = qkv[:, :self.qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous())], dim=1)
         qk = self.rotary(positions, qk)
@@ -317,6 +344,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.sandwich_norms = args.sandwich_norms
+        self.residual_multiplier = args.residual_multiplier
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,11 +354,14 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, positions, ctx)
+        if self.residual_multiplier != 1.0:  # Granite: each block's output scaled before its residual add
+            hidden = hidden * self.residual_multiplier
         if self.sandwich_norms:  # the attention's output is normed before its residual add
             hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
             return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        return (hidden * self.residual_multiplier if self.residual_multiplier != 1.0 else hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -411,5 +442,7 @@ class LlamaForCausalLM(nn.Module):
             logits = dense_matmul(hidden, weight).float()
         else:
             logits = self.lm_head(hidden).float()
+        if self.args.logit_scale != 1.0:  # Granite divides its logits by logits_scaling
+            logits = logits * self.args.logit_scale
         cap = self.args.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -47,6 +47,13 @@ CASES = {
     # Qwen3-MoE: q/k norms, renormalized expert weights, a dense MLP in the second layer
     "qwen3-moe": ("Qwen3MoeForCausalLM", {"head_dim": 32, "extra_config": {
         **_EXPERTS, "norm_topk_prob": True, "mlp_only_layers": [1]}}, (3, 18, 40), {}),
+    # OLMoE: q and k normed over all heads at once, q/k/v clamped (a clamp that bites), 2 of 6 experts
+    "olmoe": ("OlmoeForCausalLM", {"extra_config": {"num_experts": 6, "num_experts_per_tok": 2, "clip_qkv": 0.5}},
+              (3, 18, 40), {}),
+    # Granite: embeddings, attention scores, block outputs and logits each scaled by its own multiplier
+    "granite": ("GraniteForCausalLM", {"extra_config": {"embedding_multiplier": 6.0, "attention_multiplier": 0.05,
+                                                        "residual_multiplier": 0.3, "logits_scaling": 4.0}},
+                (3, 18, 40), {}),
     # Qwen2-MoE: q/k/v biases, raw softmax weights, and a shared expert behind a sigmoid gate
     "qwen2-moe": ("Qwen2MoeForCausalLM", {"extra_config": {**_EXPERTS, "shared_expert_intermediate_size": 96}},
                   (3, 18, 40), {}),
@@ -169,24 +176,24 @@ def test_qwen_windows_only_under_use_sliding_window(tmp_path):
     assert LlamaArgs.from_hf_config(listed).layer_windows == (32, None)
 
 
-@pytest.mark.parametrize("architecture, options", [
-    ("Gemma3ForCausalLM", "w8a16 --algo awq"), ("Gemma3ForCausalLM", "w8a8-int8 --smoothquant 0.5"),
-    ("Gemma3ForCausalLM", "fp8-dynamic"), ("Gemma2ForCausalLM", "w8a16 --algo awq")])
-def test_quantized_gemma_answers_as_hf_on_it(tmp_path, architecture, options):
+@pytest.mark.parametrize("case, options", [
+    ("gemma3", "w8a16 --algo awq"), ("gemma3", "w8a8-int8 --smoothquant 0.5"), ("gemma3", "fp8-dynamic"),
+    ("gemma2", "w8a16 --algo awq"), ("granite", "w4a16 --algo gptq"), ("granite", "fp8-dynamic")])
+def test_quantized_models_with_their_own_scalings_answer_as_hf_on_them(tmp_path, case, options):
     """Gemma 3 (and 2) quantizes, AWQ and SmoothQuant folding scales into its (1 + w) norms (the MLP's
-    input norm is pre_feedforward_layernorm); the checkpoint, its norms written back in Gemma's
-    convention, loads in HF transformers, whose logits equal this engine's."""
+    input norm is pre_feedforward_layernorm); Granite with its multipliers. The checkpoint (Gemma's
+    norms written back in its convention) loads in HF transformers, whose logits equal this engine's."""
     from calibration.cli import main
     from tests.calibration.factories import write_calib_file
 
-    source = make_tiny_model_dir(tmp_path / "gemma", architecture=architecture, head_dim=16,
-                                 extra_config=_GEMMA3 if architecture == "Gemma3ForCausalLM" else _GEMMA2)
+    architecture, model_kwargs, _, _ = CASES[case]
+    source = make_tiny_model_dir(tmp_path / case, architecture=architecture, **model_kwargs)
     calib = write_calib_file(tmp_path / "calib.jsonl", 12)
     out = tmp_path / "quantized"
     assert main([str(source), "--calib", str(calib), "-o", str(out), "--scheme", *options.split(),
                  "--num-samples", "8", "--num-heldout", "4"]) == 0
     # close to the model before quantization: a norm written back without Gemma's offset is far off
-    assert_quantized_answers_as_hf(source, out, weights_only=options.startswith("w8a16"), max_drift=0.15)
+    assert_quantized_answers_as_hf(source, out, weights_only="a16" in options, max_drift=0.15)
 
 
 @pytest.mark.parametrize("options", ["w4a16 --algo gptq", "w8a16 --algo awq", "fp8-dynamic",

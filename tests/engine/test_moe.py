@@ -17,7 +17,8 @@ from tests.oracle import assert_quantized_answers_as_hf
 _MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 _QWEN_EXPERTS = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
 _CONFIGS = {"MixtralForCausalLM": _MIXTRAL, "Qwen3MoeForCausalLM": {**_QWEN_EXPERTS, "norm_topk_prob": True},
-            "Qwen2MoeForCausalLM": {**_QWEN_EXPERTS, "shared_expert_intermediate_size": 96}}
+            "Qwen2MoeForCausalLM": {**_QWEN_EXPERTS, "shared_expert_intermediate_size": 96},
+            "OlmoeForCausalLM": {"num_experts": 6, "num_experts_per_tok": 2, "clip_qkv": 0.5}}
 
 
 def _tiny_moe(folder, architecture):
@@ -65,7 +66,7 @@ def test_calibration_runs_every_expert_on_every_token(tmp_path):
 
 @pytest.mark.parametrize("architecture, options", [
     ("MixtralForCausalLM", "w4a16 --algo gptq"), ("Qwen2MoeForCausalLM", "w8a16 --algo awq"),
-    ("Qwen3MoeForCausalLM", "fp8-dynamic"), ("Qwen2MoeForCausalLM", "fp8-static")])
+    ("Qwen3MoeForCausalLM", "fp8-dynamic"), ("Qwen2MoeForCausalLM", "fp8-static"), ("OlmoeForCausalLM", "w8a16")])
 def test_quantized_moe_answers_as_hf_on_it(tmp_path, architecture, options):
     """Every expert is quantized under its own checkpoint names (static input scales observed on
     every token), the routers are left dense and listed as ignored; HF transformers with
