@@ -51,9 +51,16 @@ typedef struct {
     int32_t rotary_dim; /* the leading dims of a head that rotate */
     int32_t gelu;       /* the MLP's gate: 0 silu (SwiGLU), 1 gelu with tanh (GeGLU) */
     float attn_softcap; /* > 0: attention scores capped (Gemma 2) */
+    float residual_multiplier; /* each block's output scaled before its residual add (Granite; else 1) */
     const float *final_norm;
     const Layer *layers;
 } Model;
+
+/* x *= s, as torch's fp32 multiply (a no-op for s = 1). */
+static void scale_rows(float *x, size_t n, float s) {
+    if (s == 1.0f) return;
+    for (size_t i = 0; i < n; i++) x[i] *= s;
+}
 
 enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_BLOCK_SIZE = -2, STEP_BAD_LINEAR = -3 };
 
@@ -179,6 +186,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                                         m->attn_scale, m->kv_type, layer->k_table, layer->v_table,
                                         layer->window, m->attn_softcap, threads);
         if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
+        scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);
         if (layer->pre_mlp_norm) { /* the attention output normed, then added and normed for the MLP */
             rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_norm, rows, width, m->eps, threads);
             rms_norm_f32(normed, residual, hidden, residual, layer->pre_mlp_norm, rows, width, m->eps, threads);
@@ -188,6 +196,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;
         (m->gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(act, gate_up, rows, m->inter, threads);
         if ((status = linear(&layer->down, hidden, act, staging, rows, threads))) break;
+        scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);
         if (layer->post_mlp_norm) rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_mlp_norm, rows, width, m->eps, threads);
     }
     if (status == STEP_OK)

@@ -51,7 +51,7 @@ class _Model(ctypes.Structure):
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
                 ("rotary_dim", ctypes.c_int32), ("gelu", ctypes.c_int32), ("attn_softcap", ctypes.c_float),
-                ("final_norm", ctypes.c_void_p),
+                ("residual_multiplier", ctypes.c_float), ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -123,7 +123,8 @@ class FusedDecode:
                              model_args.head_dim, model_args.intermediate_size,
                              CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
                              final_norm.eps, attn.scale, model_args.rotary_dim, int(model_args.activation == "gelu_tanh"),
-                             attn.softcap or 0.0, final_norm.weight.data_ptr(), self._layers)
+                             attn.softcap or 0.0, model_args.residual_multiplier, final_norm.weight.data_ptr(),
+                             self._layers)
         self._cache_bound: object | None = None
         self._fp8_scales_bound: list[torch.Tensor] = []  # each layer's K and V scale tensors, as bound
         self._fp8_keep: list[torch.Tensor] = []
@@ -137,12 +138,11 @@ class FusedDecode:
     @classmethod
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here (the
-        experts of a mixture-of-experts model, OLMoE's whole-width q/k norms and clamps, Granite's
-        residual multiplier: the module path runs those)."""
+        experts of a mixture-of-experts model, OLMoE's whole-width q/k norms and clamps: the module
+        path runs those)."""
         if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
-        if (model_args.is_moe or model_args.qk_norm_full or model_args.clip_qkv is not None
-                or model_args.residual_multiplier != 1.0):
+        if model_args.is_moe or model_args.qk_norm_full or model_args.clip_qkv is not None:
             return None
         tensors = [final_norm.weight]
         for layer in layers:

@@ -70,6 +70,9 @@ MODELS = {
     "gemma2": {"architecture": "Gemma2ForCausalLM", "head_dim": 16, "extra_config": {
         "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24,
         "pad_token_id": 0, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}},
+    # Granite: attention and MLP outputs scaled before their residual adds
+    "granite": {"architecture": "GraniteForCausalLM", "extra_config": {
+        "embedding_multiplier": 6.0, "attention_multiplier": 0.05, "residual_multiplier": 0.3, "logits_scaling": 4.0}},
     # Phi-4-mini's partial rotation: 3/4 of each head
     "phi3-partial-rotary": {"architecture": "Phi3ForCausalLM",
                             "extra_config": {"pad_token_id": 0, "partial_rotary_factor": 0.75}},
