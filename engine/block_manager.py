@@ -165,8 +165,8 @@ class BlockManager:
         At most num_tokens − 1 tokens can come from the cache: the last token must be
         recomputed to produce logits, so a fully cached sequence gives back its last block.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.params.pooling in ("mean", "cls"):
+            return []  # (those poolings read every prompt token's hidden state, so all are computed)
         self._update_hashes(request, request.num_tokens)
         hits = []
         for h in request.block_hashes:

@@ -13,6 +13,7 @@ from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import EngineStats, RequestOutput
+from engine.pooling import finish_embedding, pooling_config
 from engine.sampling_params import SamplingParams
 
 
@@ -54,6 +55,20 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]], *, pooling: str | None = None,
+              normalize: bool | None = None, dimensions: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Embeddings of `prompts` (each output's `.embedding`), pooled and normalized as the
+        model's sentence-transformers files say unless `pooling` / `normalize` are given;
+        `dimensions` keeps the leading ones (Matryoshka models) before normalizing."""
+        config = pooling_config(self.engine.config.model)
+        params = SamplingParams(max_tokens=1, pooling=pooling or config.pooling)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        for out in outputs:
+            out.embedding = finish_embedding(out.embedding, config.normalize if normalize is None else normalize,
+                                             dimensions)
+        return outputs
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
                     params: BeamSearchParams) -> list[RequestOutput]:

@@ -45,6 +45,7 @@ class _RequestState:
     sequences: list[_SequenceState]
     prompt_logprobs: list[LogprobsDict | None] | None
     prompt_logprob_ranks: list[int | None] | None  # each prompt token's rank in its row of logits
+    embedding: torch.Tensor | None = None  # an embedding request's pooled hidden state, once computed
 
     @property
     def finished(self) -> bool:
@@ -60,8 +61,9 @@ class _RequestState:
         cached = max(self.sequences[0].request.num_cached_tokens, 0)
         prompt_lp = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
         ranks = list(self.prompt_logprob_ranks) if self.prompt_logprob_ranks is not None else None
+        embedding = None if self.embedding is None else self.embedding.tolist()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, prompt_lp, cached, ranks)
+                             self.finished, prompt_lp, cached, ranks, embedding)
 
 
 class LLMEngine:
@@ -284,6 +286,9 @@ class LLMEngine:
             return []
         result = self.runner.execute(out)
         self.scheduler.update_from_output(out, result.sampled)
+        for chunk in out.chunks:  # an embedding request ends with its prompt
+            if chunk.request.request_id in result.pooled:
+                self.scheduler.finish(chunk.request, RequestStatus.FINISHED_STOPPED)
         return self._process(out, result)
 
     def _propose_drafts(self) -> None:
@@ -323,6 +328,11 @@ class LLMEngine:
                 if state.prompt_logprobs is not None and req is state.sequences[0].request:
                     state.prompt_logprobs[first:first + len(entries)] = entries
                     state.prompt_logprob_ranks[first:first + len(ranks)] = ranks
+            if req.request_id in result.pooled:
+                state.embedding = result.pooled[req.request_id]
+                state.sequences[0].finish_reason = "stop"
+                touched[state.request_id] = state
+                continue
             tokens = result.sampled.get(req.request_id)
             if tokens is None:
                 continue

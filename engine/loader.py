@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layers.norm import RMSNorm
-from engine.models.llama import LlamaArgs, LlamaForCausalLM
+from engine.models.llama import BASE_MODELS, LlamaArgs, LlamaForCausalLM
 from quant.checkpoint import is_kv_cache_tensor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,6 +75,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     args = LlamaArgs.from_hf_config(config, max_model_len)
+    headless = (config.get("architectures") or [None])[0] in BASE_MODELS  # keys without "model."
     torch_dtype = resolve_dtype(dtype, device)
     quant_config = None
     if config.get("quantization_config"):
@@ -101,17 +102,18 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
             raise ValueError(f"cannot read {path}: {e}") from e
         with handle as f:
             shards: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
-            for name in f.keys():
-                if name.endswith(_SKIPPED_SUFFIXES):
+            for key in f.keys():
+                if key.endswith(_SKIPPED_SUFFIXES):
                     continue
+                name = f"model.{key}" if headless else key
                 if is_kv_cache_tensor(name):
-                    kv_tensors[name] = f.get_tensor(name)
+                    kv_tensors[name] = f.get_tensor(key)
                     continue
                 prefix, _, suffix = name.rpartition(".")
                 if prefix in linear_shards:
-                    shards[linear_shards[prefix]][suffix] = f.get_tensor(name)
+                    shards[linear_shards[prefix]][suffix] = f.get_tensor(key)
                 elif name in params:
-                    _copy_param(params[name], f.get_tensor(name), name)
+                    _copy_param(params[name], f.get_tensor(key), name)
                     loaded.add(name)
                 elif name == "lm_head.weight" and args.tie_word_embeddings:
                     continue  # tied: the embedding serves as the output projection

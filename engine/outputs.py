@@ -38,6 +38,7 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank (1 = most probable)
+    embedding: list[float] | None = None  # an embedding request's pooled final hidden state (not normalized)
 
 
 @dataclass(slots=True)

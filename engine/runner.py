@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ class StepResult:
     # request id → (index of the first prompt token covered, entries, the prompt tokens' ranks),
     # for prompt_logprobs requests
     prompt_logprobs: dict[str, tuple[int, list[LogprobsDict], list[int]]]
+    # request id → its pooled final hidden state [hidden] fp32, for embedding requests whose prompt completed
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _length_groups(lengths: list[int], max_ratio: float = 1.5) -> list[tuple[int, int]]:
@@ -63,6 +65,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
+        self.pooling_state: dict[str, torch.Tensor] = {}  # embedding requests: the running sum, or the first row
         # request id → (its block_ids list, that list as int32): see _block_row
         self.block_rows: dict[str, tuple[list[int], np.ndarray]] = {}
         self.device = kv_cache.k[0].device
@@ -291,6 +294,7 @@ class ModelRunner:
         chunks = sorted(out.chunks, key=lambda c: (not c.is_decode, c.start if c.is_decode else 0))
         hidden = self.forward(*self._queries(chunks))
 
+        result = StepResult({}, {}, {})
         # Rows whose logits are needed: the last row of completing chunks, every row of a decode
         # with drafts, and every prompt row of requests that asked for prompt logprobs.
         sample_rows, rows, prompt_spans = [], [], []
@@ -306,7 +310,9 @@ class ModelRunner:
                 last = min(c.start + c.num_tokens, request.num_prompt_tokens - 1)
                 if first < last:
                     prompt_spans.append((c, offset + first - c.start, first, last - first))
-            if c.draft_token_ids:
+            if request.params.pooling is not None:  # embedded, not sampled
+                self._pool(c, hidden[offset:offset + c.num_tokens], result)
+            elif c.draft_token_ids:
                 drafted.append((c, len(sample_rows), self._sampling_row(request)))
                 sample_rows += range(offset, offset + c.num_tokens)
             elif c.completes_sequence:
@@ -315,7 +321,6 @@ class ModelRunner:
                 rows.append(self._sampling_row(request))
             offset += c.num_tokens
 
-        result = StepResult({}, {}, {})
         if sample_rows:
             # every row (a decode-only step): no gather, no index tensor to send to a GPU
             logits = self.model.compute_logits(hidden if len(sample_rows) == len(hidden) else hidden[sample_rows])
@@ -326,7 +331,8 @@ class ModelRunner:
                     self._record(result, c.request.request_id, tokens, logprobs)
                 logits = logits[plain]
             tokens, logprobs = sample(logits, rows, self.generator) if rows else ([], [])
-            done = [c for c in chunks if c.completes_sequence and not c.draft_token_ids]
+            done = [c for c in chunks if c.completes_sequence and not c.draft_token_ids
+                    and c.request.params.pooling is None]
             for c, tok, lp in zip(done, tokens, logprobs, strict=True):
                 self._record(result, c.request.request_id, [tok], [lp])
         for c, row_start, first, count in prompt_spans:
@@ -360,7 +366,26 @@ class ModelRunner:
         return (request.grammar is not None and request.request_id not in self.request_matchers
                 and not request.params.grammar_started(request.prompt_token_ids, request.output_token_ids))
 
+    def _pool(self, chunk: ScheduledChunk, hidden: torch.Tensor, result: StepResult) -> None:
+        """Fold an embedding request's chunk into its pooled state; the chunk that completes its
+        prompt puts the result in `result.pooled`. Mean and first-token pooling see every prompt
+        token (the block manager gives them no prefix-cache hit); a recomputed prompt starts over."""
+        request_id, kind = chunk.request.request_id, chunk.request.params.pooling
+        if kind == "mean":
+            total = hidden.float().sum(dim=0)
+            if chunk.start > 0:
+                total += self.pooling_state[request_id]
+            self.pooling_state[request_id] = total
+        elif kind == "cls" and chunk.start == 0:
+            self.pooling_state[request_id] = hidden[0].float()
+        if chunk.completes_sequence:
+            last = hidden[-1].float()
+            pooled = {"last": last, "mean": self.pooling_state.get(request_id, last) / chunk.request.num_prompt_tokens,
+                      "cls": self.pooling_state.get(request_id)}[kind]
+            result.pooled[request_id] = pooled.cpu()
+
     def release(self, request_id: str) -> None:
+        self.pooling_state.pop(request_id, None)
         self.request_generators.pop(request_id, None)
         self.request_matchers.pop(request_id, None)
         self.block_rows.pop(request_id, None)

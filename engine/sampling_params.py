@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutputs
 
+POOLING_TYPES = ("last", "mean", "cls")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -51,6 +53,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     structured_outputs_after: list[int] | None = None
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    # embed the prompt instead of generating: its final hidden states pooled ("last" token, "mean"
+    # over its tokens, or its first, "cls"), returned as RequestOutput.embedding
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +96,10 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty")
         if any(not word.strip() for word in self.bad_words):
             raise ValueError("bad_words must be non-empty words")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
+        if self.pooling is not None and self.n != 1:
+            raise ValueError("an embedding request (pooling) has one output: n must be 1")
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         if self.structured_outputs_after is not None and (not self.structured_outputs_after

@@ -23,9 +23,9 @@ from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 
 
-def _prompts(body: CompletionRequest, tokenizer) -> list[tuple[str | None, list[int]]]:
-    """Each prompt as (original text or None, token ids)."""
-    prompt = body.prompt
+def tokenized_prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer,
+                      ) -> list[tuple[str | None, list[int]]]:
+    """Each prompt (text, token ids, or a list of either) as (original text or None, token ids)."""
     if isinstance(prompt, str):
         return [(prompt, tokenizer.encode(prompt))]
     if all(isinstance(p, str) for p in prompt):
@@ -124,7 +124,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = []
     engine_requests = []
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    for i, (prompt_text, ids) in enumerate(_prompts(body, engine.tokenizer)):
+    for i, (prompt_text, ids) in enumerate(tokenized_prompts(body.prompt, engine.tokenizer)):
         kept = truncate_prompt(ids, body.truncate_prompt_tokens, engine.max_model_len)
         if len(kept) < len(ids):  # echo shows what the model saw
             prompt_text, ids = None, kept

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.pooling import PoolingConfig
 from server.reasoning import REASONING_PARSERS
 from server.tools import TOOL_CALL_PARSERS
 
@@ -33,6 +34,7 @@ class ServerConfig:
     # read folders named over the network); adapters they load are added to lora_modules
     allow_runtime_lora_updating: bool = False
     runtime_loras: set[str] = field(default_factory=set)  # the names loaded that way (only they unload)
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)  # how /v1/embeddings pools (the model's own)
 
     @property
     def model_names(self) -> tuple[str, ...]:

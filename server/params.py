@@ -50,17 +50,19 @@ def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int)
     return prompt_ids[-(max_model_len if keep == -1 else keep):]
 
 
-def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: int, max_tokens: int | None) -> int:
-    """Validate one tokenized prompt; returns max_tokens, defaulting to the rest of the context."""
+def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: int, max_tokens: int | None,
+                     param: str = "prompt") -> int:
+    """Validate one tokenized prompt (the request's field `param`); returns max_tokens, defaulting
+    to the rest of the context."""
     if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
+        raise APIError(400, "the prompt is empty", param=param)
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary (size {vocab_size})", param="prompt")
+        raise APIError(400, f"token id {bad} is outside the vocabulary (size {vocab_size})", param=param)
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
-                            f"but the prompt has {len(prompt_ids)}", param="prompt")
+                            f"but the prompt has {len(prompt_ids)}", param=param)
     if max_tokens is None:
         return room
     if max_tokens > room:

@@ -304,6 +304,19 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's embeddings request (and vLLM's truncate_prompt_tokens)."""
+
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int = 0
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

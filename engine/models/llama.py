@@ -30,6 +30,10 @@ from engine.layers.linear import DenseLinear, dense_matmul, make_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
+# headless checkpoints (HF's AutoModel, as embedding models are saved): served as their causal LM
+# with the embedding matrix as the output head, their keys lacking the "model." prefix
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+               "Qwen3Model": "Qwen3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
 MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -110,6 +114,8 @@ class LlamaArgs:
     def from_hf_config(cls, config: dict, max_model_len: int | None = None) -> LlamaArgs:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in BASE_MODELS:
+            arch, config = BASE_MODELS[arch], {**config, "tie_word_embeddings": True}
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; driftgate serves "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")

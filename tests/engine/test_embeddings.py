@@ -1,0 +1,125 @@
+"""Embeddings: the engine's pooled final hidden states against HF's base model, the model's own
+pooling config, headless checkpoints, and the OpenAI /v1/embeddings route."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel
+
+from engine import LLM, SamplingParams
+from engine.pooling import PoolingConfig, pooling_config
+from tests.helpers import make_tiny_model_dir
+
+PROMPTS = [[5 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((3, 18, 40))]
+
+
+def _hf_pooled(model, prompt: list[int], pooling: str) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    return {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("embed") / "qwen3", architecture="Qwen3ForCausalLM", head_dim=32)
+
+
+@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 7, "block_size": 4}])
+def test_every_pooling_equals_hf_base_models_hidden_states(qwen3_dir, config):
+    """Last-token, mean and first-token pooling of the final norm's output, in one batch and in
+    7-token chunks, equal HF's AutoModel within 1e-5; a repeat served from the prefix cache too."""
+    hf = AutoModel.from_pretrained(qwen3_dir, dtype=torch.float32)
+    llm = LLM(str(qwen3_dir), dtype="float32", **config)
+    for pooling in ("last", "mean", "cls", "last", "mean"):
+        outs = llm.embed(PROMPTS, pooling=pooling, normalize=False, use_tqdm=False)
+        for prompt, out in zip(PROMPTS, outs, strict=True):
+            torch.testing.assert_close(torch.tensor(out.embedding), _hf_pooled(hf, prompt, pooling),
+                                       atol=1e-5, rtol=1e-5)
+            assert out.finished and out.outputs[0].token_ids == []
+    assert llm.stats().prefix_cache_hits > 0  # the repeated last-token run hit; mean pooling never does
+    assert llm.stats().num_blocks_used == 0
+
+
+def test_embeddings_and_generations_share_a_batch(qwen3_dir):
+    """Embedding requests finish with their prompt while generations beside them decode on."""
+    llm = LLM(str(qwen3_dir), dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    embedded = llm.embed(PROMPTS, pooling="mean", use_tqdm=False)
+    mixed = llm.generate(PROMPTS * 2, [greedy] * 3 + [SamplingParams(max_tokens=1, pooling="mean")] * 3,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    for out, reference in zip(mixed[3:], embedded, strict=True):
+        normalized = torch.nn.functional.normalize(torch.tensor(out.embedding), dim=0)
+        torch.testing.assert_close(normalized, torch.tensor(reference.embedding), atol=1e-5, rtol=1e-5)
+
+
+def test_a_headless_checkpoint_embeds_with_its_sentence_transformers_pooling(qwen3_dir, tmp_path):
+    """An AutoModel checkpoint (keys without "model.", no head), pooled as its modules.json and
+    Pooling config say (mean, normalized), as embedding models ship."""
+    hf = AutoModel.from_pretrained(qwen3_dir, dtype=torch.float32)
+    folder = tmp_path / "embedder"
+    hf.save_pretrained(folder)
+    for tokenizer_file in qwen3_dir.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, folder)
+    assert pooling_config(folder) == PoolingConfig("last", True)  # no sentence-transformers files
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True,
+                                                                  "pooling_mode_lasttoken": False}))
+    assert pooling_config(folder) == PoolingConfig("mean", True)
+    out = LLM(str(folder), dtype="float32").embed(PROMPTS[1:], use_tqdm=False)[0]
+    expected = torch.nn.functional.normalize(_hf_pooled(hf, PROMPTS[1], "mean"), dim=0)
+    torch.testing.assert_close(torch.tensor(out.embedding), expected, atol=1e-5, rtol=1e-5)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True,
+                                                                  "pooling_mode_cls_token": True}))
+    with pytest.raises(ValueError, match="exactly one of"):
+        pooling_config(folder)
+
+
+def test_the_embeddings_route_answers_as_openai_does(qwen3_dir):
+    """Text, token ids and lists of either; float or base64; Matryoshka `dimensions`
+    (truncated, then normalized); usage; 400s for a bad input or too many dimensions."""
+    import openai
+
+    from engine import AsyncEngine, EngineConfig
+    from server.app import build_app
+    from server.config import ServerConfig
+    from tests.server.live import serve_in_thread
+
+    engine = AsyncEngine(EngineConfig(model=str(qwen3_dir), num_kv_blocks=64))
+    engine.start()
+    offline = LLM(str(qwen3_dir), dtype="float32")
+    try:
+        with serve_in_thread(build_app(engine, ServerConfig(served_model_name="embedder"))) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            texts = ["The quick brown fox", "jumps over the lazy dog"]
+            reply = client.embeddings.create(model="embedder", input=texts)
+            expected = offline.embed(texts, use_tqdm=False)
+            assert [d.index for d in reply.data] == [0, 1]
+            for item, reference in zip(reply.data, expected, strict=True):
+                assert item.embedding == pytest.approx(reference.embedding, abs=1e-5)
+            assert reply.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+            ids = client.embeddings.create(model="embedder", input=PROMPTS[1]).data[0].embedding
+            assert ids == pytest.approx(offline.embed([PROMPTS[1]], use_tqdm=False)[0].embedding, abs=1e-5)
+            short = httpx.post(url + "/v1/embeddings", json={"input": texts[0], "dimensions": 16,
+                                                             "encoding_format": "base64"}).json()
+            vector = np.frombuffer(base64.b64decode(short["data"][0]["embedding"]), dtype="<f4")
+            truncated = torch.tensor(expected[0].embedding[:16])  # normalized whole, then cut ...
+            assert vector == pytest.approx((truncated / truncated.norm()).tolist(), abs=1e-5)  # ... and renormed
+            for body, param in (({"input": texts[0], "dimensions": 4096}, "dimensions"), ({"input": []}, "input"),
+                                ({"input": [10**9]}, "input"), ({"input": "x", "model": "other"}, "model")):
+                refused = httpx.post(url + "/v1/embeddings", json=body)
+                assert refused.status_code == 400 and (refused.json()["error"]["param"] or "").startswith(param), body
+    finally:
+        engine.shutdown()
