@@ -379,9 +379,12 @@ class ModelRunner:
         elif kind == "cls" and chunk.start == 0:
             self.pooling_state[request_id] = hidden[0].float()
         if chunk.completes_sequence:
-            last = hidden[-1].float()
-            pooled = {"last": last, "mean": self.pooling_state.get(request_id, last) / chunk.request.num_prompt_tokens,
-                      "cls": self.pooling_state.get(request_id)}[kind]
+            if kind == "last":
+                pooled = hidden[-1].float()
+            elif kind == "mean":
+                pooled = self.pooling_state[request_id] / chunk.request.num_prompt_tokens
+            else:
+                pooled = self.pooling_state[request_id]
             result.pooled[request_id] = pooled.cpu()
 
     def release(self, request_id: str) -> None:
