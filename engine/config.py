@@ -45,6 +45,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_lora_rank: int = 64
     lora_modules: dict[str, str] | None = None  # name → folder, loaded at start (implies enable_lora)
+    default_lora: str | None = None  # one of lora_modules serving every request that names none (and score())
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -77,6 +78,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.lora_modules:
             self.enable_lora = True
+        if self.default_lora is not None and self.default_lora not in (self.lora_modules or {}):
+            raise ValueError(f"default_lora {self.default_lora!r} is not one of lora_modules")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
 

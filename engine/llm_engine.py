@@ -195,6 +195,7 @@ class LLMEngine:
         """Tokenize and validate without touching engine state (safe from any thread). `lora` names
         a loaded adapter to serve the request with."""
         check_priority(priority, self.config.scheduling_policy)
+        lora = lora if lora is not None else self.config.default_lora
         if lora is not None and self.lora is None:
             raise ValueError(f"LoRA adapter {lora!r} asked for, but this engine serves none (enable_lora)")
         lora_index = None if lora is None else self.lora.index(lora)
@@ -398,7 +399,9 @@ class LLMEngine:
         token_ids = self.tokenize_prompt(token_ids)
         if not 0 < len(token_ids) <= self.max_model_len:
             raise ValueError(f"score() takes 1..{self.max_model_len} tokens, got {len(token_ids)}")
-        request = Request("__score__", token_ids, SamplingParams(temperature=0.0))
+        lora = self.config.default_lora
+        request = Request("__score__", token_ids, SamplingParams(temperature=0.0), lora=lora,
+                          lora_index=None if lora is None else self.lora.index(lora))
         rows = []
         try:
             budget = self.config.max_num_batched_tokens

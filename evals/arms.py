@@ -80,7 +80,9 @@ class ArmResults:
 
 
 def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
-                 max_num_batched_tokens: int | None = None) -> LLM:
+                 max_num_batched_tokens: int | None = None, lora: Path | None = None) -> LLM:
+    """One arm's engine; with `lora`, every request (and Tier 0's scoring) goes through that adapter."""
+    adapter = {} if lora is None else {"lora_modules": {"gated": str(lora)}, "default_lora": "gated"}
     return LLM(
         str(model_dir),
         kv_cache_dtype=kv_cache_dtype,
@@ -90,6 +92,7 @@ def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "
         max_num_batched_tokens=max_num_batched_tokens or policy.engine.max_num_batched_tokens,
         block_size=policy.engine.block_size,
         seed=policy.seed,
+        **adapter,
     )
 
 
@@ -188,11 +191,12 @@ def tier0_sequences(llm: LLM, data_dir: Path, policy: GatePolicy, generations: l
 def run_arm(model_dir: Path, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]], *,
             label: str, kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
             max_num_batched_tokens: int | None = None,
-            tier2_prompt_ids: list[list[int]] | None = None) -> tuple[ArmResults, LLM]:
-    """Build the engine for one arm, run tasks and Tier 2 generations, and return both."""
+            tier2_prompt_ids: list[list[int]] | None = None, lora: Path | None = None) -> tuple[ArmResults, LLM]:
+    """Build the engine for one arm (through LoRA adapter `lora`, if given), run tasks and Tier 2
+    generations, and return both."""
     start = time.perf_counter()
     llm = build_engine(model_dir, policy, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
-                       max_num_batched_tokens=max_num_batched_tokens)
+                       max_num_batched_tokens=max_num_batched_tokens, lora=lora)
     before = llm.stats()
     items, scores = run_tasks(DriftgateLM(llm=llm), policy, data_dir, ids, label)
     after = llm.stats()

@@ -33,6 +33,8 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="candidate's KV-cache dtype (auto, bfloat16, fp8)")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
+    parser.add_argument("--lora", default=None, metavar="DIR",
+                        help="a PEFT LoRA adapter both arms answer through (gates the adapter over the quantized base)")
     parser.add_argument("--cache-dir", default=None, help="baseline result cache (default ~/.cache/driftgate)")
     parser.add_argument("--no-cache", action="store_true", help="always re-run the baseline arm")
     parser.add_argument("--server", default=None, metavar="URL",
@@ -64,6 +66,23 @@ def check_model_dir(path: Path, role: str) -> dict[str, str]:
             except Exception as exc:  # safetensors raises several types for a damaged file
                 raise GateInputError(f"{role} weight file {f} is not readable safetensors: {exc}") from exc
     return weight_hashes(path)
+
+
+def _lora(args: argparse.Namespace) -> tuple[Path | None, dict[str, str]]:
+    """--lora's folder and the hashes of its weights and config (what the baseline cache and the
+    report bind), or (None, {})."""
+    from evals.data import file_sha256
+
+    if args.lora is None:
+        return None, {}
+    if args.server:
+        raise GateInputError("--lora gates local arms; a server's adapter is its own model: gate it as "
+                             "--candidate with the server serving that model")
+    folder = Path(args.lora)
+    files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
+    if missing := [f.name for f in files if not f.is_file()]:
+        raise GateInputError(f"--lora {folder} is not a PEFT LoRA adapter folder (no {', '.join(missing)})")
+    return folder, {f.name: file_sha256(f) for f in files}
 
 
 def run_gate(args: argparse.Namespace) -> int:
@@ -100,6 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     baseline_dir, candidate_dir = Path(args.baseline), Path(args.candidate)
     baseline_hashes = check_model_dir(baseline_dir, "baseline")
     candidate_hashes = check_model_dir(candidate_dir, "candidate")
+    lora_dir, lora_hashes = _lora(args)
     ids = arms.selected_ids(policy, data_dir)
     cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
 
@@ -108,18 +128,21 @@ def _run(args: argparse.Namespace) -> int:
         candidate, prompts, served = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir)
     else:
         candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
-                                           kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales)
+                                           kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
+                                           lora=lora_dir)
         prompts = arms.tier2_prompts(cand_llm.tokenizer, data_dir, policy.tier2.num_prompts) \
             if policy.tier2.enabled else []
         if prompts:
             print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
             candidate.generations = arms.greedy_generations(cand_llm, prompts, policy.tier2.max_new_tokens)
 
+    # the baseline's cache entry is for these weights through this adapter
+    baseline_key_hashes = {**baseline_hashes, **{f"lora/{name}": h for name, h in lora_hashes.items()}}
     baseline, base_llm, cached = _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts,
-                                               baseline_dir, baseline_hashes, data_hashes, variant="baseline")
+                                               baseline_dir, baseline_key_hashes, data_hashes, variant="baseline")
     noise = None
     if policy.noise_floor.enabled:
-        noise, _, _ = _baseline_arm(args, arms, cache, policy, data_dir, ids, [], baseline_dir, baseline_hashes,
+        noise, _, _ = _baseline_arm(args, arms, cache, policy, data_dir, ids, [], baseline_dir, baseline_key_hashes,
                                     data_hashes, variant="noise_floor")
 
     comparisons, pooled = gate.compare_arms(policy, baseline.items, candidate.items)
@@ -130,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         skip_reason = remote.TIER0_SKIP_REASON
     elif policy.tier0.enabled:
         if base_llm is None:
-            base_llm = arms.build_engine(baseline_dir, policy)
+            base_llm = arms.build_engine(baseline_dir, policy, lora=lora_dir)
         base_fn, cand_fn = arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm)
         if base_fn is None or cand_fn is None:
             skip_reason = "engine has no LLM.score_full_logprobs(token_ids) yet; Tier 0 not run"
@@ -154,6 +177,8 @@ def _run(args: argparse.Namespace) -> int:
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
                          cached, time.perf_counter() - started, noise)
+    if lora_dir is not None:
+        manifest["lora"] = {"dir": str(lora_dir.resolve()), "sha256": lora_hashes}
     if served:
         manifest["candidate_server"] = served.manifest()
     items = {arm_name: arm.to_json()["items"] for arm_name, arm in (("baseline", baseline), ("candidate", candidate))}
@@ -213,7 +238,7 @@ def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_di
         return hit, None, True
     batched = policy.noise_floor.max_num_batched_tokens if variant == "noise_floor" else None
     arm, llm = arms.run_arm(baseline_dir, policy, data_dir, ids, label=variant, max_num_batched_tokens=batched,
-                            tier2_prompt_ids=prompts or None)
+                            tier2_prompt_ids=prompts or None, lora=Path(args.lora) if args.lora else None)
     cache.store(key, arm)
     return arm, llm, False
 

@@ -170,3 +170,19 @@ def test_generate_cli_answers_through_an_adapter(tiny_model_dir, tiny_lora_dir, 
     assert capsys.readouterr().out == f"### The quick\n{expected}\n\n"
     assert driftgate_main(["generate", str(tiny_model_dir), "The quick", "--lora", str(tmp_path / "none")]) == 2
     assert "LoRA adapter folder not found" in capsys.readouterr().err
+
+
+def test_a_default_adapter_serves_requests_and_scoring_that_name_none(adapters):
+    """default_lora (what `driftgate gate --lora` builds each arm with): generate and
+    score_full_logprobs go through it, as PEFT's model scores."""
+    base, folders = adapters
+    llm = LLM(str(base), dtype="float32", lora_modules={"a": str(folders["a"])}, default_lora="a")
+    reference = _peft_reference(base, folders["a"], PROMPTS)
+    assert_outputs_match_hf(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference, "default adapter")
+    peft_model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                                folders["a"]).eval()
+    with torch.no_grad():
+        expected = peft_model(torch.tensor([PROMPTS[2]])).logits[0].log_softmax(-1)
+    torch.testing.assert_close(llm.score_full_logprobs(PROMPTS[2]), expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="default_lora 'b' is not one of lora_modules"):
+        LLM(str(base), lora_modules={"a": str(folders["a"])}, default_lora="b")

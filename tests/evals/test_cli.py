@@ -221,3 +221,35 @@ def test_server_with_a_shorter_context_than_the_policy_is_exit_2(setup, served_b
     policy.write_text(TINY_POLICY.replace("max_model_len = 512", f"max_model_len = {served_len + 1}"))
     assert _gate(baseline, baseline, policy, root, "--server", served_baseline) == EXIT_ERROR
     assert f"max_model_len {served_len} is below the policy's {served_len + 1}" in capsys.readouterr().err
+
+
+def test_an_adapter_is_gated_over_both_arms(setup, tmp_path, capsys):
+    """--lora: both arms answer through the adapter (its own baseline cache entry), the report
+    names it with its hashes; a folder that is no adapter, or --lora with --server, is exit 2."""
+    pytest.importorskip("peft")
+    from tests.helpers import write_lora_adapter
+
+    root, baseline, policy = setup
+    adapter = write_lora_adapter(baseline, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=2)
+    candidate = root / "copy-for-lora"
+    shutil.copytree(baseline, candidate, dirs_exist_ok=True)
+    capsys.readouterr()
+    assert _gate(baseline, candidate, policy, root, "--lora", str(adapter)) == EXIT_PASS
+    assert "baseline: cached" not in capsys.readouterr().out  # not the plain baseline's entry
+    manifest = json.loads((root / "report" / "report.json").read_text())["manifest"]
+    assert manifest["lora"]["dir"] == str(adapter.resolve())
+    assert set(manifest["lora"]["sha256"]) == {"adapter_config.json", "adapter_model.safetensors"}
+    from engine import SamplingParams
+    from evals import arms
+    from evals.policy import load_policy
+
+    prompt = [[5 + (7 * j) % 300 for j in range(24)]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    answers = [arms.build_engine(baseline, load_policy(policy), lora=lora).generate(prompt, greedy, use_tqdm=False)
+               [0].outputs[0].token_ids for lora in (adapter, None)]
+    assert answers[0] != answers[1]  # the arms answer through the adapter
+    assert _gate(baseline, candidate, policy, root, "--lora", str(tmp_path)) == EXIT_ERROR
+    assert "not a PEFT LoRA adapter folder" in capsys.readouterr().err
+    assert _gate(baseline, candidate, policy, root, "--lora", str(adapter), "--server",
+                 "http://127.0.0.1:9") == EXIT_ERROR
+    assert "--lora gates local arms" in capsys.readouterr().err
