@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 CHAT_TEMPLATE = (
@@ -51,6 +52,12 @@ def write_tiny_tokenizer(dest: Path, vocab_size: int = 384) -> None:
         "model_max_length": 2048,
         "add_bos_token": False,
     }, indent=2))
+
+
+# on a GPU (bench/gpu_check.sh runs `-m cuda`): a fixed cache, as 90% of a big GPU's memory would be
+# millions of blocks for a tiny model
+ON_CUDA = pytest.param({"device": "cuda", "num_kv_blocks": 256}, id="cuda",
+                       marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
 
 
 def make_tiny_model_dir(

@@ -15,7 +15,7 @@ from transformers import AutoModel
 
 from engine import LLM, SamplingParams
 from engine.pooling import PoolingConfig, pooling_config
-from tests.helpers import make_tiny_model_dir
+from tests.helpers import ON_CUDA, make_tiny_model_dir
 
 PROMPTS = [[5 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((3, 18, 40))]
 
@@ -31,7 +31,7 @@ def qwen3_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("embed") / "qwen3", architecture="Qwen3ForCausalLM", head_dim=32)
 
 
-@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 7, "block_size": 4}])
+@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 7, "block_size": 4}, ON_CUDA])
 def test_every_pooling_equals_hf_base_models_hidden_states(qwen3_dir, config):
     """Last-token, mean and first-token pooling of the final norm's output, in one batch and in
     7-token chunks, equal HF's AutoModel within 1e-5; a repeat served from the prefix cache too."""

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.helpers import make_tiny_model_dir, write_lora_adapter
+from tests.helpers import ON_CUDA, make_tiny_model_dir, write_lora_adapter
 from tests.oracle import assert_outputs_match_hf, hf_greedy
 
 peft = pytest.importorskip("peft")
@@ -38,7 +38,7 @@ def _peft_reference(base, folder, prompts, **load):
     return [hf_greedy(model.eval(), p, GREEDY.max_tokens) for p in prompts]
 
 
-@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 7, "block_size": 4}])
+@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 7, "block_size": 4}, ON_CUDA])
 def test_one_batch_of_several_adapters_answers_as_peft(adapters, config):
     """Every prompt under adapter a, adapter b and none, all in one batch (and chunked), gives
     PEFT's greedy tokens and logprobs."""

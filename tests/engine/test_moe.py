@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.llama import LlamaArgs
-from tests.helpers import make_tiny_model_dir
+from tests.helpers import ON_CUDA, make_tiny_model_dir
 from tests.oracle import assert_quantized_answers_as_hf
 
 _MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
@@ -97,3 +97,23 @@ def test_quantized_moe_answers_as_hf_on_it(tmp_path, architecture, options):
         assert "model.layers.0.mlp.shared_expert.down_proj.weight_scale" in names
 
     assert_quantized_answers_as_hf(source, out, weights_only="a16" in options, max_drift=0.25)
+
+
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen2MoeForCausalLM"])
+@pytest.mark.parametrize("config", [ON_CUDA])
+def test_moe_on_a_gpu_answers_as_hf(tmp_path, architecture, config):
+    """The experts' gathers and index_add on CUDA (eager: a MoE step takes no graph), against HF on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from tests.oracle import assert_outputs_match_hf, hf_greedy
+
+    source = _tiny_moe(tmp_path / "moe", architecture)
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((3, 18, 40))]
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    reference = {i: hf_greedy(hf, p, 12) for i, p in enumerate(prompts)}
+    llm = LLM(str(source), dtype="float32", **config)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    assert_outputs_match_hf(outs, reference, f"{architecture} on cuda")
+    assert llm.engine.runner.graphs is None
