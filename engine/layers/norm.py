@@ -17,17 +17,25 @@ def _kernel() -> ctypes._CFuncPtr | None:
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, computed in fp32 like the reference implementation."""
+    """y = x / rms(x) * weight, normalized in fp32 like the reference implementation.
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+    Llama's reference rounds the normalized x to the model's dtype, then scales; with
+    `scale_in_fp32` (Gemma's, whose weights are 1 + w) the fp32 weight scales before the rounding.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, scale_in_fp32: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.scale_in_fp32 = scale_in_fp32
+        weight_dtype = torch.float32 if scale_in_fp32 else dtype
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=weight_dtype), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:
+            return (x * self.weight).to(dtype)
         return self.weight * x.to(dtype)
 
     def _fused_cpu(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -225,6 +225,11 @@ def _shards(args: LlamaArgs, prefix: str, fused: str, parts: dict[str, int]) -> 
     return list(parts.values()), [f"{prefix}.{name}" for name in parts]
 
 
+def _rms_norm(args: LlamaArgs, width: int, dtype: torch.dtype) -> RMSNorm:
+    """The model's RMSNorm: Gemma's (1 + w) weights stay fp32 and scale before rounding, as its reference does."""
+    return RMSNorm(width, args.rms_norm_eps, dtype, scale_in_fp32=bool(args.norm_offset))
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int, prefix: str, quant_config, dtype: torch.dtype,
                  rotary: RotaryEmbedding):
@@ -242,8 +247,8 @@ class LlamaAttention(nn.Module):
         self.qk_size = q_size + kv_size
         self.qk_norm_full, self.clip_qkv = args.qk_norm_full, args.clip_qkv
         q_width, k_width = (q_size, kv_size) if args.qk_norm_full else (args.head_dim, args.head_dim)
-        self.q_norm = RMSNorm(q_width, args.rms_norm_eps, dtype) if args.qk_norm else None
-        self.k_norm = RMSNorm(k_width, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.q_norm = _rms_norm(args, q_width, dtype) if args.qk_norm else None
+        self.k_norm = _rms_norm(args, k_width, dtype) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -341,14 +346,14 @@ class DecoderLayer(nn.Module):
                  rotary: RotaryEmbedding):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.input_layernorm = _rms_norm(args, args.hidden_size, dtype)
         self.self_attn = LlamaAttention(args, layer_idx, f"{prefix}.self_attn", quant_config, dtype, rotary)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = _rms_norm(args, args.hidden_size, dtype)
         moe = bool(args.moe_layers) and args.moe_layers[layer_idx]
         self.mlp = (SparseMoE if moe else LlamaMLP)(args, f"{prefix}.mlp", quant_config, dtype)
         if args.sandwich_norms:  # Gemma: the MLP's input norm, and one on its output
-            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+            self.pre_feedforward_layernorm = _rms_norm(args, args.hidden_size, dtype)
+            self.post_feedforward_layernorm = _rms_norm(args, args.hidden_size, dtype)
         self.sandwich_norms = args.sandwich_norms
         self.residual_multiplier = args.residual_multiplier
 
@@ -384,7 +389,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype,
                                                  local if args.layer_windows[i] else self.rotary)
                                     for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.norm = _rms_norm(args, args.hidden_size, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] → [T, hidden], scaled (Gemma) in the embedding's dtype, as the reference scales it."""
