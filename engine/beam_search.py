@@ -45,7 +45,8 @@ class BeamSearchParams:
 @dataclass(slots=True)
 class Beam:
     tokens: list[int] = field(default_factory=list)  # generated, the prompt not included
-    logprobs: list[float] = field(default_factory=list)  # each token's logprob
+    # each token's step: the 2 × beam_width most probable next tokens there (it among them), by logprob
+    alternatives: list[dict[int, float]] = field(default_factory=list)
     cum_logprob: float = 0.0
     finished: bool = False  # ended with EOS
 
@@ -84,7 +85,7 @@ class BeamSearch:
         for beam, top in zip(self.beams, top_logprobs, strict=True):
             for token, logprob in top.items():
                 ends = token in self.eos_token_ids and not self.params.ignore_eos
-                candidates.append(Beam(beam.tokens + [token], beam.logprobs + [logprob], beam.cum_logprob + logprob,
+                candidates.append(Beam(beam.tokens + [token], beam.alternatives + [top], beam.cum_logprob + logprob,
                                        ends))
         candidates.sort(key=lambda b: b.cum_logprob, reverse=True)
         width = self.params.beam_width
@@ -104,7 +105,7 @@ class BeamSearch:
             CompletionOutput(index=i, text=tokenizer.decode(beam.tokens[:len(beam.tokens) - beam.finished],
                                                             skip_special_tokens=True),
                              token_ids=beam.tokens,
-                             logprobs=[{t: lp} for t, lp in zip(beam.tokens, beam.logprobs, strict=True)],
+                             logprobs=list(beam.alternatives),
                              finish_reason="stop" if beam.finished else "length",
                              stop_reason=beam.tokens[-1] if beam.finished else None,
                              cumulative_logprob=beam.cum_logprob)

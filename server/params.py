@@ -123,7 +123,7 @@ _NOT_WITH_BEAM_SEARCH = {
     "stop": None, "stop_token_ids": None, "min_tokens": 0, "presence_penalty": None, "frequency_penalty": None,
     "repetition_penalty": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
     "response_format": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "logprobs": None, "prompt_logprobs": None,
+    "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
 }
 
 

@@ -44,7 +44,10 @@ def test_beams_equal_transformers_beam_search(llm, tiny_model_dir, width):
         assert [c.token_ids for c in out.outputs] == sequences
         for completion, score in zip(out.outputs, scores, strict=True):
             assert math.isclose(completion.cumulative_logprob / 10, score, abs_tol=1e-4)
-            assert math.isclose(sum(next(iter(lp.values())) for lp in completion.logprobs),
+            # each token's logprobs: its step's 2 × width candidates, it among them
+            assert all(len(lp) == 2 * width and token in lp
+                       for token, lp in zip(completion.token_ids, completion.logprobs, strict=True))
+            assert math.isclose(sum(lp[t] for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)),
                                 completion.cumulative_logprob, abs_tol=1e-4)
             assert completion.finish_reason == "length"
     assert llm.stats().num_blocks_used == 0

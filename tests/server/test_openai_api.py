@@ -389,6 +389,18 @@ def test_beam_search_returns_the_engines_best_beams(client, base_url, engine, ti
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [c.text for c in expected.outputs]
     assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in expected.outputs]
     assert out.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+    # with logprobs (as vLLM gives them): each token's, and the step's top alternatives, best first
+    scored = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, logprobs=2,
+                                       extra_body={**extra, "return_tokens_as_token_ids": True})
+    for choice, beam in zip(sorted(scored.choices, key=lambda c: c.index), expected.outputs, strict=True):
+        mine = [lp[t] for t, lp in zip(beam.token_ids, beam.logprobs, strict=True)]
+        assert choice.logprobs.token_logprobs == pytest.approx(mine, abs=1e-5)
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(beam.cumulative_logprob, abs=1e-4)
+        assert all(2 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)  # the top 2, and the token
+    chat_scored = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, n=2,
+                                                 logprobs=True, top_logprobs=2, extra_body=extra)
+    assert all(c.logprobs.content and all(len(item.top_logprobs) == 2 for item in c.logprobs.content)
+               for c in chat_scored.choices)
     streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, stream=True,
                                               extra_body=extra))
     texts = ["".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)]
