@@ -49,7 +49,7 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "structured_outputs": {"pattern": "a"}}, "structured_outputs"),
     ({"prompt": "hi", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "hi", "use_beam_search": True, "stop": ["x"]}, "stop"),
-    ({"prompt": "hi", "use_beam_search": True, "logprobs": 1}, "logprobs"),
+    ({"prompt": "hi", "use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": "hi", "use_beam_search": True, "n": 1000}, "n"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
