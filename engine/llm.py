@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -13,7 +14,7 @@ from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import EngineStats, RequestOutput
-from engine.pooling import finish_embedding, pooling_config
+from engine.pooling import PoolingConfig, finish_embedding, pooling_config
 from engine.sampling_params import SamplingParams
 
 
@@ -62,13 +63,19 @@ class LLM:
         """Embeddings of `prompts` (each output's `.embedding`), pooled and normalized as the
         model's sentence-transformers files say unless `pooling` / `normalize` are given;
         `dimensions` keeps the leading ones (Matryoshka models) before normalizing."""
-        config = pooling_config(self.engine.config.model)
+        config = self._pooling_config
         params = SamplingParams(max_tokens=1, pooling=pooling or config.pooling)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         for out in outputs:
             out.embedding = finish_embedding(out.embedding, config.normalize if normalize is None else normalize,
                                              dimensions)
         return outputs
+
+    @functools.cached_property
+    def _pooling_config(self) -> PoolingConfig:
+        """The model's pooling, read from its folder once (on the first embed call: a generative
+        model's files are never read for it)."""
+        return pooling_config(self.engine.config.model)
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
                     params: BeamSearchParams) -> list[RequestOutput]:
