@@ -44,11 +44,13 @@ def _read_model_config(model_dir: Path) -> dict:
 
 def _plan(options: QuantizeOptions, config: dict) -> tuple[list[LinearTarget], list[str], int | None]:
     """(quantized Linears, the checkpoint's ignore list, group size), from the model's structure only."""
-    from engine.models.llama import BASE_MODELS, LlamaArgs, LlamaForCausalLM
+    from engine.models.llama import BASE_MODELS, CLASSIFIERS, LlamaArgs, LlamaForCausalLM
 
-    if (config.get("architectures") or [None])[0] in BASE_MODELS:
-        raise QuantizeError(f"{options.model_dir} is a headless checkpoint ({config['architectures'][0]}, as "
-                            "embedding models are saved); quantize takes causal LMs")
+    arch = (config.get("architectures") or [None])[0]
+    if arch in BASE_MODELS or arch in CLASSIFIERS:
+        kind = "a headless checkpoint, as embedding models are saved" if arch in BASE_MODELS else "a sequence classifier"
+        raise QuantizeError(f"{options.model_dir} is {kind} ({arch}); quantize takes causal LMs, which the gate "
+                            "can evaluate")
     try:
         args = LlamaArgs.from_hf_config(config)
     except (ValueError, KeyError) as exc:

@@ -14,7 +14,16 @@ from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import EngineStats, RequestOutput
-from engine.pooling import PoolingConfig, finish_embedding, pooling_config
+from engine.pooling import (
+    ClassificationOutput,
+    ClassifierConfig,
+    PoolingConfig,
+    ScorePlan,
+    classifier_config,
+    finish_embedding,
+    pooling_config,
+    score_pairs,
+)
 from engine.sampling_params import SamplingParams
 
 
@@ -63,6 +72,8 @@ class LLM:
         """Embeddings of `prompts` (each output's `.embedding`), pooled and normalized as the
         model's sentence-transformers files say unless `pooling` / `normalize` are given;
         `dimensions` keeps the leading ones (Matryoshka models) before normalizing."""
+        if self._classifier is not None:
+            raise ValueError("this model is a sequence classifier: LLM.classify and LLM.score, not embed")
         config = self._pooling_config
         params = SamplingParams(max_tokens=1, pooling=pooling or config.pooling)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
@@ -70,6 +81,34 @@ class LLM:
             out.embedding = finish_embedding(out.embedding, config.normalize if normalize is None else normalize,
                                              dimensions)
         return outputs
+
+    def classify(self, prompts: str | Sequence[str] | Sequence[list[int]], *, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[ClassificationOutput]:
+        """A sequence classifier's class logits and probabilities for each prompt (its last token through the score head)."""
+        classifier = self._classifier
+        if classifier is None:
+            raise ValueError(f"LLM.classify needs a sequence classifier (*ForSequenceClassification); this model "
+                             f"is {self.engine.hf_config['architectures'][0]}")
+        outputs = self.generate(prompts, SamplingParams(max_tokens=1, pooling="last"), use_tqdm,
+                                lora_request=lora_request)
+        return [ClassificationOutput(out.request_id, out.prompt_token_ids, out.embedding,
+                                     classifier.probabilities(out.embedding), classifier.labels)
+                for out in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[float]:
+        """vLLM's score: how well each pair matches (engine.pooling.ScorePlan: a one-class
+        classifier's sigmoid on the pair, or the cosine of an embedding model's two embeddings).
+        One `text_1` pairs with every `text_2`; lists of equal length pair in order."""
+        plan = ScorePlan.build(score_pairs(text_1, text_2), self.tokenizer, self._classifier, self._pooling_config)
+        outputs = self.generate(plan.prompts, SamplingParams(max_tokens=1, pooling=plan.pooling), use_tqdm,
+                                lora_request=lora_request)
+        return plan.scores([out.embedding for out in outputs])
+
+    @functools.cached_property
+    def _classifier(self) -> ClassifierConfig | None:
+        return classifier_config(self.engine.hf_config)
 
     @functools.cached_property
     def _pooling_config(self) -> PoolingConfig:

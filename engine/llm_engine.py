@@ -199,6 +199,8 @@ class LLMEngine:
         if lora is not None and self.lora is None:
             raise ValueError(f"LoRA adapter {lora!r} asked for, but this engine serves none (enable_lora)")
         lora_index = None if lora is None else self.lora.index(lora)
+        if self.model.args.num_labels:
+            self._check_classifier_request(params)
         prompt_ids = self.tokenize_prompt(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -228,6 +230,16 @@ class LLMEngine:
         return _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                              sequences, [None] * len(prompt_ids) if wants_prompt_lp else None,
                              [None] * len(prompt_ids) if wants_prompt_lp else None)
+
+    def _check_classifier_request(self, params: SamplingParams) -> None:
+        """A sequence classifier has a score head and no LM head: it classifies its prompts, pooled at
+        the last token, and nothing else."""
+        if params.pooling is None:
+            raise ValueError(f"this model ({self.hf_config['architectures'][0]}) is a sequence classifier: it "
+                             "classifies and scores inputs (LLM.classify / LLM.score, POST /classify, /score, "
+                             "/rerank) and does not generate text")
+        if params.pooling != "last" or params.prompt_logprobs is not None:
+            raise ValueError("a sequence classifier pools the last token and has no token logprobs")
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens as it would appear at the start of the text and after a space."""

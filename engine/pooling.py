@@ -1,13 +1,16 @@
-"""How a model's embeddings are pooled: from its sentence-transformers files, as vLLM reads them.
+"""How a model's pooled outputs become what clients get: embeddings, class probabilities, scores.
 
 An embedding checkpoint saved by sentence-transformers lists its modules in `modules.json`
 (a Pooling module with its `config.json`, often a Normalize module); a model without them is
 pooled as vLLM pools decoder models by default: the last token's final hidden state, L2-normalized.
+A sequence classifier (`*ForSequenceClassification`) pools its last token through its score
+head; its config.json names the classes and whether they exclude each other.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +49,101 @@ def pooling_config(model_dir: str | Path) -> PoolingConfig:
                              "exactly one of lasttoken, mean_tokens, cls_token")
         pooling = chosen[0]
     return PoolingConfig(pooling, normalize="Normalize" in types)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifierConfig:
+    labels: tuple[str, ...]  # class names, in the score head's row order
+    multi_label: bool = False  # HF's problem_type "multi_label_classification": classes do not exclude each other
+
+    def probabilities(self, logits: list[float]) -> list[float]:
+        """Class probabilities, as HF's text-classification pipeline and vLLM give them: a softmax
+        over exclusive classes, a sigmoid each for one class (a cross-encoder's relevance) or multi-label."""
+        values = torch.tensor(logits, dtype=torch.float32)
+        if self.multi_label or len(self.labels) == 1:
+            return torch.sigmoid(values).tolist()
+        return torch.softmax(values, dim=0).tolist()
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One prompt's classification: its class logits and probabilities (LLM.classify)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    logits: list[float]
+    probs: list[float]
+    labels: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """The most probable class."""
+        return self.labels[max(range(len(self.probs)), key=self.probs.__getitem__)]
+
+
+def classifier_config(hf_config: dict) -> ClassifierConfig | None:
+    """The classes of a sequence classifier's config.json, None for any other model."""
+    from engine.models.llama import CLASSIFIERS
+
+    if (hf_config.get("architectures") or [None])[0] not in CLASSIFIERS:
+        return None
+    id2label = hf_config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(hf_config.get("num_labels", 2))}
+    labels = tuple(label for _, label in sorted(id2label.items(), key=lambda item: int(item[0])))
+    return ClassifierConfig(labels, hf_config.get("problem_type") == "multi_label_classification")
+
+
+def pair_token_ids(tokenizer, first: str, second: str) -> list[int]:
+    """A cross-encoder's input for a text pair: the tokenizer's own pair encoding (its special
+    tokens and separators), as sentence-transformers' CrossEncoder and vLLM's score API build it."""
+    return tokenizer(first, second)["input_ids"]
+
+
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's score pairing: one first text (or a list of one) pairs with every second; lists of
+    equal length pair in order."""
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not first or not second:
+        raise ValueError("score needs at least one text on each side")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, "
+                         "or as many as text_2")
+    return list(zip(first, second, strict=True))
+
+
+@dataclass(slots=True)
+class ScorePlan:
+    """How text pairs are scored, as vLLM's score API does: a one-class sequence classifier (a
+    cross-encoder reranker) reads each pair as one input and its sigmoid is the score; an embedding
+    model embeds each distinct text once and scores a pair by the cosine of its two embeddings."""
+
+    prompts: list[list[int]]  # the token ids to pool, each with `pooling`
+    pooling: str
+    pair_rows: list[tuple[int, int]] | None  # embedding models: each pair's rows of `prompts`
+    classifier: ClassifierConfig | None
+
+    @classmethod
+    def build(cls, pairs: list[tuple[str, str]], tokenizer, classifier: ClassifierConfig | None,
+              pooling: PoolingConfig) -> ScorePlan:
+        if classifier is not None:
+            if len(classifier.labels) != 1:
+                raise ValueError(f"scoring needs a one-class classifier (a cross-encoder); this one has "
+                                 f"{len(classifier.labels)} classes: classify instead")
+            return cls([pair_token_ids(tokenizer, a, b) for a, b in pairs], "last", None, classifier)
+        texts = sorted({text for pair in pairs for text in pair})
+        row = {text: i for i, text in enumerate(texts)}
+        return cls([tokenizer.encode(text) for text in texts], pooling.pooling,
+                   [(row[a], row[b]) for a, b in pairs], None)
+
+    def scores(self, pooled: list[list[float]]) -> list[float]:
+        """One score per pair, from the pooled outputs of `prompts` in order."""
+        if self.classifier is not None:
+            return [self.classifier.probabilities(logits)[0] for logits in pooled]
+        vectors = torch.tensor(pooled, dtype=torch.float32)
+        return [torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()
+                for a, b in self.pair_rows]
 
 
 def finish_embedding(pooled: list[float], normalize: bool, dimensions: int | None = None) -> list[float]:

@@ -379,6 +379,9 @@ class ModelRunner:
         elif kind == "cls" and chunk.start == 0:
             self.pooling_state[request_id] = hidden[0].float()
         if chunk.completes_sequence:
+            if self.model.score is not None:  # a classifier: its head on the last token, as HF pools it
+                result.pooled[request_id] = self.model.classify(hidden[-1:])[0].cpu()
+                return
             if kind == "last":
                 pooled = hidden[-1].float()
             elif kind == "mean":

@@ -24,6 +24,7 @@ from server.lora import load_lora_adapter, unload_lora_adapter
 from server.metrics import cluster_health
 from server.middleware import AccessLogMiddleware, AuthMiddleware
 from server.params import requested_adapter
+from server.pooling import create_classification, create_rerank, create_score
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from server.responses import cancel_response, create_response, delete_response, retrieve_response
 from server.state import Phase, ServerState
@@ -49,6 +50,12 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
     app.post("/v1/embeddings")(create_embedding)
+    for path in ("/classify", "/v1/classify"):
+        app.post(path)(create_classification)
+    for path in ("/score", "/v1/score"):
+        app.post(path)(create_score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(create_rerank)
     app.post("/v1/responses")(create_response)
     app.get("/v1/responses/{response_id}")(retrieve_response)
     app.delete("/v1/responses/{response_id}")(delete_response)

@@ -27,7 +27,8 @@ import uvicorn
 
 from engine.config import KV_CACHE_DTYPES, KV_SCALES
 from engine.generation_config import sampling_defaults
-from engine.pooling import pooling_config
+from engine.loader import read_config
+from engine.pooling import classifier_config, pooling_config
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from server.app import build_app
@@ -278,6 +279,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size, lora_modules=lora_modules(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating, pooling=pooling_config(args.model),
+        classifier=classifier_config(read_config(args.model)),
     )
     if args.allow_runtime_lora_updating and not (args.enable_lora or args.lora_modules):
         raise ValueError("--allow-runtime-lora-updating needs --enable-lora (or --lora-modules)")

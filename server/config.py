@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.pooling import PoolingConfig
+from engine.pooling import ClassifierConfig, PoolingConfig
 from server.reasoning import REASONING_PARSERS
 from server.tools import TOOL_CALL_PARSERS
 
@@ -35,6 +35,7 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     runtime_loras: set[str] = field(default_factory=set)  # the names loaded that way (only they unload)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)  # how /v1/embeddings pools (the model's own)
+    classifier: ClassifierConfig | None = None  # a sequence classifier's classes (/classify, /score, /rerank)
 
     @property
     def model_names(self) -> tuple[str, ...]:

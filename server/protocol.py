@@ -317,6 +317,40 @@ class EmbeddingRequest(_Request):
     priority: int = 0
 
 
+class ClassificationRequest(_Request):
+    """vLLM's /classify request: one input or a list (text or token ids)."""
+
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int = 0
+
+
+class ScoreRequest(_Request):
+    """vLLM's /score request: text_1 against each of text_2 (or pairwise, lists of equal length)."""
+
+    model: str | None = None
+    text_1: str | Annotated[list[str], Field(min_length=1)]
+    text_2: str | Annotated[list[str], Field(min_length=1)]
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int = 0
+
+
+class RerankRequest(_Request):
+    """The Jina / Cohere rerank request vLLM's /rerank takes; top_n 0 (or none) keeps every document."""
+
+    model: str | None = None
+    query: str
+    documents: Annotated[list[str], Field(min_length=1)]
+    top_n: Annotated[int, Field(ge=0)] | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int = 0
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

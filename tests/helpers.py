@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.models.llama import CLASSIFIERS
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -76,7 +78,8 @@ def make_tiny_model_dir(
     head_dim: int | None = None,
     extra_config: dict | None = None,
 ) -> Path:
-    """Write a random-weight HF model folder (config, safetensors, tokenizer) and return it.
+    """Write a random-weight HF model folder (config, safetensors, tokenizer) and return it
+    (`architecture` a causal LM or one of its sequence classifiers, e.g. Qwen2ForSequenceClassification).
 
     Built through HF transformers itself, so the folder is exactly what a real checkpoint
     looks like and transformers can serve as the oracle on it.
@@ -99,7 +102,7 @@ def make_tiny_model_dir(
         "OlmoeForCausalLM": transformers.OlmoeConfig,
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
-    }[architecture]
+    }[CLASSIFIERS.get(architecture, architecture)]
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

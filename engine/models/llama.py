@@ -34,6 +34,11 @@ from engine.layers.rotary import RotaryEmbedding
 # with the embedding matrix as the output head, their keys lacking the "model." prefix
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
                "Qwen3Model": "Qwen3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
+# sequence classifiers (rerankers, reward models): the causal LM's body with a `score` head on the
+# last token's final hidden state in place of the LM head
+CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM"
+               for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Mixtral", "Qwen2Moe", "Qwen3Moe")}
+CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -90,6 +95,7 @@ class LlamaArgs:
     expert_intermediate_size: int = 0
     renormalize_experts: bool = True  # the picked experts' weights rescaled to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one more expert every token goes through, gated
+    num_labels: int = 0  # a sequence classifier's classes (its score head's rows); 0 for a causal LM
 
     @property
     def is_moe(self) -> bool:
@@ -116,9 +122,13 @@ class LlamaArgs:
         arch = archs[0] if archs else None
         if arch in BASE_MODELS:
             arch, config = BASE_MODELS[arch], {**config, "tie_word_embeddings": True}
+        num_labels = 0
+        if arch in CLASSIFIERS:  # HF writes id2label; num_labels is its length
+            arch, num_labels = CLASSIFIERS[arch], len(config.get("id2label") or {}) or config.get("num_labels", 2)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; driftgate serves "
-                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}, their headless base models "
+                             f"and the sequence classifiers {', '.join(sorted(CLASSIFIERS))}")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         gemma = _gemma(config, arch) if arch.startswith("Gemma") else {}
         if "full_attention" in rope:  # rotary settings per layer type (Gemma 3 under transformers 5)
@@ -155,6 +165,7 @@ class LlamaArgs:
             rotary_dim=int(head_dim * partial),
             checkpoint_fuses=arch == "Phi3ForCausalLM",
             max_model_len=max_model_len,
+            num_labels=num_labels,
             **gemma,
             **(_granite(config) if arch == "GraniteForCausalLM" else {}),
             **(_moe(config, arch) if arch in MOE_ARCHITECTURES else {}),
@@ -413,7 +424,12 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.quantized_linears = quant_config is not None and bool(quant_config.groups)
         self.model = LlamaModel(args, quant_config, dtype)
-        if args.tie_word_embeddings:
+        # a classifier's head maps the pooled hidden state to its classes, and it has no LM head
+        self.score = None
+        if args.num_labels:
+            self.score = make_linear(args.hidden_size, [args.num_labels], bias=False, prefixes=["score"],
+                                     quant_config=quant_config, dtype=dtype, quantizable=False)
+        if args.tie_word_embeddings or args.num_labels:
             self.lm_head = None
         else:
             self.lm_head = make_linear(args.hidden_size, [args.vocab_size], bias=False, prefixes=["lm_head"],
@@ -435,7 +451,7 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack(bf16_activations=self.quantized_linears)
             else:
                 module.prepack()
-        if self.lm_head is None:
+        if self.lm_head is None and self.score is None:
             self.packed_embedding = panel_matmul.pack(self.model.embed_tokens.weight,
                                                       bf16_activations=self.quantized_linears)
         self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm)
@@ -445,6 +461,10 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_decode is not None and self.fused_decode.accepts(ctx):
             return self.fused_decode(self.model.embed(input_ids), positions, ctx)
         return self.model(input_ids, positions, ctx)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A classifier's pooled final hidden states [N, hidden] → fp32 class logits [N, num_labels]."""
+        return self.score(hidden).float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → fp32 logits [N, vocab] (Gemma 2's capped at ±logit_softcap)."""

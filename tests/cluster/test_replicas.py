@@ -71,6 +71,23 @@ def test_requests_complete_with_every_policy(cluster, policy):
     assert not engine.router.queue and all(not r.in_flight for r in engine.router.replicas.values())
 
 
+def test_pooling_requests_return_each_prompts_pooled_state_through_the_replicas(cluster, tiny_model_dir):
+    """What /v1/embeddings, /score and /classify send (pooling requests) comes back from whichever
+    replica served it, as the offline engine pools it."""
+    from engine import LLM
+
+    actors, tokenizer = cluster
+    engine = ClusterEngine(actors, RouterConfig(policy="least-loaded", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(6 + 3 * i)] for i in range(4)]
+    outs = run(engine, prompts, params=SamplingParams(max_tokens=1, pooling="mean"))
+    assert all(engine.num_dispatched)  # both replicas served some
+    expected = LLM(str(tiny_model_dir), dtype="float32").embed(prompts, pooling="mean", normalize=False,
+                                                              use_tqdm=False)
+    for out, reference in zip(outs, expected, strict=True):
+        assert out.finished and out.outputs[0].token_ids == []
+        assert out.embedding == pytest.approx(reference.embedding, abs=1e-5)
+
+
 def test_lora_requests_are_served_by_their_adapter_on_every_replica(cluster, tiny_model_dir, tiny_lora_dir):
     """Both replicas load the adapter; requests naming it answer as one engine with it does, and
     an adapter no replica loaded is refused before anything runs."""
