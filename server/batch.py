@@ -27,7 +27,7 @@ from engine.json_object import parse_json_object
 from server.app import build_app
 from server.cli import add_serve_args, build_engine, is_cluster, server_config
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
 
 def add_batch_args(parser: argparse.ArgumentParser) -> None:

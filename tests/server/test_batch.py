@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from engine.cli import main
 from tests.server.test_openai_api import MESSAGES
@@ -12,6 +13,8 @@ from tests.server.test_openai_api import MESSAGES
 CHAT = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
 COMPLETION = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 RESPONSE = {"input": "Say hello.", "max_output_tokens": 10, "temperature": 0}
+EMBEDDING = {"input": ["The capital of France", "Paris"]}
+SCORE = {"text_1": "The capital of France", "text_2": ["Paris", "Berlin"]}
 
 
 def _line(custom_id: str, url: str, body: dict) -> str:
@@ -25,23 +28,27 @@ def test_each_line_gets_what_serve_answers_and_bad_lines_say_why(tmp_path, tiny_
         "not json",
         "",  # blank lines are skipped, and do not shift the line numbers errors name
         _line("bad-field", "/v1/chat/completions", {**CHAT, "temperature": -1}),
-        _line("embeddings", "/v1/embeddings", {"input": "x"}),
+        _line("speech", "/v1/audio/speech", {"input": "x"}),
         _line("streamed", "/v1/completions", {**COMPLETION, "stream": True}),
         _line("response", "/v1/responses", RESPONSE),
+        _line("embeddings", "/v1/embeddings", EMBEDDING),
+        _line("score", "/v1/score", SCORE),
     ]
     source, answers = tmp_path / "in.jsonl", tmp_path / "out" / "answers.jsonl"
     source.write_text("\n".join(lines) + "\n")
     assert main(["run-batch", "-i", str(source), "-o", str(answers), str(tiny_model_dir), "--log-level", "warning"]) == 0
-    assert "3 answered, 4 failed" in capsys.readouterr().err
+    assert "5 answered, 4 failed" in capsys.readouterr().err
     records = [json.loads(line) for line in answers.read_text().splitlines()]
-    assert [r["custom_id"] for r in records] == ["chat", "completion", None, "bad-field", "embeddings", "streamed",
-                                                 "response"]
+    assert [r["custom_id"] for r in records] == ["chat", "completion", None, "bad-field", "speech", "streamed",
+                                                 "response", "embeddings", "score"]
     assert len({r["id"] for r in records}) == len(records)
     by_id = {r["custom_id"]: r for r in records}
     # the answers serve gives the same bodies (greedy, and batching does not change outputs here)
     for custom_id, url, body, field in (("chat", "/v1/chat/completions", CHAT, "choices"),
                                         ("completion", "/v1/completions", COMPLETION, "choices"),
-                                        ("response", "/v1/responses", RESPONSE, "output_text")):
+                                        ("response", "/v1/responses", RESPONSE, "output_text"),
+                                        ("embeddings", "/v1/embeddings", EMBEDDING, "data"),
+                                        ("score", "/v1/score", SCORE, "data")):
         served = httpx.post(base_url + url, json=body, timeout=60).json()
         response = by_id[custom_id]["response"]
         assert response["status_code"] == 200 and by_id[custom_id]["error"] is None
@@ -49,6 +56,10 @@ def test_each_line_gets_what_serve_answers_and_bad_lines_say_why(tmp_path, tiny_
         if field == "output_text":  # the Responses body's text, item ids aside
             assert [c["text"] for c in response["body"]["output"][0]["content"]] == \
                 [c["text"] for c in served["output"][0]["content"]]
+        elif field == "data":  # pooled floats: equal within rounding, whatever shares their batch
+            key = "score" if custom_id == "score" else "embedding"
+            for item, reference in zip(response["body"]["data"], served["data"], strict=True):
+                assert item[key] == pytest.approx(reference[key], abs=1e-5)
         else:
             assert response["body"][field] == served[field]
     # a bad field is that request's own 400, with the server's error body
@@ -56,9 +67,9 @@ def test_each_line_gets_what_serve_answers_and_bad_lines_say_why(tmp_path, tiny_
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
     # lines that are no request: an error naming the line, no response
     assert records[2]["error"]["message"].startswith("line 3: not valid JSON")
-    assert by_id["embeddings"]["error"]["message"].startswith("line 6: url must be one of")
+    assert by_id["speech"]["error"]["message"].startswith("line 6: url must be one of")
     assert by_id["streamed"]["error"]["message"] == "line 7: a batch answers whole; stream must be false"
-    assert all(r["response"] is None for r in (records[2], by_id["embeddings"], by_id["streamed"]))
+    assert all(r["response"] is None for r in (records[2], by_id["speech"], by_id["streamed"]))
 
 
 def test_a_missing_input_or_model_is_one_line_and_exit_2(tmp_path, tiny_model_dir, capsys):
