@@ -48,12 +48,20 @@ def check_model_dir(path: Path, role: str) -> dict[str, str]:
     """Refuse a folder that is missing, has no config or weights, or holds unreadable safetensors."""
     from safetensors import safe_open
 
+    from engine.models.llama import CLASSIFIERS
     from evals.verdict import weight_files, weight_hashes
 
     if not path.is_dir():
         raise GateInputError(f"{role} directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise GateInputError(f"{role} directory {path} has no config.json")
+    try:
+        architecture = (json.loads((path / "config.json").read_text()).get("architectures") or [""])[0]
+    except json.JSONDecodeError as exc:
+        raise GateInputError(f"{role} directory {path}: config.json is not valid JSON: {exc}") from None
+    if architecture in CLASSIFIERS:
+        raise GateInputError(f"{role} {path} is a sequence classifier ({architecture}), which does not generate; "
+                             "the gate compares causal LMs' answers")
     files = weight_files(path)
     if not files:
         raise GateInputError(f"{role} directory {path} has no weight files")

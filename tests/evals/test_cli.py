@@ -81,6 +81,17 @@ def test_corrupt_safetensors_is_exit_2(setup, capsys):
     assert "not readable safetensors" in capsys.readouterr().err
 
 
+def test_a_sequence_classifier_or_a_broken_config_is_exit_2(setup, capsys):
+    root, baseline, policy = setup
+    classifier = make_tiny_model_dir(root / "classifier", architecture="LlamaForSequenceClassification")
+    assert _gate(baseline, classifier, policy, root) == EXIT_ERROR
+    assert "is a sequence classifier (LlamaForSequenceClassification), which does not generate" in \
+        capsys.readouterr().err
+    (classifier / "config.json").write_text("{not json")
+    assert _gate(baseline, classifier, policy, root) == EXIT_ERROR
+    assert "config.json is not valid JSON" in capsys.readouterr().err
+
+
 def test_bad_policy_key_is_exit_2_and_named(setup, capsys):
     root, baseline, _ = setup
     policy = root / "typo.toml"
