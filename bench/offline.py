@@ -38,6 +38,8 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=3, help="repetitions per measurement (medians reported)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
+                        help="every request through this PEFT LoRA adapter (the HF side: PEFT's unmerged model)")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", type=Path, default=None)
@@ -112,8 +114,9 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def run_offline(args: argparse.Namespace) -> int:
     data_dir = find_data_dir(args.data_dir)
+    adapter = {} if args.lora is None else {"lora_modules": {"bench": args.lora}, "default_lora": "bench"}
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, **adapter)
     tokenizer = llm.tokenizer
     prompt = fixed_length_prompt(tokenizer, data_dir, args.prompt_len)
     rng = np.random.default_rng(args.seed)
@@ -125,6 +128,10 @@ def run_offline(args: argparse.Namespace) -> int:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=next(llm.engine.model.parameters()).dtype)
+        if args.lora is not None:
+            from peft import PeftModel
+
+            hf_model = PeftModel.from_pretrained(hf_model, args.lora).eval()
     ours_runs, hf_runs, tput_runs = [], [], []
     ours_batch1(llm, prompt[:32], 4)  # warm-up: first-call allocations and kernel selection
     for _ in range(args.runs):  # interleaved so machine noise hits both sides alike
@@ -137,6 +144,7 @@ def run_offline(args: argparse.Namespace) -> int:
         "model": str(args.model),
         "dtype": str(next(llm.engine.model.parameters()).dtype),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "lora": args.lora,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),

@@ -10,7 +10,9 @@ A_cat stacks the A of every shard the adapter targets in a fused Linear (q, k, v
 B_full places each shard's B at its output rows with the scale folded in, so one adapter costs
 two small matmuls per Linear whatever it targets there. The base weights stay as loaded
 (quantized ones included), so adapters serve over an FP8 / INT4 checkpoint unchanged, and a
-step without adapter rows runs exactly as without LoRA (the C decode step included).
+step without adapter rows runs exactly as without LoRA. A decode step whose rows all take one
+adapter runs in the one-call C decode step with that adapter's factors (same arithmetic, same
+floats); steps mixing adapters take the module path, which groups rows.
 
 Adapters come in PEFT's format (adapter_config.json + adapter_model.safetensors).
 """
@@ -23,8 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+
+from engine.layers import panel_matmul
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,39 @@ class LoRAStep:
         # (adapter index, its row indices, or None when it has every row of the step)
         self.groups: list[tuple[int, torch.Tensor | None]] = []
 
+    @property
+    def whole_step_adapter(self) -> int | None:
+        """The adapter's index when one adapter has every row of the step (what the C decode step runs)."""
+        groups = self.groups
+        return groups[0][0] if len(groups) == 1 and groups[0][1] is None else None
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAFactors:
+    """One adapter's factors on one Linear, A_cat [R, in] and B_full [out, R]: on the CPU in fp32
+    as panels (`panel_matmul.pack`, R padded with zero rows to whole panels), which the module
+    path and the one-call C decode step (engine/csrc/decode_step.c) multiply by in the same
+    order, so both give the same floats; elsewhere as they are, for torch's matmuls."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    packed: bool
+
+    @classmethod
+    def build(cls, a: torch.Tensor, b: torch.Tensor) -> LoRAFactors:
+        pad = -a.shape[0] % panel_matmul.PANEL
+        a_panels = panel_matmul.pack(F.pad(a, (0, 0, 0, pad)), narrow=False)
+        b_panels = panel_matmul.pack(F.pad(b, (0, pad)), narrow=False)
+        if a_panels is None or b_panels is None:
+            return cls(a, b, False)
+        return cls(a_panels, b_panels, True)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] → its low-rank update [rows, out] (scale folded into B)."""
+        if self.packed:
+            return panel_matmul.matmul(panel_matmul.matmul(x, self.a), self.b)
+        return x.to(self.a.dtype) @ self.a.T @ self.b.T
+
 
 class LoRALinear(nn.Module):
     """A Linear plus the low-rank updates of the adapters that target it."""
@@ -55,7 +93,7 @@ class LoRALinear(nn.Module):
         self.prefixes: tuple[str, ...] = base.prefixes
         self.input_size: int = base.input_size
         self.output_sizes: list[int] = list(base.output_sizes)
-        self.factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter index → (A_cat, B_full)
+        self.factors: dict[int, LoRAFactors] = {}  # adapter index → its factors here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -63,11 +101,10 @@ class LoRALinear(nn.Module):
             factors = self.factors.get(index)
             if factors is None:
                 continue
-            a, b = factors
-            if rows is None:  # one adapter for the whole step: no gather, one fused multiply-add
-                y.addmm_(x.to(a.dtype) @ a.T, b.T)
+            if rows is None:  # one adapter for the whole step: no gather
+                y += factors.delta(x).to(y.dtype)
             else:
-                y.index_add_(0, rows, (x[rows].to(a.dtype) @ a.T @ b.T).to(y.dtype))
+                y.index_add_(0, rows, factors.delta(x[rows]).to(y.dtype))
         return y
 
 
@@ -169,8 +206,8 @@ class LoRALayers:
         self.paths[request.lora_name] = str(request.lora_path)
 
     def _fuse(self, wrapper: LoRALinear, shards: list[tuple[int, torch.Tensor, torch.Tensor, float]],
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A_cat [Σr, in], B_full [out, Σr]): each shard's B, scaled, at its rows and its A's columns."""
+              ) -> LoRAFactors:
+        """A_cat [Σr, in] and B_full [out, Σr]: each shard's B, scaled, at its rows and its A's columns."""
         device = self._device
         a_cat = torch.cat([a for _, a, _, _ in shards]).to(device, self._dtype)
         b_full = torch.zeros(sum(wrapper.output_sizes), a_cat.shape[0], dtype=self._dtype, device=device)
@@ -179,7 +216,7 @@ class LoRALayers:
             start = sum(wrapper.output_sizes[:shard])
             b_full[start:start + b.shape[0], column:column + a.shape[0]] = b.to(device, self._dtype) * scale
             column += a.shape[0]
-        return a_cat, b_full
+        return LoRAFactors.build(a_cat, b_full)
 
     def remove(self, name: str) -> None:
         """Unload an adapter (the engine checks no request uses it)."""

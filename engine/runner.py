@@ -264,12 +264,11 @@ class ModelRunner:
         if self.device.type != "cpu":
             input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), self._to_device(meta)
         ctx = ForwardContext(meta, self.kv_cache)
-        if not adapted:
+        try:
             return self.model(input_ids, positions, ctx)
-        try:  # the module path: the one-call C decode step knows no adapters
-            return self.model.model(input_ids, positions, ctx)
         finally:
-            self.lora.end_step()
+            if adapted:
+                self.lora.end_step()
 
     @staticmethod
     def _queries(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:

@@ -32,6 +32,10 @@ typedef struct {
     const int32_t *sums;  /* w8a8: 128 · row sums */
     const float *zeros;   /* asymmetric int4: zero-point panels, else NULL */
     const float *bias;    /* or NULL */
+    /* a LoRA adapter's update, y += (x A_catᵀ) B_fullᵀ (engine/lora.py): fp32 panels of A_cat
+     * [lora_rank, k] and B_full [n, lora_rank], rank padded to whole panels; rank 0: none */
+    const float *lora_a, *lora_b;
+    int32_t lora_rank;
 } Linear;
 
 typedef struct {
@@ -54,6 +58,7 @@ typedef struct {
     float residual_multiplier; /* each block's output scaled before its residual add (Granite; else 1) */
     const float *final_norm;
     const Layer *layers;
+    int32_t lora_rank; /* the largest lora_rank of any Linear (the scratch it needs) */
 } Model;
 
 /* x *= s, as torch's fp32 multiply (a no-op for s = 1). */
@@ -99,7 +104,7 @@ static inline void store_kv(void *cache, int64_t slot_offset, const float *x, in
 }
 
 /* y = x Wᵀ + b; `staging` holds rows × k floats for the FP8 kinds' rounded inputs. */
-static int linear(const Linear *l, float *y, const float *x, float *staging, int rows, int threads) {
+static int base_linear(const Linear *l, float *y, const float *x, float *staging, int rows, int threads) {
     switch (l->kind) {
     case LINEAR_F32:
         panel_matmul_f32(y, x, l->weight, l->bias, rows, l->n, l->k, threads);
@@ -138,6 +143,19 @@ static int linear(const Linear *l, float *y, const float *x, float *staging, int
     }
 }
 
+/* y = x Wᵀ + b, plus the adapter's update from the unrounded x: the module path's arithmetic
+ * (LoRAFactors.delta, then one add). `lora_scratch` holds rows × (lora_rank + n) floats. */
+static int linear(const Linear *l, float *y, const float *x, float *staging, float *lora_scratch, int rows,
+                  int threads) {
+    const int status = base_linear(l, y, x, staging, rows, threads);
+    if (status != STEP_OK || l->lora_rank == 0) return status;
+    float *t = lora_scratch, *u = lora_scratch + (size_t)rows * l->lora_rank;
+    panel_matmul_f32(t, x, l->lora_a, NULL, rows, l->lora_rank, l->k, threads);
+    panel_matmul_f32(u, t, l->lora_b, NULL, rows, l->n, l->lora_rank, threads);
+    for (size_t i = 0; i < (size_t)rows * l->n; i++) y[i] += u[i];
+    return STEP_OK;
+}
+
 /* Returns STEP_OK, or the first failure (no memory, a block size that is not a power of two, a
  * Linear kind this build lacks); hidden is then undefined. */
 int decode_step(const Model *m, float *hidden, const int64_t *positions, const int64_t *slots,
@@ -146,13 +164,17 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
     const int width = m->hidden, q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
     const int qkv_size = q_size + 2 * kv_size;
     const int widest_input = m->inter > width ? (m->inter > q_size ? m->inter : q_size) : (width > q_size ? width : q_size);
-    const size_t row_floats = (size_t)2 * width + qkv_size + 2 * q_size + 3 * (size_t)m->inter + widest_input;
+    const int widest_output = qkv_size > 2 * m->inter ? (qkv_size > width ? qkv_size : width)
+                                                      : (2 * m->inter > width ? 2 * m->inter : width);
+    const size_t lora_floats = m->lora_rank ? (size_t)m->lora_rank + widest_output : 0;
+    const size_t row_floats = (size_t)2 * width + qkv_size + 2 * q_size + 3 * (size_t)m->inter + widest_input +
+                              lora_floats;
     float *scratch = malloc(sizeof(float) * row_floats * rows);
     if (scratch == NULL) return STEP_NO_MEMORY;
     float *residual = scratch, *normed = residual + (size_t)rows * width, *qkv = normed + (size_t)rows * width;
     float *q = qkv + (size_t)rows * qkv_size, *attn = q + (size_t)rows * q_size;
     float *gate_up = attn + (size_t)rows * q_size, *act = gate_up + (size_t)rows * 2 * m->inter;
-    float *staging = act + (size_t)rows * m->inter;
+    float *staging = act + (size_t)rows * m->inter, *lora_scratch = staging + (size_t)rows * widest_input;
     const size_t row_bytes = sizeof(float) * width;
     int status = STEP_OK;
     for (int i = 0; i < m->num_layers && status == STEP_OK; i++) {
@@ -163,7 +185,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         } else {
             rms_norm_f32(normed, residual, hidden, residual, layer->input_norm, rows, width, m->eps, threads);
         }
-        if ((status = linear(&layer->qkv, qkv, normed, staging, rows, threads))) break;
+        if ((status = linear(&layer->qkv, qkv, normed, staging, lora_scratch, rows, threads))) break;
         if (layer->q_norm) /* each head normalized in place, row by row as the modules' norms do it */
             for (int t = 0; t < rows; t++) {
                 float *row = qkv + (size_t)t * qkv_size;
@@ -185,7 +207,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
                                         m->attn_scale, m->kv_type, layer->k_table, layer->v_table,
                                         layer->window, m->attn_softcap, threads);
-        if (status || (status = linear(&layer->o, hidden, attn, staging, rows, threads))) break;
+        if (status || (status = linear(&layer->o, hidden, attn, staging, lora_scratch, rows, threads))) break;
         scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);
         if (layer->pre_mlp_norm) { /* the attention output normed, then added and normed for the MLP */
             rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_norm, rows, width, m->eps, threads);
@@ -193,9 +215,9 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         } else {
             rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
         }
-        if ((status = linear(&layer->gate_up, gate_up, normed, staging, rows, threads))) break;
+        if ((status = linear(&layer->gate_up, gate_up, normed, staging, lora_scratch, rows, threads))) break;
         (m->gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(act, gate_up, rows, m->inter, threads);
-        if ((status = linear(&layer->down, hidden, act, staging, rows, threads))) break;
+        if ((status = linear(&layer->down, hidden, act, staging, lora_scratch, rows, threads))) break;
         scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);
         if (layer->post_mlp_norm) rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_mlp_norm, rows, width, m->eps, threads);
     }

@@ -3,8 +3,8 @@
 At batch 1 a small model's decode step spent about half its time in Python between kernels
 (SmolLM2-135M: 16.9 → 11.1 ms a token in fp32, 18.0 → 8.5 ms in W8A8). When a step holds only
 decode tokens and every layer runs on a C kernel (fp32 activations, panel-packed dense, int8
-weight-only, W8A8 or FP8 weights, an fp32, bf16 or fp8 KV cache), the layers run in one call
-instead: the same kernels in the same order, so the same floats. Every other step, and every
+weight-only, W8A8 or FP8 weights, an fp32, bf16 or fp8 KV cache; no LoRA adapter, or one for
+every row), the layers run in one call instead: the same kernels in the same order, so the same floats. Every other step, and every
 model this does not describe, goes through the modules, which stay the oracle.
 `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
 """
@@ -22,6 +22,7 @@ from engine.layers import cpu_kernels
 from engine.layers.attention import ForwardContext
 from engine.layers.cpu_attention import CACHE_TYPES, fp8_table
 from engine.layers.panel_matmul import ACT_NONE
+from engine.lora import LoRALinear, LoRAStep
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
@@ -35,7 +36,8 @@ class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("group_size", ctypes.c_int32), ("act", ctypes.c_int32), ("input_scale", ctypes.c_float),
                 ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("sums", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("sums", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("lora_a", ctypes.c_void_p), ("lora_b", ctypes.c_void_p), ("lora_rank", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -52,7 +54,7 @@ class _Model(ctypes.Structure):
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
                 ("rotary_dim", ctypes.c_int32), ("gelu", ctypes.c_int32), ("attn_softcap", ctypes.c_float),
                 ("residual_multiplier", ctypes.c_float), ("final_norm", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("lora_rank", ctypes.c_int32)]
 
 
 _ARGTYPES = (ctypes.POINTER(_Model), *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4)
@@ -98,12 +100,24 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
                    ptr(bias))
 
 
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """The four Linears of a decoder layer the C step multiplies by, in its order."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 class FusedDecode:
     """The C description of a Llama model's layers, built once after `prepack_for_cpu`."""
 
     def __init__(self, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module,
                  descriptions: list[tuple[_Linear, ...]], keep: list[torch.Tensor]):
         self._keep = keep
+        # LoRA wrappers (engine/lora.py) around each layer's q/k/v, o, gate/up and down Linears:
+        # a step whose rows all take one adapter runs here with that adapter's factors bound
+        self._lora_wrappers = [tuple(m if isinstance(m, LoRALinear) else None for m in _projections(layer))
+                               for layer in layers]
+        wrappers = [w for linears in self._lora_wrappers for w in linears if w is not None]
+        self._lora_step: LoRAStep | None = wrappers[0].step if wrappers else None
+        self._lora_bound: int | None = None
         self._layers = (_Layer * len(layers))()
         for layer, c_layer, linears in zip(layers, self._layers, descriptions, strict=True):
             c_layer.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -156,10 +170,8 @@ class FusedDecode:
         keep: list[torch.Tensor] = []
         descriptions = []
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            # a LoRA wrapper's base: steps with adapter rows take the module path (engine/lora.py)
-            linears = tuple(_describe(getattr(m, "base", m), keep)
-                            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            # a LoRA wrapper's base: the adapters' factors are bound per step (_bind_lora)
+            linears = tuple(_describe(getattr(m, "base", m), keep) for m in _projections(layer))
             if any(d is None for d in linears):
                 return None
             descriptions.append(linears)
@@ -176,7 +188,37 @@ class FusedDecode:
                 and not meta.decode_groups
                 and cache.dtype in CACHE_TYPES and cache.k[0].device.type == "cpu"
                 and not (cache.is_fp8 and any(a.scales_pending for a in self._attention))
-                and not any(self._hook_dicts))
+                and not any(self._hook_dicts) and self._lora_runs())
+
+    def _lora_runs(self) -> bool:
+        """No adapter rows, or one adapter with every row whose factors have CPU panels (mixed
+        adapters take the module path, which groups rows)."""
+        step = self._lora_step
+        if step is None or not step.groups:
+            return True
+        index = step.whole_step_adapter
+        return index is not None and all(w.factors[index].packed
+                                         for linears in self._lora_wrappers for w in linears
+                                         if w is not None and index in w.factors)
+
+    def _bind_lora(self) -> None:
+        """Point each Linear at this step's adapter factors (none: rank 0), when the adapter changes."""
+        index = None if self._lora_step is None else self._lora_step.whole_step_adapter
+        if index == self._lora_bound:
+            return
+        widest = 0
+        for c_layer, wrappers in zip(self._layers, self._lora_wrappers, strict=True):
+            for name, wrapper in zip(("qkv", "o", "gate_up", "down"), wrappers, strict=True):
+                factors = None if wrapper is None or index is None else wrapper.factors.get(index)
+                c_linear = getattr(c_layer, name)  # a view: assignments reach the layer
+                if factors is None:
+                    c_linear.lora_a, c_linear.lora_b, c_linear.lora_rank = None, None, 0
+                    continue
+                rank = factors.b.shape[1]  # B's panels [out / 16, R, 16]
+                c_linear.lora_a, c_linear.lora_b = factors.a.data_ptr(), factors.b.data_ptr()
+                c_linear.lora_rank, widest = rank, max(widest, rank)
+        self._model.lora_rank = widest
+        self._lora_bound = index
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """embeddings [T, hidden] → the final norm's output [T, hidden], the KV cache written."""
@@ -188,6 +230,7 @@ class FusedDecode:
             self._cache_bound = cache
         if cache.is_fp8:
             self._bind_fp8_scales(cache.k[0].shape[1])
+        self._bind_lora()
         decode = meta.paged_decode
         hidden = embeddings.float().contiguous()  # a fresh lookup: the C call writes it in place
         positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.layers import fused_decode, panel_matmul
 from engine.layers.fused_decode import FusedDecode
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
 from quant.schemes import FP8_KV, QuantArgs, QuantScheme, preset
-from tests.helpers import make_tiny_model_dir, quantized_tensors
+from tests.helpers import make_tiny_model_dir, quantized_tensors, write_lora_adapter
 
 needs_kernel = pytest.mark.skipif(fused_decode._kernel() is None, reason="no C compiler here")
 needs_vnni = pytest.mark.skipif(not panel_matmul.w8a8_available(), reason="the W8A8 kernel needs AVX-512 VNNI")
@@ -29,14 +29,14 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 6, 19, 40)]
 
 
-def _run(model_dir: Path, enabled: bool, monkeypatch, **engine_kwargs) -> tuple[list, int]:
+def _run(model_dir: Path, enabled: bool, monkeypatch, lora_request=None, **engine_kwargs) -> tuple[list, int]:
     """Greedy outputs (tokens and top logprobs) and the number of steps the C path ran."""
     calls = []
     monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or _FUSED_CALL(self, *a))
     monkeypatch.setenv("DRIFTGATE_FUSED_DECODE", "1" if enabled else "0")  # read when the engine is built
     llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
     assert (llm.engine.model.fused_decode is not None) == enabled
-    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False, lora_request=lora_request)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
 
 
@@ -101,6 +101,30 @@ def test_fused_step_equals_module_path(tmp_path, monkeypatch, name, engine_kwarg
     modules, module_calls = _run(model_dir, False, monkeypatch, **engine_kwargs)
     assert fused_calls > 0 and module_calls == 0
     assert fused == modules  # tokens and logprobs, bit for bit
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,scheme", [("llama-gqa", None), ("qwen2-qkv-bias", None), ("llama-gqa", "fp8-dynamic"),
+                                         ("llama-gqa", "w4a16")])
+def test_fused_step_with_a_lora_adapter_equals_module_path(tmp_path, monkeypatch, name, scheme):
+    """Decode steps whose rows all take one adapter run in C with its factors bound (added from
+    the unrounded input, as the modules add them, also over FP8 activations): the module path's
+    floats; steps mixing adapters, and steps after the adapter, still match."""
+    pytest.importorskip("peft")
+    model_dir = make_tiny_model_dir(tmp_path / name, **MODELS[name])
+    adapter = write_lora_adapter(model_dir, tmp_path / "lora", ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                                 rank=4, seed=1)
+    if scheme is not None:
+        model_dir = _quantized_dir(tmp_path, model_dir, scheme)
+    request = LoRARequest("a", 1, str(adapter))
+    for lora in (request, [request, None, request, None]):
+        fused, fused_calls = _run(model_dir, True, monkeypatch, lora, enable_lora=True)
+        modules, _ = _run(model_dir, False, monkeypatch, lora, enable_lora=True)
+        assert fused == modules  # tokens and logprobs, bit for bit
+        if lora is request:  # one adapter with every row: the C path ran its decode steps
+            assert fused_calls > 0
+    without, _ = _run(model_dir, True, monkeypatch, enable_lora=True)
+    assert without != fused  # the adapter changed the answers
 
 
 # FP8 W8A8 also on the fp32 kernel the bf16-product one replaces where AVX-512 BF16 is missing
