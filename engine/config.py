@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 from engine.scheduler import SCHEDULING_POLICIES
@@ -46,6 +47,8 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_modules: dict[str, str] | None = None  # name → folder, loaded at start (implies enable_lora)
     default_lora: str | None = None  # one of lora_modules serving every request that names none (and score())
+    # keys laid over config.json (vLLM's hf_overrides): a dict, or its JSON
+    hf_overrides: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -82,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"default_lora {self.default_lora!r} is not one of lora_modules")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if isinstance(self.hf_overrides, str):
+            self.hf_overrides = hf_overrides_arg(self.hf_overrides)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
@@ -91,6 +96,17 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=str(model), **kwargs)
+
+
+def hf_overrides_arg(value: str) -> dict:
+    """--hf-overrides: a JSON object whose keys replace config.json's."""
+    try:
+        overrides = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hf_overrides is not valid JSON: {exc}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
+    return overrides
 
 
 def check_priority(priority: int, policy: str) -> None:

@@ -75,7 +75,8 @@ class LLMEngine:
             # checked here, where the engine runs: a cluster's API process may have no GPU itself
             raise ValueError(f"device {config.device!r}: torch {torch.__version__} sees no CUDA device here "
                              f"(use --device cpu, or auto)")
-        self.model, self.hf_config = load_model(config.model, config.dtype, config.device, config.max_model_len)
+        self.model, self.hf_config = load_model(config.model, config.dtype, config.device, config.max_model_len,
+                                                config.hf_overrides)
         self.lora = LoRALayers(self.model, config.max_lora_rank) if config.enable_lora else None
         for name, path in (config.lora_modules or {}).items():
             self.lora.add(LoRARequest(name, len(self.lora.adapters) + 1, path))

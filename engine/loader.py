@@ -68,12 +68,17 @@ def _linear_shards(model: nn.Module) -> dict[str, tuple[str, int]]:
             for shard, prefix in enumerate(getattr(module, "prefixes", ()))}
 
 
+def model_config(model_dir: str | Path, hf_overrides: dict | None = None) -> dict:
+    """config.json with vLLM's hf_overrides on top (e.g. a causal LM served as a classifier)."""
+    return {**read_config(model_dir), **(hf_overrides or {})}
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               max_model_len: int | None = None) -> tuple[LlamaForCausalLM, dict]:
+               max_model_len: int | None = None, hf_overrides: dict | None = None) -> tuple[LlamaForCausalLM, dict]:
     """Build the model for `model_dir` and fill it from its safetensors; returns (model, hf_config).
     `max_model_len`, the context to be served, picks LongRoPE's factors (None: the model's own)."""
     model_dir = Path(model_dir)
-    config = read_config(model_dir)
+    config = model_config(model_dir, hf_overrides)
     args = LlamaArgs.from_hf_config(config, max_model_len)
     headless = (config.get("architectures") or [None])[0] in BASE_MODELS  # keys without "model."
     torch_dtype = resolve_dtype(dtype, device)
@@ -95,6 +100,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     kv_tensors: dict[str, torch.Tensor] = {}  # applied only if the engine stores KV in fp8
+    from_token = args.num_labels and config.get("classifier_from_token")  # a causal LM's rows make the score head
+    lm_head: torch.Tensor | None = None
     for path in _weight_files(model_dir):
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -115,6 +122,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                 elif name in params:
                     _copy_param(params[name], f.get_tensor(key), name)
                     loaded.add(name)
+                elif name == "lm_head.weight" and from_token:
+                    lm_head = f.get_tensor(key)
                 elif name == "lm_head.weight" and args.tie_word_embeddings:
                     continue  # tied: the embedding serves as the output projection
                 else:
@@ -125,6 +134,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                 except ValueError as e:
                     raise ValueError(f"{path.name}: {module_path} shard {shard}: {e}") from e
 
+    if from_token:
+        head = lm_head if lm_head is not None else params["model.embed_tokens.weight"].data
+        model.score.load_shard(0, {"weight": _score_from_tokens(model_dir, config, head)})
     for name, module in modules.items():
         if hasattr(module, "finalize"):
             try:
@@ -143,6 +155,26 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model.kv_scale_tensors = kv_tensors
     model.eval()
     return model, config
+
+
+def _score_from_tokens(model_dir: Path, config: dict, lm_head: torch.Tensor) -> torch.Tensor:
+    """A classifier head from a causal LM's output rows (vLLM's classifier_from_token): each
+    named token's row, or for Qwen3-Reranker the "yes" row less the "no" row, so the sigmoid of
+    its one logit is softmax([no, yes])[yes], the probability the reranker's card scores with."""
+    from engine.tokenizer import load_tokenizer
+
+    tokens = config["classifier_from_token"]
+    tokenizer = load_tokenizer(model_dir)
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    unknown = [t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ValueError(f"classifier_from_token names {unknown}, which the tokenizer does not hold as tokens")
+    rows = lm_head[ids]
+    if config.get("is_original_qwen3_reranker"):
+        if len(tokens) != 2:
+            raise ValueError(f"is_original_qwen3_reranker takes two classifier_from_token entries (no, yes), got {tokens}")
+        rows = rows[1:] - rows[:1]
+    return rows
 
 
 def _copy_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -83,13 +83,10 @@ class ClassificationOutput:
 
 def classifier_config(hf_config: dict) -> ClassifierConfig | None:
     """The classes of a sequence classifier's config.json, None for any other model."""
-    from engine.models.llama import CLASSIFIERS
+    from engine.models.llama import classifier_labels
 
-    if (hf_config.get("architectures") or [None])[0] not in CLASSIFIERS:
-        return None
-    id2label = hf_config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(hf_config.get("num_labels", 2))}
-    labels = tuple(label for _, label in sorted(id2label.items(), key=lambda item: int(item[0])))
-    return ClassifierConfig(labels, hf_config.get("problem_type") == "multi_label_classification")
+    labels = classifier_labels(hf_config)
+    return ClassifierConfig(labels, hf_config.get("problem_type") == "multi_label_classification") if labels else None
 
 
 def pair_token_ids(tokenizer, first: str, second: str) -> list[int]:

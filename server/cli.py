@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import jinja2
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, hf_overrides_arg
 from engine.generation_config import sampling_defaults
-from engine.loader import read_config
+from engine.loader import model_config
 from engine.pooling import classifier_config, pooling_config
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
@@ -65,6 +65,13 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _hf_overrides(value: str) -> dict:
+    try:
+        return hf_overrides_arg(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -135,6 +142,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "first, then arrival), and the least urgent running request is the one preempted")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,
                         help=SPECULATIVE_CONFIG_HELP)
+    parser.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
+                        help="keys laid over the model's config.json, as vLLM's flag, e.g. a Qwen3-Reranker served "
+                             'as a classifier: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                             '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
@@ -212,6 +223,7 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         scheduling_policy=args.scheduling_policy, enable_lora=args.enable_lora,
         lora_modules=lora_modules(args.lora_modules), max_lora_rank=args.max_lora_rank,
+        hf_overrides=args.hf_overrides,
     )
     if not is_cluster(args):
         return AsyncEngine(config)
@@ -279,7 +291,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size, lora_modules=lora_modules(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating, pooling=pooling_config(args.model),
-        classifier=classifier_config(read_config(args.model)),
+        classifier=classifier_config(model_config(args.model, args.hf_overrides)),
     )
     if args.allow_runtime_lora_updating and not (args.enable_lora or args.lora_modules):
         raise ValueError("--allow-runtime-lora-updating needs --enable-lora (or --lora-modules)")

@@ -39,6 +39,21 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM"
                for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Mixtral", "Qwen2Moe", "Qwen3Moe")}
 CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
+
+
+def classifier_labels(config: dict) -> tuple[str, ...]:
+    """A sequence classifier's class names, in its score head's row order (empty for other models).
+
+    The head comes from the checkpoint's `score`, or, as vLLM reads a causal LM served as a
+    classifier (hf_overrides), from the LM head's rows for `classifier_from_token`: one class per
+    token, or for Qwen3-Reranker (`is_original_qwen3_reranker`) one class, "yes" less "no"."""
+    if (config.get("architectures") or [None])[0] not in CLASSIFIERS:
+        return ()
+    if tokens := config.get("classifier_from_token"):
+        return ("LABEL_0",) if config.get("is_original_qwen3_reranker") else tuple(tokens)
+    id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+    return tuple(label for _, label in sorted(id2label.items(), key=lambda item: int(item[0])))
+
 MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -122,9 +137,8 @@ class LlamaArgs:
         arch = archs[0] if archs else None
         if arch in BASE_MODELS:
             arch, config = BASE_MODELS[arch], {**config, "tie_word_embeddings": True}
-        num_labels = 0
-        if arch in CLASSIFIERS:  # HF writes id2label; num_labels is its length
-            arch, num_labels = CLASSIFIERS[arch], len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        num_labels = len(classifier_labels(config))
+        arch = CLASSIFIERS.get(arch, arch)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; driftgate serves "
                              f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}, their headless base models "

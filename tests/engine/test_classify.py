@@ -217,3 +217,36 @@ def test_score_and_rerank_on_an_embedding_model_use_cosines(tiny_model_dir):
             assert refused.status_code == 400 and "needs a sequence classifier" in json.dumps(refused.json())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_causal_lm_served_as_a_classifier_from_its_tokens_logits(tmp_path, tied):
+    """vLLM's hf_overrides with classifier_from_token: the score head is the LM head's rows for
+    those tokens (their logits, as HF's causal LM gives them), or for Qwen3-Reranker the "yes"
+    row less the "no" row, whose sigmoid is the reranker card's softmax([no, yes])[yes]."""
+    folder = make_tiny_model_dir(tmp_path / "qwen3", architecture="Qwen3ForCausalLM", head_dim=32,
+                                 tie_word_embeddings=tied)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokens = tokenizer.convert_ids_to_tokens([200, 201, 202])
+
+    def last_logits(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0, -1]
+
+    as_classifier = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens}
+    outs = LLM(str(folder), dtype="float32", hf_overrides=as_classifier).classify(PROMPTS, use_tqdm=False)
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        torch.testing.assert_close(torch.tensor(out.logits), last_logits(prompt)[[200, 201, 202]], atol=1e-5,
+                                   rtol=1e-5)
+        assert out.labels == tuple(tokens)
+    reranker = {**as_classifier, "classifier_from_token": tokens[:2], "is_original_qwen3_reranker": True}
+    scores = LLM(str(folder), dtype="float32", hf_overrides=json.dumps(reranker)).score(QUERY, DOCUMENTS,
+                                                                                      use_tqdm=False)
+    expected = [torch.softmax(last_logits(tokenizer(QUERY, d)["input_ids"])[[200, 201]], dim=0)[1].item()
+                for d in DOCUMENTS]
+    assert scores == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(ValueError, match="does not hold as tokens"):
+        LLM(str(folder), dtype="float32", hf_overrides={**as_classifier, "classifier_from_token": ["no such token"]})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        LLM(str(folder), hf_overrides="[1]")

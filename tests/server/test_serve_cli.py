@@ -173,6 +173,27 @@ def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Pat
     assert config.model_names == ("smol", "gpt-4o-mini") and config.reasoning_parser == "deepseek_r1"
 
 
+def test_hf_overrides_reach_the_engine_and_the_servers_classifier(tiny_model_dir: Path, monkeypatch, capsys):
+    """--hf-overrides serves a causal LM as a classifier (the routes see its classes); bad JSON is exit 2."""
+    import server.cli
+    from server.cli import main
+
+    seen = []
+
+    def record(app_engine, config):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server.cli, "build_app", record)
+    overrides = '{"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["a", "b"]}'
+    with pytest.raises(SystemExit):
+        main([str(tiny_model_dir), "--port", str(_free_port()), "--hf-overrides", overrides])
+    assert seen.pop().classifier.labels == ("a", "b")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tiny_model_dir), "--hf-overrides", "{architectures"])
+    assert exit_info.value.code == 2 and "hf_overrides is not valid JSON" in capsys.readouterr().err
+
+
 def test_speculative_config_flag_is_parsed_and_checked_at_the_command_line(capsys):
     import argparse
 
