@@ -50,12 +50,13 @@ def hash_token_blocks(token_ids: Sequence[int], block_size: int, parent: bytes =
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "hash", "lora", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
+        self.lora: str | None = None  # the LoRA adapter its KV was computed under
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -238,7 +239,7 @@ class BlockManager:
         stored = []
         for i in range(first, full):
             block = self.blocks[request.block_ids[i]]
-            block.hash = request.block_hashes[i]
+            block.hash, block.lora = request.block_hashes[i], request.lora
             if block.hash not in self.cached:  # a duplicate keeps serving from the first copy
                 self.cached[block.hash] = block
                 stored.append(block.hash)
@@ -271,6 +272,13 @@ class BlockManager:
                 self.free_queue.append_left(block)  # holds nothing reusable: reuse first
             else:
                 self.free_queue.append(block)
+
+    def forget_adapter(self, lora: str) -> None:
+        """Drop the cached blocks computed under a LoRA adapter being unloaded (no request holds
+        them): an adapter loaded later under the same name may have other weights, and prefix
+        hashes know adapters by name."""
+        for block in [b for b in self.cached.values() if b.lora == lora and b.ref_count == 0]:
+            self._evict(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

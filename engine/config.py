@@ -47,6 +47,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_modules: dict[str, str] | None = None  # name → folder, loaded at start (implies enable_lora)
     default_lora: str | None = None  # one of lora_modules serving every request that names none (and score())
+    # adapters kept in memory at once (vLLM's max_cpu_loras): past it the least recently used one
+    # no request holds is evicted and read again from its folder when next asked for (None: all)
+    max_cpu_loras: int | None = None
     # keys laid over config.json (vLLM's hf_overrides): a dict, or its JSON
     hf_overrides: dict | str | None = None
 
@@ -85,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"default_lora {self.default_lora!r} is not one of lora_modules")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be at least 1, got {self.max_cpu_loras}")
         if isinstance(self.hf_overrides, str):
             self.hf_overrides = hf_overrides_arg(self.hf_overrides)
 

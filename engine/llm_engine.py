@@ -77,9 +77,9 @@ class LLMEngine:
                              f"(use --device cpu, or auto)")
         self.model, self.hf_config = load_model(config.model, config.dtype, config.device, config.max_model_len,
                                                 config.hf_overrides)
-        self.lora = LoRALayers(self.model, config.max_lora_rank) if config.enable_lora else None
+        self.lora = LoRALayers(self.model, config.max_lora_rank, config.max_cpu_loras) if config.enable_lora else None
         for name, path in (config.lora_modules or {}).items():
-            self.lora.add(LoRARequest(name, len(self.lora.adapters) + 1, path))
+            self.lora.add(LoRARequest(name, len(self.lora.paths) + 1, path))
         self.model.prepack_for_cpu()
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         args = self.model.args
@@ -181,7 +181,11 @@ class LLMEngine:
         """Load a LoRA adapter requests can then name (between steps: LLM, or AsyncEngine's thread)."""
         if self.lora is None:
             raise ValueError("LoRA adapters need enable_lora=True (serve --enable-lora or --lora-modules)")
-        self.lora.add(request)
+        self.lora.add(request, self._adapters_in_use())
+
+    def _adapters_in_use(self) -> frozenset[str]:
+        """The adapters requests in flight hold (never evicted)."""
+        return frozenset(s.sequences[0].request.lora for s in self.requests.values()) - {None}
 
     def remove_lora(self, name: str) -> None:
         """Unload a LoRA adapter no request in flight uses (between steps)."""
@@ -190,6 +194,7 @@ class LLMEngine:
         if users := [s.request_id for s in self.requests.values() if s.sequences[0].request.lora == name]:
             raise ValueError(f"LoRA adapter {name!r} serves {len(users)} request(s) in flight; retry once they end")
         self.lora.remove(name)
+        self.block_manager.forget_adapter(name)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, lora: str | None = None) -> _RequestState:
@@ -199,7 +204,8 @@ class LLMEngine:
         lora = lora if lora is not None else self.config.default_lora
         if lora is not None and self.lora is None:
             raise ValueError(f"LoRA adapter {lora!r} asked for, but this engine serves none (enable_lora)")
-        lora_index = None if lora is None else self.lora.index(lora)
+        if lora is not None:
+            self.lora.check(lora)
         if self.model.args.num_labels:
             self._check_classifier_request(params)
         prompt_ids = self.tokenize_prompt(prompt)
@@ -224,7 +230,7 @@ class LLMEngine:
             p = seq_params if params.seed is None or i == 0 else dataclasses.replace(seq_params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar, priority=priority,
-                                                    lora=lora, lora_index=lora_index),
+                                                    lora=lora),
                                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                             [] if params.logprobs is not None else None))
         wants_prompt_lp = params.prompt_logprobs is not None
@@ -253,8 +259,12 @@ class LLMEngine:
         if state.request_id in self.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
         first = state.sequences[0].request
-        if first.lora is not None and self.lora.adapters.get(first.lora) != first.lora_index:
-            raise ValueError(f"LoRA adapter {first.lora!r} was unloaded")  # between make_request and now
+        if first.lora is not None:
+            if first.lora not in self.lora.paths:
+                raise ValueError(f"LoRA adapter {first.lora!r} was unloaded")  # between make_request and now
+            index = self.lora.resident_index(first.lora, self._adapters_in_use())
+            for seq in state.sequences:
+                seq.request.lora_index = index
         self.requests[state.request_id] = state
         for seq in state.sequences:
             self._seq_owner[seq.request.request_id] = state
@@ -414,7 +424,7 @@ class LLMEngine:
             raise ValueError(f"score() takes 1..{self.max_model_len} tokens, got {len(token_ids)}")
         lora = self.config.default_lora
         request = Request("__score__", token_ids, SamplingParams(temperature=0.0), lora=lora,
-                          lora_index=None if lora is None else self.lora.index(lora))
+                          lora_index=None if lora is None else self.lora.resident_index(lora, frozenset()))
         rows = []
         try:
             budget = self.config.max_num_batched_tokens

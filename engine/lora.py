@@ -150,11 +150,16 @@ def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
 class LoRALayers:
     """The model's wrapped Linears and the adapters loaded onto them."""
 
-    def __init__(self, model: nn.Module, max_lora_rank: int):
+    def __init__(self, model: nn.Module, max_lora_rank: int, max_resident: int | None = None):
         self.step = LoRAStep()
         self.max_lora_rank = max_lora_rank
-        self.adapters: dict[str, int] = {}  # name → index (never reused, so a stale index finds nothing)
-        self.paths: dict[str, str] = {}
+        self.paths: dict[str, str] = {}  # every adapter requests may name → its folder
+        # the adapters whose factors are in memory → index (never reused, so a stale index finds
+        # nothing), least recently used first; past max_resident (vLLM's max_cpu_loras) the least
+        # recently used one no request holds is evicted, and loaded again when next asked for
+        self.adapters: dict[str, int] = {}
+        self.max_resident = max_resident
+        self.num_loads = 0
         self._indices = itertools.count()
         self.by_prefix: dict[str, tuple[LoRALinear, int]] = {}  # checkpoint Linear name → (wrapper, shard)
         for layer in model.model.layers:
@@ -168,14 +173,43 @@ class LoRALayers:
         embedding = model.model.embed_tokens.weight  # the model's dtype and device
         self._dtype, self._device = embedding.dtype, embedding.device
 
-    def add(self, request: LoRARequest) -> None:
-        """Load an adapter (once per name; the same name with another folder is an error)."""
+    def add(self, request: LoRARequest, in_use: frozenset[str] = frozenset()) -> None:
+        """Register an adapter and load it (once per name; the same name with another folder is
+        an error), evicting idle ones past max_resident (`in_use`: the adapters requests hold)."""
         known = self.paths.get(request.lora_name)
         if known is not None:
             if known != str(request.lora_path):
                 raise ValueError(f"LoRA adapter {request.lora_name!r} is already loaded from {known}")
             return
-        folder = Path(request.lora_path)
+        self._load(request.lora_name, str(request.lora_path))
+        self.paths[request.lora_name] = str(request.lora_path)
+        self._evict(in_use | {request.lora_name})
+
+    def resident_index(self, name: str, in_use: frozenset[str]) -> int:
+        """The index of a registered adapter, loaded again from its folder if it was evicted, and
+        now the most recently used (engine thread, between steps)."""
+        self.check(name)
+        index = self.adapters.pop(name, None)
+        self.adapters[name] = self._load(name, self.paths[name]) if index is None else index
+        self._evict(in_use | {name})
+        return self.adapters[name]
+
+    def _evict(self, keep: frozenset[str]) -> None:
+        """Drop least recently used adapters outside `keep` until max_resident are left (if it can)."""
+        for name in list(self.adapters):
+            if self.max_resident is None or len(self.adapters) <= self.max_resident:
+                return
+            if name not in keep:
+                self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        index = self.adapters.pop(name)
+        for wrapper, _ in self.by_prefix.values():
+            wrapper.factors.pop(index, None)
+
+    def _load(self, name: str, path: str) -> int:
+        """Read an adapter's factors onto the wrappers; returns its new index."""
+        folder = Path(path)
         if not folder.is_dir():
             raise ValueError(f"LoRA adapter folder not found: {folder}")
         config = _adapter_config(folder)
@@ -202,8 +236,9 @@ class LoRALayers:
         index = next(self._indices)
         for wrapper, shards in staged.items():
             wrapper.factors[index] = self._fuse(wrapper, shards)
-        self.adapters[request.lora_name] = index
-        self.paths[request.lora_name] = str(request.lora_path)
+        self.adapters[name] = index
+        self.num_loads += 1
+        return index
 
     def _fuse(self, wrapper: LoRALinear, shards: list[tuple[int, torch.Tensor, torch.Tensor, float]],
               ) -> LoRAFactors:
@@ -219,16 +254,15 @@ class LoRALayers:
         return LoRAFactors.build(a_cat, b_full)
 
     def remove(self, name: str) -> None:
-        """Unload an adapter (the engine checks no request uses it)."""
-        index = self.index(name)
-        for wrapper, _ in self.by_prefix.values():
-            wrapper.factors.pop(index, None)
-        del self.adapters[name], self.paths[name]
+        """Unload and forget an adapter (the engine checks no request uses it)."""
+        self.check(name)
+        if name in self.adapters:
+            self._drop(name)
+        del self.paths[name]
 
-    def index(self, name: str) -> int:
-        if name not in self.adapters:
-            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {', '.join(sorted(self.adapters)) or 'none'}")
-        return self.adapters[name]
+    def check(self, name: str) -> None:
+        if name not in self.paths:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {', '.join(sorted(self.paths)) or 'none'}")
 
     def begin_step(self, row_adapters: list[tuple[int | None, int]]) -> bool:
         """Group this step's rows ((adapter index or None, number of rows) per chunk, in row

@@ -157,6 +157,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="PEFT LoRA adapter folders, each served as model NAME over the base model")
     parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="LoRA adapters kept in memory at once: past it the least recently used one no request "
+                             "holds is dropped and read again from its folder when next asked for (default: all)")
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (reads folders named by clients)")
     parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
@@ -223,7 +226,7 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         scheduling_policy=args.scheduling_policy, enable_lora=args.enable_lora,
         lora_modules=lora_modules(args.lora_modules), max_lora_rank=args.max_lora_rank,
-        hf_overrides=args.hf_overrides,
+        max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides,
     )
     if not is_cluster(args):
         return AsyncEngine(config)

@@ -63,7 +63,7 @@ class Replica:
         lora = self.engine.engine.lora
         return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
                             self.engine.config.max_num_seqs, self.engine.max_model_len, self.engine.eos_token_ids,
-                            tuple(lora.adapters) if lora is not None else ())
+                            tuple(lora.paths) if lora is not None else ())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:

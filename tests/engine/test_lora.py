@@ -159,6 +159,43 @@ def test_an_adapter_unloads_only_when_no_request_uses_it(adapters):
     assert engine.lora.adapters == {"a": 1}
 
 
+def test_an_adapter_loaded_again_under_its_name_gets_no_stale_prefix_hits(adapters):
+    """Prefix hashes know adapters by name: unloading one drops the blocks cached under it, so
+    another adapter loaded under the same name computes its own KV."""
+    base, folders = adapters
+    reference = {name: _peft_reference(base, folders[name], PROMPTS[2:]) for name in folders}
+    llm = LLM(str(base), dtype="float32", lora_modules={"x": str(folders["a"])}, max_lora_rank=8)
+    assert_outputs_match_hf(llm.generate(PROMPTS[2:], GREEDY, use_tqdm=False, lora_request=LoRARequest(
+        "x", 1, str(folders["a"]))), reference["a"], "adapter a as x")
+    llm.engine.remove_lora("x")
+    outs = llm.generate(PROMPTS[2:], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 2, str(folders["b"])))
+    assert outs[0].num_cached_tokens == 0
+    assert_outputs_match_hf(outs, reference["b"], "adapter b as x")
+
+
+def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_is_evicted_and_reloaded(adapters):
+    """With room for one adapter, asking for a, b, a loads three times and keeps one resident;
+    adapters requests hold are never evicted (both stay while one batch uses them); answers stay
+    PEFT's, and an evicted adapter's cached prompt blocks still serve hits once it is back."""
+    base, folders = adapters
+    reference = {name: _peft_reference(base, folders[name], PROMPTS[2:]) for name in folders}
+    llm = LLM(str(base), dtype="float32", lora_modules={n: str(f) for n, f in folders.items()}, max_lora_rank=8,
+              max_cpu_loras=1)
+    lora = llm.engine.lora
+    assert list(lora.adapters) == ["b"] and lora.num_loads == 2  # each read once at start, a then evicted
+    requests = {name: LoRARequest(name, i + 1, str(folder)) for i, (name, folder) in enumerate(folders.items())}
+    for step, name in enumerate(["a", "b", "a"]):
+        outs = llm.generate(PROMPTS[2:], GREEDY, use_tqdm=False, lora_request=requests[name])
+        assert_outputs_match_hf(outs, reference[name], f"adapter {name}")
+        assert list(lora.adapters) == [name] and lora.num_loads == 3 + step
+    assert outs[0].num_cached_tokens > 0  # a's blocks from its first visit
+    both = llm.generate(PROMPTS[2:] * 2, GREEDY, use_tqdm=False, lora_request=[requests["a"], requests["b"]])
+    for out, name in zip(both, ["a", "b"], strict=True):
+        assert_outputs_match_hf([out], reference[name], f"adapter {name} beside the other")
+    with pytest.raises(ValueError, match="max_cpu_loras must be at least 1"):
+        LLM(str(base), enable_lora=True, max_cpu_loras=0)
+
+
 def test_generate_cli_answers_through_an_adapter(tiny_model_dir, tiny_lora_dir, tmp_path, capsys):
     from engine.cli import main as driftgate_main
 
