@@ -102,6 +102,7 @@ def make_tiny_model_dir(
         "OlmoeForCausalLM": transformers.OlmoeConfig,
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "SmolLM3ForCausalLM": transformers.SmolLM3Config,
     }[CLASSIFIERS.get(architecture, architecture)]
     config = config_cls(
         vocab_size=vocab_size,

@@ -42,7 +42,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     const float *q_norm, *k_norm; /* Qwen3's and Gemma's per-head query and key norms [head_dim], else NULL */
     const float *pre_mlp_norm, *post_mlp_norm; /* Gemma's sandwich: post_norm then norms the attention output */
-    const float *cos, *sin; /* this layer's rotary tables (Gemma's local layers have their own) */
+    const float *cos, *sin; /* this layer's rotary tables (Gemma's local layers have their own), or NULL */
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     const float *k_table, *v_table; /* fp8 caches, [num_kv_heads, 256]: the e4m3 values times each head's scale */
@@ -193,8 +193,9 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                 rms_norm_f32(row + q_size, NULL, row + q_size, NULL, layer->k_norm, m->num_kv_heads, m->head_dim,
                              m->eps, 1);
             }
-        rotary_f32(qkv, positions, layer->cos, layer->sin, rows, qkv_size, m->num_heads + m->num_kv_heads,
-                   m->head_dim, m->rotary_dim, threads);
+        if (layer->cos) /* NULL: a layer without positions (SmolLM3's NoPE layers) */
+            rotary_f32(qkv, positions, layer->cos, layer->sin, rows, qkv_size, m->num_heads + m->num_kv_heads,
+                       m->head_dim, m->rotary_dim, threads);
         for (int t = 0; t < rows; t++) {
             const float *row = qkv + (size_t)t * qkv_size;
             memcpy(q + (size_t)t * q_size, row, sizeof(float) * q_size);

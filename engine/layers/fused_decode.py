@@ -128,7 +128,9 @@ class FusedDecode:
             if layer.sandwich_norms:
                 c_layer.pre_mlp_norm = layer.pre_feedforward_layernorm.weight.data_ptr()
                 c_layer.post_mlp_norm = layer.post_feedforward_layernorm.weight.data_ptr()
-            c_layer.cos, c_layer.sin = layer.self_attn.rotary.cos.data_ptr(), layer.self_attn.rotary.sin.data_ptr()
+            rotary = layer.self_attn.rotary  # None: a layer without positions (SmolLM3's NoPE layers)
+            if rotary is not None:
+                c_layer.cos, c_layer.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
             c_layer.window = layer.self_attn.attn.sliding_window or 0
         self._attention = [layer.self_attn.attn for layer in layers]
@@ -164,7 +166,8 @@ class FusedDecode:
                      layer.self_attn.k_norm, getattr(layer, "pre_feedforward_layernorm", None),
                      getattr(layer, "post_feedforward_layernorm", None)]
             tensors += [norm.weight for norm in norms if norm is not None]
-            tensors += [layer.self_attn.rotary.cos, layer.self_attn.rotary.sin]
+            if layer.self_attn.rotary is not None:
+                tensors += [layer.self_attn.rotary.cos, layer.self_attn.rotary.sin]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             return None
         keep: list[torch.Tensor] = []

@@ -1,5 +1,5 @@
 """The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), SmolLM2
-(tied embeddings), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
+(tied embeddings), SmolLM3 (every fourth layer without rotary positions), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
 Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers;
 Gemma 2's capped attention scores and logits), Granite (scaled embeddings, attention, block
 outputs and logits), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (a
@@ -57,6 +57,7 @@ def classifier_labels(config: dict) -> tuple[str, ...]:
 MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "SmolLM3ForCausalLM",
                            *MOE_ARCHITECTURES}
 
 
@@ -111,6 +112,8 @@ class LlamaArgs:
     renormalize_experts: bool = True  # the picked experts' weights rescaled to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one more expert every token goes through, gated
     num_labels: int = 0  # a sequence classifier's classes (its score head's rows); 0 for a causal LM
+    # SmolLM3: per layer, whether it rotates q and k (its NoPE layers, every fourth, do not)
+    rope_layers: tuple[bool, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -180,6 +183,7 @@ class LlamaArgs:
             checkpoint_fuses=arch == "Phi3ForCausalLM",
             max_model_len=max_model_len,
             num_labels=num_labels,
+            rope_layers=tuple(bool(r) for r in config.get("no_rope_layers") or [1] * config["num_hidden_layers"]),
             **gemma,
             **(_granite(config) if arch == "GraniteForCausalLM" else {}),
             **(_moe(config, arch) if arch in MOE_ARCHITECTURES else {}),
@@ -257,7 +261,7 @@ def _rms_norm(args: LlamaArgs, width: int, dtype: torch.dtype) -> RMSNorm:
 
 class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int, prefix: str, quant_config, dtype: torch.dtype,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -266,7 +270,7 @@ class LlamaAttention(nn.Module):
                                     quant_config=quant_config, dtype=dtype)
         self.o_proj = make_linear(q_size, [args.hidden_size], bias=args.o_proj_bias, prefixes=[f"{prefix}.o_proj"],
                                   quant_config=quant_config, dtype=dtype)
-        self.rotary = rotary  # shared by every layer
+        self.rotary = rotary  # shared by every layer; None in a layer without positions (SmolLM3's NoPE)
         self.attn = Attention(layer_idx, args.num_heads, args.num_kv_heads, args.head_dim,
                               args.layer_windows[layer_idx], args.attn_scale, args.attn_softcap)
         self.qk_size = q_size + kv_size
@@ -288,7 +292,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_full:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous())], dim=1)
-        qk = self.rotary(positions, qk)
+        if self.rotary is not None:
+            qk = self.rotary(positions, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         v = qkv[:, self.qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx))
@@ -368,7 +373,7 @@ class SparseMoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int, quant_config, dtype: torch.dtype,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding | None):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = _rms_norm(args, args.hidden_size, dtype)
@@ -411,9 +416,10 @@ class LlamaModel(nn.Module):
         # Gemma 3's windowed layers rotate with their own, unscaled base
         local = self.rotary if args.local_rope_theta is None else RotaryEmbedding(
             args.rotary_dim, args.max_position_embeddings, args.local_rope_theta, None)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, quant_config, dtype,
-                                                 local if args.layer_windows[i] else self.rotary)
-                                    for i in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, quant_config, dtype,
+                         None if not args.rope_layers[i] else local if args.layer_windows[i] else self.rotary)
+            for i in range(args.num_layers))
         self.norm = _rms_norm(args, args.hidden_size, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,8 @@ CASES = {
     "granite": ("GraniteForCausalLM", {"extra_config": {"embedding_multiplier": 6.0, "attention_multiplier": 0.05,
                                                         "residual_multiplier": 0.3, "logits_scaling": 4.0}},
                 (3, 18, 40), {}),
+    # SmolLM3: the second layer has no rotary positions (NoPE)
+    "smollm3": ("SmolLM3ForCausalLM", {"extra_config": {"no_rope_layers": [1, 0], "pad_token_id": 0}}, (3, 18, 40), {}),
     # Qwen2-MoE: q/k/v biases, raw softmax weights, and a shared expert behind a sigmoid gate
     "qwen2-moe": ("Qwen2MoeForCausalLM", {"extra_config": {**_EXPERTS, "shared_expert_intermediate_size": 96}},
                   (3, 18, 40), {}),
@@ -178,7 +180,8 @@ def test_qwen_windows_only_under_use_sliding_window(tmp_path):
 
 @pytest.mark.parametrize("case, options", [
     ("gemma3", "w8a16 --algo awq"), ("gemma3", "w8a8-int8 --smoothquant 0.5"), ("gemma3", "fp8-dynamic"),
-    ("gemma2", "w8a16 --algo awq"), ("granite", "w4a16 --algo gptq"), ("granite", "fp8-dynamic")])
+    ("gemma2", "w8a16 --algo awq"), ("granite", "w4a16 --algo gptq"), ("granite", "fp8-dynamic"),
+    ("smollm3", "w8a16 --algo gptq")])
 def test_quantized_models_with_their_own_scalings_answer_as_hf_on_them(tmp_path, case, options):
     """Gemma 3 (and 2) quantizes, AWQ and SmoothQuant folding scales into its (1 + w) norms (the MLP's
     input norm is pre_feedforward_layernorm); Granite with its multipliers. The checkpoint (Gemma's

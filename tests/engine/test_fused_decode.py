@@ -73,6 +73,8 @@ MODELS = {
     # Granite: attention and MLP outputs scaled before their residual adds
     "granite": {"architecture": "GraniteForCausalLM", "extra_config": {
         "embedding_multiplier": 6.0, "attention_multiplier": 0.05, "residual_multiplier": 0.3, "logits_scaling": 4.0}},
+    # SmolLM3: a layer without rotary positions
+    "smollm3-nope": {"architecture": "SmolLM3ForCausalLM", "extra_config": {"no_rope_layers": [0, 1], "pad_token_id": 0}},
     # Phi-4-mini's partial rotation: 3/4 of each head
     "phi3-partial-rotary": {"architecture": "Phi3ForCausalLM",
                             "extra_config": {"pad_token_id": 0, "partial_rotary_factor": 0.75}},
