@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF "rotate half" layout), with Llama 3 and LongRoPE frequency scaling."""
+"""Rotary position embedding (HF "rotate half" layout), with Llama 3, LongRoPE and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -52,6 +52,37 @@ def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int,
     return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu"), attention_factor
 
 
+def _yarn(theta: float, rotary_dim: int, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5 / Qwen3 long context, DeepSeek): high frequencies keep their rotations, low ones
+    are interpolated by `factor`, and a linear ramp between the dims whose wavelength fits
+    beta_fast and beta_slow times in the pretraining context blends the two; cos and sin are
+    scaled by 0.1 ln(factor) + 1 (or the ratio of two such terms with mscale / mscale_all_dim)."""
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / original
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        weight, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(weight) / mscale(all_dims) if weight and all_dims else mscale(1.0)
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times in the context
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the rotation), 0: interpolate
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, attention_factor
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by absolute position, shared by every layer of a model.
 
@@ -65,9 +96,9 @@ class RotaryEmbedding(nn.Module):
                  served_context: int | None = None):
         super().__init__()
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "longrope", None):
+        if rope_type not in ("default", "linear", "llama3", "longrope", "yarn", None):
             raise ValueError(f"unsupported rope scaling type {rope_type!r} "
-                             "(supported: default, linear, llama3, longrope)")
+                             "(supported: default, linear, llama3, longrope, yarn)")
         self.rotary_dim = rotary_dim
         dims = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu")
         inv_freq = 1.0 / (theta ** (dims / rotary_dim))
@@ -78,6 +109,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type == "longrope":
             inv_freq, attention_factor = _longrope(inv_freq, scaling, max_positions, served_context)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn(theta, rotary_dim, scaling, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         # [max_positions, rotary_dim]: the two halves repeat so rotate_half needs no re-indexing
         emb = torch.cat([freqs, freqs], dim=-1)

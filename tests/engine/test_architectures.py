@@ -54,6 +54,14 @@ CASES = {
     "granite": ("GraniteForCausalLM", {"extra_config": {"embedding_multiplier": 6.0, "attention_multiplier": 0.05,
                                                         "residual_multiplier": 0.3, "logits_scaling": 4.0}},
                 (3, 18, 40), {}),
+    # YaRN past a 32-token pretraining context (Qwen2.5 / Qwen3 long context): blended frequencies, scaled cos/sin
+    "qwen3-yarn": ("Qwen3ForCausalLM", {"head_dim": 32, "extra_config": {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}},
+        (3, 18, 40), {}),
+    # ... with DeepSeek's mscale terms and an untruncated ramp
+    "llama-yarn-mscale": ("LlamaForCausalLM", {"extra_config": {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False, "beta_fast": 16}}}, (3, 18, 40), {}),
     # SmolLM3: the second layer has no rotary positions (NoPE)
     "smollm3": ("SmolLM3ForCausalLM", {"extra_config": {"no_rope_layers": [1, 0], "pad_token_id": 0}}, (3, 18, 40), {}),
     # Qwen2-MoE: q/k/v biases, raw softmax weights, and a shared expert behind a sigmoid gate
