@@ -62,7 +62,8 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     into the (unquantized) router.
     """
     attn = layer.self_attn
-    mappings = [_SmoothMapping("self_attn.qkv_proj", "input_layernorm")]
+    # OLMo 2 norms only block outputs: no norm produces the q/k/v or MLP inputs to fold scales into
+    mappings = [] if layer.post_norms else [_SmoothMapping("self_attn.qkv_proj", "input_layernorm")]
     if attn.num_heads == attn.num_kv_heads:
         v_size = attn.num_kv_heads * attn.head_dim  # the v rows, last in the fused q/k/v output
         mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj",
@@ -71,8 +72,9 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     if experts is None:
         # the MLP's input norm (Gemma's sandwich block norms the attention output with post_attention_layernorm)
         mlps = {"mlp": layer.mlp}
-        mappings.append(_SmoothMapping(
-            "mlp.gate_up_proj", "pre_feedforward_layernorm" if layer.sandwich_norms else "post_attention_layernorm"))
+        if not layer.post_norms:
+            mappings.append(_SmoothMapping(
+                "mlp.gate_up_proj", "pre_feedforward_layernorm" if layer.sandwich_norms else "post_attention_layernorm"))
     else:
         mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(experts)}
         if layer.mlp.shared_expert is not None:

@@ -103,6 +103,8 @@ def make_tiny_model_dir(
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "SmolLM3ForCausalLM": transformers.SmolLM3Config,
+        "Olmo2ForCausalLM": transformers.Olmo2Config,
+        "Olmo3ForCausalLM": transformers.Olmo3Config,
     }[CLASSIFIERS.get(architecture, architecture)]
     config = config_cls(
         vocab_size=vocab_size,

@@ -154,11 +154,11 @@ class FusedDecode:
     @classmethod
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here (the
-        experts of a mixture-of-experts model, OLMoE's whole-width q/k norms and clamps: the module
-        path runs those)."""
+        experts of a mixture-of-experts model, OLMoE's and OLMo's whole-width q/k norms, OLMoE's
+        clamps, OLMo's output-only norms: the module path runs those)."""
         if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
-        if model_args.is_moe or model_args.qk_norm_full or model_args.clip_qkv is not None:
+        if model_args.is_moe or model_args.qk_norm_full or model_args.clip_qkv is not None or model_args.post_norms:
             return None
         tensors = [final_norm.weight]
         for layer in layers:

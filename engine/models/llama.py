@@ -2,7 +2,7 @@
 (tied embeddings), SmolLM3 (every fourth layer without rotary positions), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
 Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers;
 Gemma 2's capped attention scores and logits), Granite (scaled embeddings, attention, block
-outputs and logits), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (a
+outputs and logits), OLMo 2 and 3 (norms on block outputs only, q/k normed over all heads), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (a
 router's top-k expert MLPs per token in place of the MLP; OLMoE norms q and k over all heads).
 
     x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
@@ -54,10 +54,11 @@ def classifier_labels(config: dict) -> tuple[str, ...]:
     id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
     return tuple(label for _, label in sorted(id2label.items(), key=lambda item: int(item[0])))
 
+POST_NORM_ARCHITECTURES = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}
 MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM",
+                           "SmolLM3ForCausalLM", *POST_NORM_ARCHITECTURES,
                            *MOE_ARCHITECTURES}
 
 
@@ -112,6 +113,9 @@ class LlamaArgs:
     renormalize_experts: bool = True  # the picked experts' weights rescaled to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one more expert every token goes through, gated
     num_labels: int = 0  # a sequence classifier's classes (its score head's rows); 0 for a causal LM
+    # OLMo 2 and 3: each block's attention and MLP outputs are normed before their residual adds,
+    # and their inputs are not (no input norms)
+    post_norms: bool = False
     # SmolLM3: per layer, whether it rotates q and k (its NoPE layers, every fourth, do not)
     rope_layers: tuple[bool, ...] = ()
 
@@ -148,7 +152,9 @@ class LlamaArgs:
                              f"and the sequence classifiers {', '.join(sorted(CLASSIFIERS))}")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         gemma = _gemma(config, arch) if arch.startswith("Gemma") else {}
-        if "full_attention" in rope:  # rotary settings per layer type (Gemma 3 under transformers 5)
+        if "full_attention" in rope:  # rotary settings per layer type (Gemma 3 under transformers 5, OLMo 3)
+            if arch == "Olmo3ForCausalLM":  # its windowed layers rotate unscaled, as Gemma 3's local ones
+                gemma["local_rope_theta"] = float(rope.get("sliding_attention", rope["full_attention"])["rope_theta"])
             rope = rope["full_attention"]
         rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
@@ -175,8 +181,10 @@ class LlamaArgs:
                             or (arch == "Qwen2MoeForCausalLM" and config.get("qkv_bias", True))),
             o_proj_bias=not arch.startswith("Qwen2") and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "OlmoeForCausalLM"),
-            qk_norm_full=arch == "OlmoeForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "OlmoeForCausalLM",
+                             *POST_NORM_ARCHITECTURES),
+            qk_norm_full=arch == "OlmoeForCausalLM" or arch in POST_NORM_ARCHITECTURES,
+            post_norms=arch in POST_NORM_ARCHITECTURES,
             clip_qkv=config.get("clip_qkv"),
             layer_windows=_layer_windows(config, arch),
             rotary_dim=int(head_dim * partial),
@@ -255,8 +263,9 @@ def _shards(args: LlamaArgs, prefix: str, fused: str, parts: dict[str, int]) -> 
 
 
 def _rms_norm(args: LlamaArgs, width: int, dtype: torch.dtype) -> RMSNorm:
-    """The model's RMSNorm: Gemma's (1 + w) weights stay fp32 and scale before rounding, as its reference does."""
-    return RMSNorm(width, args.rms_norm_eps, dtype, scale_in_fp32=bool(args.norm_offset))
+    """The model's RMSNorm: Gemma's (1 + w) weights and OLMo's stay fp32 and scale before rounding, as
+    their references do."""
+    return RMSNorm(width, args.rms_norm_eps, dtype, scale_in_fp32=bool(args.norm_offset) or args.post_norms)
 
 
 class LlamaAttention(nn.Module):
@@ -376,20 +385,25 @@ class DecoderLayer(nn.Module):
                  rotary: RotaryEmbedding | None):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
-        self.input_layernorm = _rms_norm(args, args.hidden_size, dtype)
+        self.input_layernorm = None if args.post_norms else _rms_norm(args, args.hidden_size, dtype)
         self.self_attn = LlamaAttention(args, layer_idx, f"{prefix}.self_attn", quant_config, dtype, rotary)
         self.post_attention_layernorm = _rms_norm(args, args.hidden_size, dtype)
         moe = bool(args.moe_layers) and args.moe_layers[layer_idx]
         self.mlp = (SparseMoE if moe else LlamaMLP)(args, f"{prefix}.mlp", quant_config, dtype)
         if args.sandwich_norms:  # Gemma: the MLP's input norm, and one on its output
             self.pre_feedforward_layernorm = _rms_norm(args, args.hidden_size, dtype)
+        if args.sandwich_norms or args.post_norms:
             self.post_feedforward_layernorm = _rms_norm(args, args.hidden_size, dtype)
-        self.sandwich_norms = args.sandwich_norms
+        self.sandwich_norms, self.post_norms = args.sandwich_norms, args.post_norms
         self.residual_multiplier = args.residual_multiplier
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden, residual); the block's output is their sum (norms fuse the add)."""
+        if self.post_norms:  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
+            x = hidden if residual is None else hidden + residual
+            x = x + self.post_attention_layernorm(self.self_attn(x, positions, ctx))
+            return self.post_feedforward_layernorm(self.mlp(x)), x
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:

@@ -62,6 +62,13 @@ CASES = {
     "llama-yarn-mscale": ("LlamaForCausalLM", {"extra_config": {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
         "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False, "beta_fast": 16}}}, (3, 18, 40), {}),
+    # OLMo 2: norms on the attention and MLP outputs only, q and k normed over all heads
+    "olmo2": ("Olmo2ForCausalLM", {"extra_config": {"pad_token_id": 0}}, (3, 18, 40), {}),
+    # OLMo 3: the same, an 8-token window in its first layer, whose rotary base differs from the global one's
+    "olmo3": ("Olmo3ForCausalLM", {"extra_config": {
+        "pad_token_id": 0, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}}}, (3, 18, 40), {}),
     # SmolLM3: the second layer has no rotary positions (NoPE)
     "smollm3": ("SmolLM3ForCausalLM", {"extra_config": {"no_rope_layers": [1, 0], "pad_token_id": 0}}, (3, 18, 40), {}),
     # Qwen2-MoE: q/k/v biases, raw softmax weights, and a shared expert behind a sigmoid gate
@@ -189,7 +196,7 @@ def test_qwen_windows_only_under_use_sliding_window(tmp_path):
 @pytest.mark.parametrize("case, options", [
     ("gemma3", "w8a16 --algo awq"), ("gemma3", "w8a8-int8 --smoothquant 0.5"), ("gemma3", "fp8-dynamic"),
     ("gemma2", "w8a16 --algo awq"), ("granite", "w4a16 --algo gptq"), ("granite", "fp8-dynamic"),
-    ("smollm3", "w8a16 --algo gptq")])
+    ("smollm3", "w8a16 --algo gptq"), ("olmo2", "w8a16 --algo awq"), ("olmo3", "fp8-dynamic")])
 def test_quantized_models_with_their_own_scalings_answer_as_hf_on_them(tmp_path, case, options):
     """Gemma 3 (and 2) quantizes, AWQ and SmoothQuant folding scales into its (1 + w) norms (the MLP's
     input norm is pre_feedforward_layernorm); Granite with its multipliers. The checkpoint (Gemma's
