@@ -11,12 +11,15 @@ models; `llama3_json` the Llama 3.1/3.2 one, a reply that is nothing but `{"name
 "parameters": {...}}` objects (separated by `;`); `mistral` Mistral's `[TOOL_CALLS]` token
 followed by a JSON list of calls (v0.3 models) or by `name[ARGS]{...}` (tokenizer v11 models such
 as Mistral Small 3.2), read with special tokens kept in the text and given the 9-character ids
-Mistral's chat templates require of calls sent back. Without a parser `"auto"` is a 400 saying
-what works instead. `"none"` answers in text; the tools are then not shown to the chat template.
+Mistral's chat templates require of calls sent back; `pythonic` the Llama 3.2 / Llama 4 reply
+that is a Python list of calls, `[get_weather(city="Paris")]`; `granite` Granite 3's
+`<|tool_call|>` before a JSON list of calls; `phi4_mini_json` Phi-4-mini's `functools[...]`.
+Without a parser `"auto"` is a 400 saying what works instead. `"none"` answers in text; the tools are then not shown to the chat template.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import re
@@ -183,10 +186,103 @@ def mistral_streamable(text: str) -> str:
     return _streamable_before(_MISTRAL_CALLS, text)
 
 
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+def parse_pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A reply that is a Python list of calls with literal keyword arguments, `[f(a=1), g()]`
+    (Llama 3.2 and 4, between <|python_start|> and <|python_end|> where the model writes them),
+    → (None, the calls); any other reply is text."""
+    body = text.strip().removeprefix(_PYTHON_START).removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return text, []
+            if any(k.arg is None for k in node.keywords):  # **kwargs: not a literal call
+                return text, []
+            calls.append(_call(node.func.id, {k.arg: ast.literal_eval(k.value) for k in node.keywords}))
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return text, []
+    return None, calls
+
+
+def pythonic_streamable(text: str) -> str:
+    """Nothing while the reply is blank or opens as a list of calls may, all of it otherwise."""
+    head = text.lstrip()
+    opening = head.startswith(("[", _PYTHON_START)) or _PYTHON_START.startswith(head)
+    return "" if not head or opening else text
+
+
+def _json_calls(value: object) -> list[ToolCall]:
+    """A parsed JSON list (or one object) of {"name", "arguments" or "parameters"}; ValueError otherwise."""
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise ValueError("no calls")
+    try:
+        return [_call(c["name"], c.get("arguments", c.get("parameters", {}))) for c in calls]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a call: {exc}") from None
+
+
+_GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")
+
+
+def parse_granite(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Granite 3's reply of calls: <|tool_call|> (or, as Granite 3.0 writes it, <tool_call>)
+    before a JSON list of {"name", "arguments"} → (None, the calls); any other reply is text."""
+    body = text.strip()
+    for tag in _GRANITE_TAGS:
+        body = body.removeprefix(tag)
+    if not body.lstrip().startswith("["):
+        return text, []
+    try:
+        return None, _json_calls(json.loads(body))
+    except ValueError:
+        return text, []
+
+
+def granite_streamable(text: str) -> str:
+    head = text.lstrip()
+    opening = head.startswith(("[", *_GRANITE_TAGS)) or any(tag.startswith(head) for tag in _GRANITE_TAGS)
+    return "" if not head or opening else text
+
+
+_PHI4_CALLS = "functools["
+
+
+def parse_phi4_mini_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Phi-4-mini's `functools[{"name": ..., "arguments": {...}}, ...]` → (text before it, or None;
+    the calls); without a readable list, all of it is text."""
+    start = text.find(_PHI4_CALLS)
+    if start < 0:
+        return text, []
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text, start + len(_PHI4_CALLS) - 1)  # the list from its "["
+        calls = _json_calls(value)
+    except ValueError:
+        return text, []
+    content = text[:start]
+    return (content if content.strip() else None), calls
+
+
+def phi4_mini_json_streamable(text: str) -> str:
+    return _streamable_before(_PHI4_CALLS, text)
+
+
 TOOL_CALL_PARSERS = {"hermes": (parse_hermes, hermes_streamable),
                      "llama3_json": (parse_llama3_json, llama3_json_streamable),
-                     "mistral": (parse_mistral, mistral_streamable)}
-_READ_WITH_SPECIAL_TOKENS = {"mistral"}  # [TOOL_CALLS] and [ARGS] are special tokens
+                     "mistral": (parse_mistral, mistral_streamable),
+                     "pythonic": (parse_pythonic, pythonic_streamable),
+                     "granite": (parse_granite, granite_streamable),
+                     "phi4_mini_json": (parse_phi4_mini_json, phi4_mini_json_streamable)}
+# [TOOL_CALLS] and [ARGS] (Mistral), <|tool_call|> (Granite) are special tokens
+_READ_WITH_SPECIAL_TOKENS = {"mistral", "granite"}
 
 
 class ToolCallReader:

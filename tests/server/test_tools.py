@@ -151,11 +151,57 @@ def test_mistral_calls_follow_the_tool_calls_token():
     assert not ToolCallReader(ChatCompletionRequest(**tools), "hermes").keeps_special_tokens
 
 
-# what a Hermes / Llama 3.1 / Mistral model writes to call set_flag, and the text the client should see
+def _named_args(calls) -> list[tuple[str, object]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_pythonic_calls_are_a_reply_that_is_a_list_of_python_calls():
+    from server.tools import parse_pythonic, pythonic_streamable
+
+    content, calls = parse_pythonic('[pick(size="m", extras=["a", 1.5], meta={"k": None}), set_flag(on=True)]')
+    assert content is None
+    assert _named_args(calls) == [("pick", {"size": "m", "extras": ["a", 1.5], "meta": {"k": None}}),
+                                  ("set_flag", {"on": True})]
+    assert _named_args(parse_pythonic("<|python_start|>[set_flag(on=False)]<|python_end|>")[1]) == [
+        ("set_flag", {"on": False})]  # Llama 4's markers
+    for text in ("[1, 2]", "[pick(size=x)]", "[pick('m')]", "[pick(**kw)]", "[obj.pick()]", "[pick(", "Sure.", "[]"):
+        assert parse_pythonic(text) == (text, []), text  # text, not calls
+    assert pythonic_streamable(" [") == "" and pythonic_streamable("<|python") == ""
+    assert pythonic_streamable("Sure [") == "Sure ["
+
+
+def test_granite_calls_follow_the_tool_call_token():
+    from server.tools import granite_streamable, parse_granite
+
+    for text in ('<|tool_call|>[{"name": "pick", "arguments": {"size": "m"}}, {"name": "set_flag", "arguments": '
+                 '{"on": true}}]', '<tool_call> [{"name": "pick", "arguments": {"size": "m"}}, {"name": "set_flag", '
+                 '"arguments": {"on": true}}]'):
+        content, calls = parse_granite(text)
+        assert content is None and _named_args(calls) == [("pick", {"size": "m"}), ("set_flag", {"on": True})]
+    for text in ("Paris.", "<|tool_call|>not json", '<|tool_call|>[{"no": "name"}]', "<|tool_call|>[]"):
+        assert parse_granite(text) == (text, []), text
+    assert granite_streamable("<|tool") == "" and granite_streamable("[") == "" and granite_streamable("Hi") == "Hi"
+
+
+def test_phi4_mini_calls_are_a_functools_list():
+    from server.tools import parse_phi4_mini_json, phi4_mini_json_streamable
+
+    content, calls = parse_phi4_mini_json('Checking. functools[{"name": "pick", "arguments": {"size": "l"}}] done')
+    assert content == "Checking. " and _named_args(calls) == [("pick", {"size": "l"})]
+    for text in ("no calls", "functools[nope]", 'functools[{"name": "pick"'):
+        assert parse_phi4_mini_json(text) == (text, []), text
+    assert phi4_mini_json_streamable("Sure. functo") == "Sure. "
+
+
+# what a Hermes / Llama 3.1 / Mistral / Llama 3.2 / Granite / Phi-4-mini model writes to call
+# set_flag, and the text the client should see
 CALLS_AS_WRITTEN = {
     "hermes": ('Sure. <tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>', "Sure. "),
     "llama3_json": ('{"name": "set_flag", "parameters": {"on": true}}', None),
     "mistral": ('Sure. [TOOL_CALLS] [{"name": "set_flag", "arguments": {"on": true}}]', "Sure. "),
+    "pythonic": ("[set_flag(on=True)]", None),
+    "granite": ('<|tool_call|>[{"name": "set_flag", "arguments": {"on": true}}]', None),
+    "phi4_mini_json": ('Sure. functools[{"name": "set_flag", "arguments": {"on": true}}]', "Sure. "),
 }
 
 
@@ -186,5 +232,6 @@ def test_auto_tool_choice_with_a_parser(engine, parser):
 def test_an_unknown_parser_is_refused():
     from server.config import ServerConfig
 
-    with pytest.raises(ValueError, match="unknown tool-call parser 'pythonic'; known: hermes, llama3_json, mistral"):
-        ServerConfig(served_model_name="x", tool_call_parser="pythonic")
+    with pytest.raises(ValueError, match="unknown tool-call parser 'xml'; known: hermes, llama3_json, mistral, "
+                                         "pythonic, granite, phi4_mini_json"):
+        ServerConfig(served_model_name="x", tool_call_parser="xml")
