@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 
+from engine.json_object import parse_json_object
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SpeculativeConfig
 
@@ -106,12 +106,9 @@ class EngineConfig:
 def hf_overrides_arg(value: str) -> dict:
     """--hf-overrides: a JSON object whose keys replace config.json's."""
     try:
-        overrides = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"hf_overrides is not valid JSON: {exc}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
-    return overrides
+        return parse_json_object(value)
+    except ValueError as exc:
+        raise ValueError(f"hf_overrides: {exc}: {value!r}") from None
 
 
 def check_priority(priority: int, policy: str) -> None:

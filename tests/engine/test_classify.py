@@ -248,5 +248,5 @@ def test_a_causal_lm_served_as_a_classifier_from_its_tokens_logits(tmp_path, tie
     assert scores == pytest.approx(expected, abs=1e-6)
     with pytest.raises(ValueError, match="does not hold as tokens"):
         LLM(str(folder), dtype="float32", hf_overrides={**as_classifier, "classifier_from_token": ["no such token"]})
-    with pytest.raises(ValueError, match="must be a JSON object"):
+    with pytest.raises(ValueError, match="hf_overrides: expected a JSON object, got a JSON list"):
         LLM(str(folder), hf_overrides="[1]")

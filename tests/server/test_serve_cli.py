@@ -191,7 +191,7 @@ def test_hf_overrides_reach_the_engine_and_the_servers_classifier(tiny_model_dir
     assert seen.pop().classifier.labels == ("a", "b")
     with pytest.raises(SystemExit) as exit_info:
         main([str(tiny_model_dir), "--hf-overrides", "{architectures"])
-    assert exit_info.value.code == 2 and "hf_overrides is not valid JSON" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "hf_overrides: not valid JSON" in capsys.readouterr().err
 
 
 def test_speculative_config_flag_is_parsed_and_checked_at_the_command_line(capsys):
