@@ -92,9 +92,12 @@ class LLM:
                              f"is {self.engine.hf_config['architectures'][0]}")
         outputs = self.generate(prompts, SamplingParams(max_tokens=1, pooling="last"), use_tqdm,
                                 lora_request=lora_request)
-        return [ClassificationOutput(out.request_id, out.prompt_token_ids, out.embedding,
-                                     classifier.probabilities(out.embedding), classifier.labels)
-                for out in outputs]
+        results = []
+        for out in outputs:
+            probs = classifier.probabilities(out.embedding)
+            results.append(ClassificationOutput(out.request_id, out.prompt_token_ids, out.embedding, probs,
+                                                classifier.labels, classifier.most_probable(probs)))
+        return results
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *, use_tqdm: bool = True,
               lora_request: LoRARequest | None = None) -> list[float]:

@@ -64,6 +64,9 @@ class ClassifierConfig:
             return torch.sigmoid(values).tolist()
         return torch.softmax(values, dim=0).tolist()
 
+    def most_probable(self, probs: list[float]) -> str:
+        return self.labels[max(range(len(probs)), key=probs.__getitem__)]
+
 
 @dataclass(slots=True)
 class ClassificationOutput:
@@ -74,11 +77,7 @@ class ClassificationOutput:
     logits: list[float]
     probs: list[float]
     labels: tuple[str, ...]
-
-    @property
-    def label(self) -> str:
-        """The most probable class."""
-        return self.labels[max(range(len(self.probs)), key=self.probs.__getitem__)]
+    label: str  # the most probable class
 
 
 def classifier_config(hf_config: dict) -> ClassifierConfig | None:

@@ -81,8 +81,8 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     data = []
     for i, out in enumerate(pooled.outputs):
         probs = classifier.probabilities(out.embedding)
-        best = max(range(len(probs)), key=probs.__getitem__)
-        data.append({"index": i, "label": classifier.labels[best], "probs": probs, "num_classes": len(probs)})
+        data.append({"index": i, "label": classifier.most_probable(probs), "probs": probs,
+                     "num_classes": len(probs)})
     return JSONResponse({"id": pooled.request_id, "object": "list", "created": int(time.time()),
                          "model": pooled.model, "data": data, "usage": pooled.usage})
 
