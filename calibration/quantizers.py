@@ -20,6 +20,7 @@ from torch import nn
 
 from calibration.pipeline import LayerQuantization, LinearStats
 from calibration.targets import LinearTarget
+from quant import fp4
 from quant.awq import awq_search_scales
 from quant.checkpoint import quantize_weight
 from quant.fp8 import fp8_scale
@@ -134,6 +135,9 @@ class WeightQuantizer:
         input_scale = self._input_scale(stats)
         # A fresh input_scale per shard: safetensors refuses to save tensors that share memory.
         fresh_scale = (lambda: None) if input_scale is None else input_scale.clone
+        if self.scheme.weights.is_fp4:  # one global scale across the fused shards, as vLLM loads them
+            shared = fp4.global_scale(weight)
+            return [quantize_weight(weight[r], self.scheme, global_scale=shared) for r in rows]
         if self.algorithm != "gptq":
             return [quantize_weight(weight[r], self.scheme, input_scale=fresh_scale(), scale_dtype=torch.float32)
                     for r in rows]

@@ -21,6 +21,7 @@ from calibration.pipeline import CalibrationResult, calibrate
 from calibration.quantizers import WeightQuantizer
 from calibration.report import build_report
 from calibration.targets import LinearTarget, TargetError, layer_linears, resolve_group_size, select_targets
+from quant import fp4
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
 from quant.fp8 import fp8_scale
@@ -65,6 +66,9 @@ def _plan(options: QuantizeOptions, config: dict) -> tuple[list[LinearTarget], l
         group_size = resolve_group_size(targets, options.group_size, GROUP_SIZES) if options.is_grouped else None
     except TargetError as exc:
         raise QuantizeError(str(exc)) from None
+    if options.scheme == "nvfp4a16" and (odd := [t.prefixes[0] for t in targets if t.input_size % fp4.GROUP_SIZE]):
+        raise QuantizeError(f"nvfp4a16 groups input columns by {fp4.GROUP_SIZE}; {', '.join(odd[:3])} "
+                            f"{'has' if len(odd) == 1 else 'have'} other input sizes (add them to --ignore)")
     quantized = {p for t in targets for p in t.prefixes}
     ignored = [p for t in linears for p in t.prefixes if p not in quantized]
     return targets, ["lm_head", *ignored], group_size

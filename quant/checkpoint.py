@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quant import fp4
 from quant.config import QuantizationConfig
 from quant.fp8 import fp8_scale, quantize_fp8
 from quant.int_quant import compute_qparams, pack_int32, quantize_int
@@ -59,13 +60,16 @@ def quantize_weight(
     g_idx: torch.Tensor | None = None,
     input_scale: torch.Tensor | float | None = None,
     scale_dtype: torch.dtype | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Checkpoint tensors of one Linear, keyed by suffix (``weight_packed``, ``weight_scale``, ...).
 
     weight: [out, in] float. Without ``q`` the weight is rounded to nearest with min-max scales
     (RTN). With ``q`` (int8 values from GPTQ) ``scale`` (and ``zero_point`` when asymmetric,
     ``g_idx`` for actorder group) come from the algorithm. ``input_scale`` (absmax/448 over the
-    calibration set) is required for static FP8 activations. Scales are stored in ``scale_dtype``
+    calibration set) is required for static FP8 activations. NVFP4 weights take the fused Linear's
+    ``global_scale`` (shards of one Linear share it, as vLLM requires; default: this weight's own)
+    and store FP8 group scales. Other scales are stored in ``scale_dtype``
     (default: the given scale's dtype, else the weight's) and RTN values are computed from the stored scales, so the
     checkpoint dequantizes to exactly what we measured.
     """
@@ -82,6 +86,15 @@ def quantize_weight(
         if not torch.isfinite(s).all() or s.item() <= 0:
             raise ValueError(f"input_scale must be positive and finite, got {s.item()}")
         tensors["input_scale"] = s.to(sdtype)
+
+    if w.is_fp4:
+        if q is not None or scale is not None or zero_point is not None or g_idx is not None:
+            raise ValueError("NVFP4 weights are rounded to nearest here; they take no precomputed q/scale")
+        global_ = fp4.global_scale(weight) if global_scale is None else global_scale.float().reshape(1)
+        scales = fp4.group_scales(weight, global_)
+        tensors.update(weight_packed=fp4.pack(fp4.quantize(weight, scales, global_)), weight_scale=scales,
+                       weight_global_scale=global_.clone())
+        return tensors
 
     if w.type == "float":
         if q is not None or zero_point is not None or g_idx is not None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.layers import panel_matmul, triton_support
 from engine.layers.linear import dense_matmul
-from quant import triton_fp8
+from quant import fp4, triton_fp8
 from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8
 from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
 from quant.schemes import QuantScheme
@@ -411,13 +411,13 @@ class WeightOnlyIntLinear(_IntWeightLinear):
         if (self.dtype == torch.float32 and self.g_idx is None and not self.qweight.is_cuda
                 and (self.weight_zero_point is None or w.num_bits <= 7)
                 and panel_matmul.int8_fits(self.output_size, self.input_size, self.weight_scale.shape[1])):
-            if (w.num_bits == 4
+            if (w.is_int4
                     and panel_matmul.int4_fits(self.output_size, self.input_size, self.weight_scale.shape[1])):
                 return "int4panel"
             return "int8panel"
         if self.dtype != torch.bfloat16 or self.g_idx is not None:
             return "dense"
-        if w.num_bits == 4 and group in _INT4PACK_GROUPS and self.input_size % group == 0:
+        if w.is_int4 and group in _INT4PACK_GROUPS and self.input_size % group == 0:
             if self.qweight.is_cuda:
                 return "int4pack_cuda" if self.output_size % 8 == 0 and self.input_size % 32 == 0 else "dense"
             return "int4pack_cpu" if self.output_size % 16 == 0 else "dense"
@@ -470,6 +470,33 @@ class WeightOnlyIntLinear(_IntWeightLinear):
             mm = torch._weight_int4pack_mm_for_cpu if self.kernel == "int4pack_cpu" else torch._weight_int4pack_mm
             y = mm(x2d, self.kernel_weight, group, self.kernel_scales)
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+
+class Nvfp4Linear(WeightOnlyIntLinear):
+    """NVFP4 weights (quant/fp4.py), float activations. An E2M1 value times two is an integer of at
+    most 12 in magnitude, so each weight becomes that int8 and its group's scale half the group's
+    effective scale: the same products, bit for bit, through the weight-only int8 kernels (on the
+    CPU the int8 panel kernel; elsewhere the weight dequantized once). Fused shards may each have
+    their own global scale here; vLLM needs them equal, which is how `quantize` writes them."""
+
+    def expected_tensors(self) -> tuple[set[str], set[str]]:
+        return {"weight_packed", "weight_scale", "weight_global_scale"}, set()
+
+    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        cols = self.input_size
+        if cols % fp4.GROUP_SIZE:
+            raise ValueError(f"{where}: NVFP4 needs an input size that is a multiple of {fp4.GROUP_SIZE}, got {cols}")
+        _check(where, "weight_packed", tensors["weight_packed"], (rows, cols // 2), (torch.uint8,))
+        _check(where, "weight_scale", tensors["weight_scale"], (rows, cols // fp4.GROUP_SIZE), (torch.float8_e4m3fn,))
+        _check(where, "weight_global_scale", tensors["weight_global_scale"], (1,), (torch.float32,))
+        global_ = tensors["weight_global_scale"]
+        if not torch.isfinite(global_).all() or global_.item() <= 0:
+            raise ValueError(f"{where} 'weight_global_scale': must be finite and positive, got {global_.item()}")
+        scale = fp4.effective_scales(tensors["weight_scale"], global_) / 2
+        if not torch.isfinite(scale).all():
+            raise ValueError(f"{where} 'weight_scale': group scales must be finite")
+        q = (fp4.values(fp4.unpack(tensors["weight_packed"])) * 2).to(torch.int8)
+        return {"q": q, "scale": scale.contiguous()}
 
 
 # ---------------------------------------------------------------- INT8 W8A8
@@ -560,6 +587,10 @@ def make_quantized_linear(
 ) -> QuantLinearBase:
     """The module for ``scheme``; raises ValueError for combinations no kernel here runs."""
     w, acts = scheme.weights, scheme.input_activations
+    if w.is_fp4:
+        if acts is not None:
+            raise ValueError("NVFP4 activations (W4A4) are not supported; NVFP4A16 keeps activations in float")
+        return Nvfp4Linear(scheme, input_size, output_sizes, bias, dtype)
     if w.type == "float":
         if w.strategy == "group":
             raise ValueError("FP8 weights need per-tensor or per-channel scales, not groups")

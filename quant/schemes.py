@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 TYPES = ("int", "float")
-WEIGHT_STRATEGIES = ("tensor", "channel", "group")
+WEIGHT_STRATEGIES = ("tensor", "channel", "group", "tensor_group")  # tensor_group: NVFP4's groups under a global scale
 INPUT_STRATEGIES = ("tensor", "token")
 ACTORDERS = ("group", "weight")
 # CT aliases: "dynamic" → "group" (g_idx stored), "static" → "weight" (calibration order only).
@@ -24,7 +24,8 @@ _ARGS_KEYS = {
 }
 _SCHEME_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 
-FORMATS = ("dense", "float-quantized", "naive-quantized", "int-quantized", "pack-quantized", "mixed-precision")
+FORMATS = ("dense", "float-quantized", "naive-quantized", "int-quantized", "pack-quantized", "nvfp4-pack-quantized",
+           "mixed-precision")
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,19 @@ class QuantArgs:
     def __post_init__(self) -> None:
         if self.type not in TYPES:
             raise ValueError(f"quantization type {self.type!r} is not one of {TYPES}")
-        if self.type == "float" and self.num_bits != 8:
-            raise ValueError(f"float quantization supports 8 bits (float8_e4m3fn) only, got {self.num_bits}")
+        if self.type == "float" and self.num_bits not in (4, 8):
+            raise ValueError(f"float quantization supports 8 bits (float8_e4m3fn) or 4 (NVFP4), got {self.num_bits}")
+        if self.is_fp4 != (self.strategy == "tensor_group") or (self.is_fp4 and (self.group_size != 16 or self.dynamic)):
+            raise ValueError("4-bit float weights are NVFP4, and only they: static tensor_group strategy, group_size 16")
         if self.type == "int" and self.num_bits not in (4, 8):
             raise ValueError(f"int quantization supports 4 or 8 bits, got {self.num_bits}")
         if self.strategy not in WEIGHT_STRATEGIES + INPUT_STRATEGIES + ("attn_head",):
             raise ValueError(f"unsupported quantization strategy {self.strategy!r}")
-        if self.strategy == "group":
+        if self.strategy in ("group", "tensor_group"):
             if self.group_size is None or self.group_size <= 0:
                 raise ValueError(f"group strategy needs a positive group_size, got {self.group_size}")
         elif self.group_size is not None:
-            raise ValueError(f"group_size={self.group_size} is only valid with the group strategy")
+            raise ValueError(f"group_size={self.group_size} is only valid with a group strategy")
         if self.strategy == "token" and not self.dynamic:
             raise ValueError("token strategy must be dynamic")
         if self.type == "float" and not self.symmetric:
@@ -70,6 +73,10 @@ class QuantArgs:
     @property
     def is_int4(self) -> bool:
         return self.type == "int" and self.num_bits == 4
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.type == "float" and self.num_bits == 4
 
     def to_dict(self) -> dict[str, Any]:
         """The CT ``QuantizationArgs`` JSON, restricted to keys every vLLM-pinned CT accepts."""
@@ -95,8 +102,8 @@ class QuantArgs:
             raise ValueError(f"{what}: unknown QuantizationArgs keys {sorted(unknown)}")
         if d.get("block_structure") is not None or d.get("strategy") == "block":
             raise ValueError(f"{what}: block quantization is not supported")
-        if d.get("dynamic") == "local" or d.get("strategy") == "tensor_group":
-            raise ValueError(f"{what}: tensor_group (NVFP4-style) quantization is not supported")
+        if d.get("dynamic") == "local":
+            raise ValueError(f"{what}: dynamic local scales (NVFP4 activations) are not supported")
         group_size = d.get("group_size")
         strategy = d.get("strategy")
         if strategy is None:
@@ -137,6 +144,8 @@ class QuantScheme:
             raise ValueError(f"weights must be static tensor/channel/group, got {w.strategy} dynamic={w.dynamic}")
         if self.format == "pack-quantized" and w.type != "int":
             raise ValueError("pack-quantized holds int weights only")
+        if (self.format == "nvfp4-pack-quantized") != w.is_fp4:
+            raise ValueError("4-bit float weights are stored as nvfp4-pack-quantized, and only they are")
         if a is not None:
             if a.strategy not in INPUT_STRATEGIES:
                 raise ValueError(f"input activations must use token or tensor strategy, got {a.strategy!r}")
@@ -191,6 +200,8 @@ class QuantScheme:
 
 def infer_format(weights: QuantArgs, acts: QuantArgs | None) -> str:
     """CT's format choice for a scheme (first match wins, as in CT's ``format.py``)."""
+    if weights.is_fp4:
+        return "nvfp4-pack-quantized"
     if weights.type == "int" and acts is not None:
         return "int-quantized"
     if weights.type == "int":
@@ -205,12 +216,13 @@ def _fp8(strategy: str, **kw: Any) -> QuantArgs:
 
 
 FP8_KV = _fp8("tensor")
-PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16")
+PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16", "nvfp4a16")
 
 
 def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> QuantScheme:
     """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``W8A8``, ``W4A16``, ``W4A16_ASYM``; w8a16
-    is per-channel). w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
+    is per-channel; nvfp4a16 is NVFP4 weights (LLMC ``NVFP4A16``: FP4 in groups of 16, FP8 group
+    scales under a global scale). w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
     span the group's [min, max] rather than ±absmax (AWQ's and most GPTQ exports' choice).
 
     ``group_size`` applies to w4a16 and w4a16-asym only (it must divide each Linear's input size for the fast
@@ -229,6 +241,9 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
         return QuantScheme(weights, None, "pack-quantized")
     if name == "w8a16":
         return QuantScheme(QuantArgs(strategy="channel", actorder=actorder), None, "pack-quantized")
+    if name == "nvfp4a16":
+        return QuantScheme(QuantArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16), None,
+                           "nvfp4-pack-quantized")
     raise ValueError(f"unknown scheme preset {name!r}; choose one of {PRESETS}")
 
 
@@ -246,4 +261,5 @@ CT_PRESETS = {
     "W4A16": lambda: preset("w4a16"),
     "W4A16_ASYM": lambda: preset("w4a16-asym"),
     "W8A16": lambda: QuantScheme(QuantArgs(strategy="group", group_size=128), None, "pack-quantized"),
+    "NVFP4A16": lambda: preset("nvfp4a16"),
 }

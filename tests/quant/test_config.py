@@ -94,7 +94,8 @@ def test_llmcompressor_style_config_is_accepted():
 
 
 @pytest.mark.parametrize("patch,match", [
-    ({"format": "nvfp4-pack-quantized"}, "'nvfp4-pack-quantized'"),
+    ({"format": "nvfp4-pack-quantized"}, "stored as nvfp4-pack-quantized, and only they are"),  # int weights
+    ({"format": "mxfp4-pack-quantized"}, "'mxfp4-pack-quantized'"),
     ({"format": "marlin-24"}, "'marlin-24'"),
     ({"quant_method": "gptq"}, "'gptq'"),
     ({"transform_config": {"hadamard": {}}}, "transform"),
@@ -116,7 +117,7 @@ def test_unsupported_configs_are_rejected_by_name(patch, match):
 def test_args_validation():
     with pytest.raises(ValueError, match="token strategy must be dynamic"):
         QuantArgs(type="float", strategy="token")
-    with pytest.raises(ValueError, match="only valid with the group strategy"):
+    with pytest.raises(ValueError, match="only valid with a group strategy"):
         QuantArgs(strategy="channel", group_size=128)
     with pytest.raises(ValueError, match="unknown scheme preset"):
         preset("w2a16")
