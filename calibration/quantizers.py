@@ -95,7 +95,7 @@ class WeightQuantizer:
         self.smoothquant_alpha = smoothquant_alpha
         acts = scheme.input_activations
         self.needs_statistics = (algorithm != "rtn" or smoothquant_alpha is not None
-                                 or (acts is not None and not acts.dynamic))
+                                 or (acts is not None and acts.dynamic is not True))
         self.needs_hessian = algorithm == "gptq"
         self.needs_activations = algorithm == "awq"
 
@@ -137,7 +137,10 @@ class WeightQuantizer:
         fresh_scale = (lambda: None) if input_scale is None else input_scale.clone
         if self.scheme.weights.is_fp4:  # one global scale across the fused shards, as vLLM loads them
             shared = fp4.global_scale(weight)
-            return [quantize_weight(weight[r], self.scheme, global_scale=shared) for r in rows]
+            # NVFP4 activations: a global scale from the calibration inputs' absmax, the run-time group scales' base
+            inputs = fp4.global_scale(stats.input_absmax.per_channel) if self.scheme.input_activations else None
+            return [quantize_weight(weight[r], self.scheme, global_scale=shared, input_global_scale=inputs)
+                    for r in rows]
         if self.algorithm != "gptq":
             return [quantize_weight(weight[r], self.scheme, input_scale=fresh_scale(), scale_dtype=torch.float32)
                     for r in rows]

@@ -61,6 +61,7 @@ def quantize_weight(
     input_scale: torch.Tensor | float | None = None,
     scale_dtype: torch.dtype | None = None,
     global_scale: torch.Tensor | None = None,
+    input_global_scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Checkpoint tensors of one Linear, keyed by suffix (``weight_packed``, ``weight_scale``, ...).
 
@@ -69,7 +70,8 @@ def quantize_weight(
     ``g_idx`` for actorder group) come from the algorithm. ``input_scale`` (absmax/448 over the
     calibration set) is required for static FP8 activations. NVFP4 weights take the fused Linear's
     ``global_scale`` (shards of one Linear share it, as vLLM requires; default: this weight's own)
-    and store FP8 group scales. Other scales are stored in ``scale_dtype``
+    and store FP8 group scales; NVFP4 activations need ``input_global_scale`` (from the calibration
+    set's input absmax). Other scales are stored in ``scale_dtype``
     (default: the given scale's dtype, else the weight's) and RTN values are computed from the stored scales, so the
     checkpoint dequantizes to exactly what we measured.
     """
@@ -94,6 +96,10 @@ def quantize_weight(
         scales = fp4.group_scales(weight, global_)
         tensors.update(weight_packed=fp4.pack(fp4.quantize(weight, scales, global_)), weight_scale=scales,
                        weight_global_scale=global_.clone())
+        if (acts is not None) != (input_global_scale is not None):
+            raise ValueError(f"input_global_scale is {'required' if acts else 'not allowed'} for scheme {scheme}")
+        if input_global_scale is not None:
+            tensors["input_global_scale"] = input_global_scale.float().reshape(1).clone()
         return tensors
 
     if w.type == "float":

@@ -71,6 +71,16 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
+def fake_quantize(x: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
+    """NVFP4 activations (W4A4), as the FP4 GPU computes with them: each token's groups of 16 get
+    a scale of their own at run time under the calibrated global one, and x becomes its E2M1 values
+    times those scales."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    scales = group_scales(rows, global_)
+    per_column = effective_scales(scales, global_).repeat_interleave(GROUP_SIZE, dim=1)
+    return (values(quantize(rows, scales, global_)) * per_column).reshape(x.shape).to(x.dtype)
+
+
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[out, in] weights the checkpoint tensors stand for."""

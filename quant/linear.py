@@ -473,14 +473,21 @@ class WeightOnlyIntLinear(_IntWeightLinear):
 
 
 class Nvfp4Linear(WeightOnlyIntLinear):
-    """NVFP4 weights (quant/fp4.py), float activations. An E2M1 value times two is an integer of at
-    most 12 in magnitude, so each weight becomes that int8 and its group's scale half the group's
-    effective scale: the same products, bit for bit, through the weight-only int8 kernels (on the
-    CPU the int8 panel kernel; elsewhere the weight dequantized once). Fused shards may each have
-    their own global scale here; vLLM needs them equal, which is how `quantize` writes them."""
+    """NVFP4 weights (quant/fp4.py). An E2M1 value times two is an integer of at most 12 in
+    magnitude, so each weight becomes that int8 and its group's scale half the group's effective
+    scale: the same products, bit for bit, through the weight-only int8 kernels (on the CPU the
+    int8 panel kernel; elsewhere the weight dequantized once). Fused shards may each have their
+    own global scale here; vLLM needs them equal, which is how `quantize` writes them.
+
+    With NVFP4 activations (W4A4) each input row is first rounded to E2M1 in groups of 16 under
+    the checkpoint's input global scale, as an FP4 GPU computes (emulated: the products then run
+    as above), so the gate measures what that GPU would serve."""
+
+    fake_quantizes_inputs = False  # the one-call C decode step runs only Linears whose inputs it need not touch
 
     def expected_tensors(self) -> tuple[set[str], set[str]]:
-        return {"weight_packed", "weight_scale", "weight_global_scale"}, set()
+        names = {"weight_packed", "weight_scale", "weight_global_scale"}
+        return (names | {"input_global_scale"} if self.scheme.input_activations else names), set()
 
     def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cols = self.input_size
@@ -496,7 +503,32 @@ class Nvfp4Linear(WeightOnlyIntLinear):
         if not torch.isfinite(scale).all():
             raise ValueError(f"{where} 'weight_scale': group scales must be finite")
         q = (fp4.values(fp4.unpack(tensors["weight_packed"])) * 2).to(torch.int8)
-        return {"q": q, "scale": scale.contiguous()}
+        shard = {"q": q, "scale": scale.contiguous()}
+        if self.scheme.input_activations:
+            _check(where, "input_global_scale", tensors["input_global_scale"], (1,), (torch.float32,))
+            inputs = tensors["input_global_scale"]
+            if not torch.isfinite(inputs).all() or inputs.item() <= 0:
+                raise ValueError(f"{where} 'input_global_scale': must be finite and positive, got {inputs.item()}")
+            shard["input_global_scale"] = inputs
+        return shard
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        super()._build(shards)
+        if self.scheme.input_activations:
+            inputs = {s["input_global_scale"].item() for s in shards}
+            if len(inputs) != 1:  # fused shards read one input: one scale for it
+                raise ValueError(f"fused shards have different input_global_scale values {sorted(inputs)}")
+            self.register_buffer("input_global_scale", shards[0]["input_global_scale"].float(), persistent=False)
+            self.fake_quantizes_inputs = True
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4.fake_quantize(x, self.input_global_scale) if self.fake_quantizes_inputs else x
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().reference_forward(self._inputs(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self._inputs(x))
 
 
 # ---------------------------------------------------------------- INT8 W8A8
@@ -588,8 +620,6 @@ def make_quantized_linear(
     """The module for ``scheme``; raises ValueError for combinations no kernel here runs."""
     w, acts = scheme.weights, scheme.input_activations
     if w.is_fp4:
-        if acts is not None:
-            raise ValueError("NVFP4 activations (W4A4) are not supported; NVFP4A16 keeps activations in float")
         return Nvfp4Linear(scheme, input_size, output_sizes, bias, dtype)
     if w.type == "float":
         if w.strategy == "group":

@@ -12,7 +12,7 @@ from typing import Any
 
 TYPES = ("int", "float")
 WEIGHT_STRATEGIES = ("tensor", "channel", "group", "tensor_group")  # tensor_group: NVFP4's groups under a global scale
-INPUT_STRATEGIES = ("tensor", "token")
+INPUT_STRATEGIES = ("tensor", "token", "tensor_group")  # tensor_group: NVFP4 activations, scaled per 16 at run time
 ACTORDERS = ("group", "weight")
 # CT aliases: "dynamic" → "group" (g_idx stored), "static" → "weight" (calibration order only).
 _ACTORDER_ALIASES = {"dynamic": "group", "static": "weight", True: "group", False: None}
@@ -32,8 +32,9 @@ FORMATS = ("dense", "float-quantized", "naive-quantized", "int-quantized", "pack
 class QuantArgs:
     """How one tensor (weights, input activations or KV) is quantized.
 
-    ``group_size`` is set only for the group strategy. ``dynamic`` means the scale is computed
-    at run time (no ``*_scale`` tensor in the checkpoint).
+    ``group_size`` is set only for the group strategies. ``dynamic`` means the scale is computed
+    at run time (no ``*_scale`` tensor in the checkpoint); ``"local"`` (NVFP4 activations) that the
+    group scales are, under a calibrated global scale.
     """
 
     type: str = "int"
@@ -41,7 +42,7 @@ class QuantArgs:
     strategy: str = "tensor"
     group_size: int | None = None
     symmetric: bool = True
-    dynamic: bool = False
+    dynamic: bool | str = False  # or "local"
     actorder: str | None = None
     observer: str | None = None
 
@@ -50,8 +51,10 @@ class QuantArgs:
             raise ValueError(f"quantization type {self.type!r} is not one of {TYPES}")
         if self.type == "float" and self.num_bits not in (4, 8):
             raise ValueError(f"float quantization supports 8 bits (float8_e4m3fn) or 4 (NVFP4), got {self.num_bits}")
-        if self.is_fp4 != (self.strategy == "tensor_group") or (self.is_fp4 and (self.group_size != 16 or self.dynamic)):
-            raise ValueError("4-bit float weights are NVFP4, and only they: static tensor_group strategy, group_size 16")
+        if self.is_fp4 != (self.strategy == "tensor_group") or (self.is_fp4 and self.group_size != 16):
+            raise ValueError("4-bit floats are NVFP4, and only they: tensor_group strategy, group_size 16")
+        if self.dynamic not in (False, True, "local") or (self.dynamic == "local") != (self.is_fp4 and bool(self.dynamic)):
+            raise ValueError(f"dynamic {self.dynamic!r}: NVFP4's run-time scales are 'local', and only they")
         if self.type == "int" and self.num_bits not in (4, 8):
             raise ValueError(f"int quantization supports 4 or 8 bits, got {self.num_bits}")
         if self.strategy not in WEIGHT_STRATEGIES + INPUT_STRATEGIES + ("attn_head",):
@@ -102,8 +105,6 @@ class QuantArgs:
             raise ValueError(f"{what}: unknown QuantizationArgs keys {sorted(unknown)}")
         if d.get("block_structure") is not None or d.get("strategy") == "block":
             raise ValueError(f"{what}: block quantization is not supported")
-        if d.get("dynamic") == "local":
-            raise ValueError(f"{what}: dynamic local scales (NVFP4 activations) are not supported")
         group_size = d.get("group_size")
         strategy = d.get("strategy")
         if strategy is None:
@@ -120,7 +121,7 @@ class QuantArgs:
                 strategy=strategy,
                 group_size=group_size,
                 symmetric=bool(d.get("symmetric", True)),
-                dynamic=bool(d.get("dynamic", False)),
+                dynamic="local" if d.get("dynamic") == "local" else bool(d.get("dynamic", False)),
                 actorder=actorder,
                 observer=d.get("observer"),
             )
@@ -153,8 +154,10 @@ class QuantScheme:
                 raise ValueError("actorder is not allowed on input activations")
             if not a.symmetric:
                 raise ValueError("asymmetric input activations are not supported")
-            if a.type != w.type or a.num_bits != 8:
+            if a.type != w.type or a.is_fp4 != w.is_fp4 or not (a.num_bits == 8 or a.is_fp4):
                 raise ValueError(f"input activations {a.type}{a.num_bits} do not pair with weights {w.type}{w.num_bits}")
+            if a.is_fp4 and a.dynamic != "local":
+                raise ValueError("NVFP4 activations are scaled per group at run time (dynamic 'local')")
             if w.type == "int" and (not a.dynamic or not w.symmetric or w.num_bits != 8):
                 raise ValueError("int8 activations need dynamic per-token quantization and symmetric int8 weights")
 
@@ -216,13 +219,13 @@ def _fp8(strategy: str, **kw: Any) -> QuantArgs:
 
 
 FP8_KV = _fp8("tensor")
-PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16", "nvfp4a16")
+PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "nvfp4")
 
 
 def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> QuantScheme:
     """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``W8A8``, ``W4A16``, ``W4A16_ASYM``; w8a16
     is per-channel; nvfp4a16 is NVFP4 weights (LLMC ``NVFP4A16``: FP4 in groups of 16, FP8 group
-    scales under a global scale). w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
+    scales under a global scale), nvfp4 (LLMC ``NVFP4``) quantizes activations so as well. w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
     span the group's [min, max] rather than ±absmax (AWQ's and most GPTQ exports' choice).
 
     ``group_size`` applies to w4a16 and w4a16-asym only (it must divide each Linear's input size for the fast
@@ -241,9 +244,10 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
         return QuantScheme(weights, None, "pack-quantized")
     if name == "w8a16":
         return QuantScheme(QuantArgs(strategy="channel", actorder=actorder), None, "pack-quantized")
-    if name == "nvfp4a16":
-        return QuantScheme(QuantArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16), None,
-                           "nvfp4-pack-quantized")
+    if name in ("nvfp4a16", "nvfp4"):
+        fp4 = QuantArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16)
+        acts = replace(fp4, dynamic="local") if name == "nvfp4" else None
+        return QuantScheme(fp4, acts, "nvfp4-pack-quantized")
     raise ValueError(f"unknown scheme preset {name!r}; choose one of {PRESETS}")
 
 
@@ -262,4 +266,5 @@ CT_PRESETS = {
     "W4A16_ASYM": lambda: preset("w4a16-asym"),
     "W8A16": lambda: QuantScheme(QuantArgs(strategy="group", group_size=128), None, "pack-quantized"),
     "NVFP4A16": lambda: preset("nvfp4a16"),
+    "NVFP4": lambda: preset("nvfp4"),
 }

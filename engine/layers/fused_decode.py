@@ -72,6 +72,8 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
     """The C view of one Linear, or None where its kernel is not one decode_step.c calls.
     Tensors the view points into are appended to `keep` (they must outlive it)."""
     kernel = getattr(linear, "kernel", None)
+    if getattr(linear, "fake_quantizes_inputs", False):  # NVFP4 activations: rounded in torch first
+        return None
     weight = getattr(linear, "kernel_weight", None) if kernel else getattr(linear, "weight", None)
     if weight is None or weight.device.type != "cpu" or not weight.is_contiguous():
         return None

@@ -1,5 +1,6 @@
-"""NVFP4 weights (NVFP4A16): quant/fp4.py against compressed-tensors' own NVFP4 compressor, the
-Linear against dequantize-then-matmul, and `quantize --scheme nvfp4a16` end to end."""
+"""NVFP4 (NVFP4A16 weights, and NVFP4's FP4 activations): quant/fp4.py against compressed-tensors'
+own compressor and fake quantization, the Linear against dequantize-then-matmul, and `quantize
+--scheme nvfp4a16 | nvfp4` end to end."""
 
 from __future__ import annotations
 
@@ -83,44 +84,110 @@ def test_the_linear_equals_dequantize_then_matmul_with_a_global_scale_per_shard(
                            "weight_global_scale": torch.zeros(1)})
 
 
-@pytest.fixture(scope="module")
-def nvfp4_checkpoint(tmp_path_factory):
+def test_activations_are_rounded_as_compressed_tensors_does():
+    """NVFP4 activations (W4A4): each token's groups of 16 scaled at run time under the global
+    scale, bit for bit CT's own fake quantization with dynamic local scales."""
+    from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2)) * 3
+    x[2, 16:32] = 0
+    global_ = fp4.global_scale(x)
+    args = NVFP4["input_activations"]
+    scale, zero_point = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module(), global_scale=global_)
+    expected = fake_quantize(x=x, scale=scale, zero_point=zero_point, args=args, global_scale=global_)
+    assert torch.equal(fp4.fake_quantize(x, global_), expected)
+
+
+def test_the_w4a4_linear_rounds_its_inputs_first():
+    from quant.linear import make_quantized_linear
+
+    w = _weight()[:32]
+    global_, inputs = fp4.global_scale(w), torch.tensor([448.0 * 6 / 4.0])
+    scales = fp4.group_scales(w, global_)
+    shard = {"weight_packed": fp4.pack(fp4.quantize(w, scales, global_)), "weight_scale": scales,
+             "weight_global_scale": global_, "input_global_scale": inputs}
+    linear = make_quantized_linear(preset("nvfp4"), 128, [32], bias=False, dtype=torch.float32)
+    linear.load_shard(0, shard)
+    linear.finalize()
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    expected = fp4.fake_quantize(x, inputs) @ linear.dequantized_weight().T
+    torch.testing.assert_close(linear(x), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(linear(x), x @ linear.dequantized_weight().T, atol=1e-3)  # the rounding bites
+    fused = make_quantized_linear(preset("nvfp4"), 128, [32, 32], bias=False, dtype=torch.float32)
+    fused.load_shard(0, shard)
+    fused.load_shard(1, {**shard, "input_global_scale": inputs * 2})
+    with pytest.raises(ValueError, match="different input_global_scale"):
+        fused.finalize()
+
+
+def _quantized(root, scheme: str):
     from calibration.cli import main
     from tests.calibration.factories import write_calib_file
 
-    root = tmp_path_factory.mktemp("nvfp4")
     source = make_tiny_model_dir(root / "source")
-    out = root / "nvfp4"
+    out = root / scheme
     assert main([str(source), "--calib", str(write_calib_file(root / "calib.jsonl", 12)), "-o", str(out),
-                 "--scheme", "nvfp4a16", "--num-samples", "8", "--num-heldout", "4"]) == 0
+                 "--scheme", scheme, "--num-samples", "8", "--num-heldout", "4"]) == 0
     return source, out
 
 
-def test_quantize_writes_nvfp4a16_that_serves_as_its_dequantized_weights(nvfp4_checkpoint):
-    """The config is CT's NVFP4A16; fused q/k/v and gate/up share one global scale (vLLM loads them
-    so); the engine's logits equal HF's model with the dequantized weights put in (1e-4)."""
+@pytest.fixture(scope="module")
+def nvfp4_checkpoint(tmp_path_factory):
+    return _quantized(tmp_path_factory.mktemp("nvfp4a16"), "nvfp4a16")
+
+
+def _reference(source, out):
+    """HF's source model with the checkpoint's dequantized weights put in, and (W4A4) each
+    quantized Linear's input rounded by compressed-tensors' own fake quantization."""
+    from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
+    from compressed_tensors.quantization.quant_scheme import NVFP4
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
-    from engine.loader import load_model
-
-    source, out = nvfp4_checkpoint
-    config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["format"] == "nvfp4-pack-quantized"
-    assert config["config_groups"]["group_0"]["weights"]["strategy"] == "tensor_group"
     tensors = load_file(out / "model.safetensors")
-    for fused in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-        shared = {tensors[f"model.layers.0.{'self_attn' if fused[0] == 'q_proj' else 'mlp'}.{name}.weight_global_scale"]
-                  .item() for name in fused}
-        assert len(shared) == 1, fused
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+
+    def round_input(module, args):
+        x, global_ = args[0], module.input_global_scale
+        scale, zp = compute_dynamic_scales_and_zp(value=x, args=NVFP4["input_activations"], module=module,
+                                                  global_scale=global_)
+        return (fake_quantize(x=x, scale=scale, zero_point=zp, args=NVFP4["input_activations"], global_scale=global_),)
+
     with torch.no_grad():
         for name, module in reference.named_modules():
             if f"{name}.weight_packed" in tensors:
                 module.weight.copy_(fp4.dequantize(tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"],
                                                    tensors[f"{name}.weight_global_scale"]))
+                if f"{name}.input_global_scale" in tensors:
+                    module.input_global_scale = tensors[f"{name}.input_global_scale"]
+                    module.register_forward_pre_hook(round_input)
+    return reference, tensors
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+def test_quantize_writes_nvfp4_that_serves_as_compressed_tensors_computes_it(nvfp4_checkpoint, tmp_path, scheme):
+    """The config is CT's NVFP4A16 / NVFP4; fused q/k/v and gate/up share one global scale (vLLM
+    loads them so), and under W4A4 one input global scale; the engine's logits equal HF's model
+    with the dequantized weights put in and, under W4A4, CT rounding each Linear's input (1e-4)."""
+    from engine import LLM, SamplingParams
+    from engine.loader import load_model
+
+    source, out = nvfp4_checkpoint if scheme == "nvfp4a16" else _quantized(tmp_path, scheme)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized"
+    group = config["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "tensor_group"
+    assert (group["input_activations"] or {}).get("dynamic") == (None if scheme == "nvfp4a16" else "local")
+    reference, tensors = _reference(source, out)
+    for fused in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        for kind in ("weight_global_scale", "input_global_scale")[:2 if scheme == "nvfp4" else 1]:
+            shared = {tensors[f"model.layers.0.{'self_attn' if fused[0] == 'q_proj' else 'mlp'}.{name}.{kind}"]
+                      .item() for name in fused}
+            assert len(shared) == 1, (fused, kind)
     ids = torch.randint(3, 380, (30,), generator=torch.Generator().manual_seed(9))
     model, _ = load_model(out, "float32")
+    model.prepack_for_cpu()
+    assert (model.fused_decode is None) == (scheme == "nvfp4")  # W4A4 inputs are rounded in torch
     with torch.no_grad():
         ours = model.compute_logits(model(ids, torch.arange(30)))
         torch.testing.assert_close(ours, reference(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
@@ -172,7 +239,9 @@ def test_nvfp4_is_refused_where_it_cannot_run(tmp_path, capsys):
     w4a4 = {"weights": preset("nvfp4a16").weights.to_dict(), "targets": ["Linear"],
             "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
                                   "dynamic": "local"}}
-    with pytest.raises(ValueError, match="dynamic local scales"):
+    assert QuantScheme.from_dict(w4a4, fmt="nvfp4-pack-quantized", what="group_0") == preset("nvfp4")
+    w4a4["input_activations"]["dynamic"] = True
+    with pytest.raises(ValueError, match="run-time scales are 'local'"):
         QuantScheme.from_dict(w4a4, fmt="nvfp4-pack-quantized", what="group_0")
     with pytest.raises(ValueError, match="multiples of 16"):
         fp4.group_scales(torch.ones(4, 24), torch.ones(1))
