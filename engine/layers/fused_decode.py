@@ -4,8 +4,9 @@ At batch 1 a small model's decode step spent about half its time in Python betwe
 (SmolLM2-135M: 16.9 → 11.1 ms a token in fp32, 18.0 → 8.5 ms in W8A8). When a step holds only
 decode tokens and every layer runs on a C kernel (fp32 activations, panel-packed dense, int8
 weight-only, W8A8 or FP8 weights, an fp32, bf16 or fp8 KV cache; no LoRA adapter, or one for
-every row), the layers run in one call instead: the same kernels in the same order, so the same floats. Every other step, and every
-model this does not describe, goes through the modules, which stay the oracle.
+every row), the layers run in one call instead: the same kernels in the same order, so the same
+floats. Every other step, and every model this does not describe, goes through the modules,
+which stay the oracle.
 `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
 """
 
