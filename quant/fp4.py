@@ -34,7 +34,8 @@ def group_scales(weight: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"NVFP4 needs input sizes that are multiples of {GROUP_SIZE}, got {cols}")
     absmax = weight.detach().float().reshape(out, cols // GROUP_SIZE, GROUP_SIZE).abs().amax(dim=-1)
     scales = (global_.float() * (absmax / FP4_MAX)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return torch.where(scales.float() == 0, torch.tensor(_FP8_EPS).to(torch.float8_e4m3fn), scales)
+    eps = torch.tensor(_FP8_EPS, device=scales.device).to(torch.float8_e4m3fn)
+    return torch.where(scales.float() == 0, eps, scales)
 
 
 def effective_scales(scales: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
@@ -47,9 +48,9 @@ def quantize(weight: torch.Tensor, scales: torch.Tensor, global_: torch.Tensor) 
     out, cols = weight.shape
     per_column = effective_scales(scales, global_).repeat_interleave(GROUP_SIZE, dim=1)
     x = (weight.float() / per_column).clamp(-FP4_MAX, FP4_MAX)
-    magnitude = x.abs()
-    index = torch.bucketize(magnitude, _MIDPOINTS)  # a tie lands on the lower neighbour ...
-    tie_to_odd = (index < len(_MIDPOINTS)) & (magnitude == _MIDPOINTS[index.clamp(max=len(_MIDPOINTS) - 1)])
+    magnitude, midpoints = x.abs(), _MIDPOINTS.to(x.device)
+    index = torch.bucketize(magnitude, midpoints)  # a tie lands on the lower neighbour ...
+    tie_to_odd = (index < len(midpoints)) & (magnitude == midpoints[index.clamp(max=len(midpoints) - 1)])
     index = torch.where(tie_to_odd & (index % 2 == 1), index + 1, index)  # ... unless that one is odd
     # a negative weight that rounds to zero keeps its sign (code 8, -0), as CT packs it
     return index.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)

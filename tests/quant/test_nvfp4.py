@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from quant import fp4
 from quant.schemes import QuantScheme, preset
-from tests.helpers import make_tiny_model_dir
+from tests.helpers import ON_CUDA, make_tiny_model_dir
 
 ct_quant = pytest.importorskip("compressed_tensors.quantization")
 
@@ -99,7 +99,8 @@ def test_activations_are_rounded_as_compressed_tensors_does():
     assert torch.equal(fp4.fake_quantize(x, global_), expected)
 
 
-def test_the_w4a4_linear_rounds_its_inputs_first():
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_the_w4a4_linear_rounds_its_inputs_first(device):
     from quant.linear import make_quantized_linear
 
     w = _weight()[:32]
@@ -107,13 +108,14 @@ def test_the_w4a4_linear_rounds_its_inputs_first():
     scales = fp4.group_scales(w, global_)
     shard = {"weight_packed": fp4.pack(fp4.quantize(w, scales, global_)), "weight_scale": scales,
              "weight_global_scale": global_, "input_global_scale": inputs}
-    linear = make_quantized_linear(preset("nvfp4"), 128, [32], bias=False, dtype=torch.float32)
+    with torch.device(device):  # a Linear's kernel is chosen for the device it is built on
+        linear = make_quantized_linear(preset("nvfp4"), 128, [32], bias=False, dtype=torch.float32)
     linear.load_shard(0, shard)
     linear.finalize()
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
-    expected = fp4.fake_quantize(x, inputs) @ linear.dequantized_weight().T
-    torch.testing.assert_close(linear(x), expected, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(linear(x), x @ linear.dequantized_weight().T, atol=1e-3)  # the rounding bites
+    expected = fp4.fake_quantize(x, inputs) @ linear.dequantized_weight().cpu().T
+    torch.testing.assert_close(linear(x.to(device)).cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(linear(x.to(device)).cpu(), x @ linear.dequantized_weight().cpu().T, atol=1e-3)
     fused = make_quantized_linear(preset("nvfp4"), 128, [32, 32], bias=False, dtype=torch.float32)
     fused.load_shard(0, shard)
     fused.load_shard(1, {**shard, "input_global_scale": inputs * 2})
