@@ -116,10 +116,75 @@ def write_llmc_checkpoint(source: Path, dest: Path, scheme: str, kv: bool) -> di
     return dequantized
 
 
+NVFP4_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+NVFP4_INPUT_RANGE = 4.0  # the calibrated input absmax behind every Linear's input_global_scale
+
+
+def _ct_nvfp4(w4a4: bool):
+    from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
+
+    return NVFP4 if w4a4 else NVFP4A16
+
+
+def write_llmc_nvfp4_checkpoint(source: Path, dest: Path, w4a4: bool) -> dict[str, torch.Tensor]:
+    """NVFP4 (A16 or W4A4) as llm-compressor writes it, every tensor from compressed-tensors' own
+    code: global scales from generate_gparam over each fused group (llm-compressor fuses q/k/v's
+    and gate/up's), group scales from calculate_qparams, codes from NVFP4PackedCompressor; the
+    dequantized weights from CT's unpacking and the spec's value · scale / global."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    preset = _ct_nvfp4(w4a4)
+    scheme = QuantizationScheme(targets=["Linear"], **preset)
+    input_global = generate_gparam(torch.tensor(-NVFP4_INPUT_RANGE), torch.tensor(NVFP4_INPUT_RANGE)).reshape(1)
+    shutil.copytree(source, dest)
+    tensors = load_file(str(source / "model.safetensors"))
+    dequantized = {}
+    for i in range(NUM_LAYERS):
+        for fused in NVFP4_FUSED:
+            weights = {f"model.layers.{i}.{name}": tensors.pop(f"model.layers.{i}.{name}.weight").float()
+                       for name in fused}
+            whole = torch.cat(list(weights.values()))
+            global_ = generate_gparam(whole.min(), whole.max()).reshape(1).float()
+            for prefix, w in weights.items():
+                groups = w.reshape(w.shape[0], -1, 16)
+                scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), preset["weights"], global_scale=global_)
+                packed = NVFP4PackedCompressor.compress(
+                    {"weight": w, "weight_scale": scale.reshape(w.shape[0], -1), "weight_global_scale": global_.clone()},
+                    scheme)
+                tensors.update({f"{prefix}.{name}": t for name, t in packed.items()})
+                if w4a4:
+                    tensors[f"{prefix}.input_global_scale"] = input_global.clone()
+                values = unpack_fp4_from_uint8(packed["weight_packed"], *w.shape, dtype=torch.float32)
+                dequantized[prefix] = values * (packed["weight_scale"].float() / global_).repeat_interleave(16, dim=1)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    group = {"targets": ["Linear"], "format": "nvfp4-pack-quantized", "output_activations": None,
+             **{k: None if v is None else {**_COMMON_ARGS, **v.model_dump(mode="json")}
+                for k, v in (("weights", preset["weights"]), ("input_activations", preset.get("input_activations")))}}
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config(group, kv=False)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dequantized
+
+
 def fake_quantize_tokens_fp8(x: torch.Tensor) -> torch.Tensor:
     """Dynamic per-token FP8 activations: scale = token absmax / 448, round through e4m3."""
     scale = (x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).eps)
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def fake_quantize_nvfp4_inputs(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' own run-time rounding of NVFP4 activations (dynamic local group scales)."""
+    from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    args = _ct_nvfp4(True)["input_activations"]
+    global_ = generate_gparam(torch.tensor(-NVFP4_INPUT_RANGE), torch.tensor(NVFP4_INPUT_RANGE)).reshape(1)
+    scale, zp = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module(), global_scale=global_)
+    return fake_quantize(x=x, scale=scale, zero_point=zp, args=args, global_scale=global_)
 
 
 def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str, tokens: list[int],
@@ -134,6 +199,8 @@ def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str
         linear.weight.data.copy_(weight)
         if scheme == "fp8-dynamic":
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_fp8(args[0]),))
+        elif scheme == "nvfp4":
+            linear.register_forward_pre_hook(lambda _, args: (fake_quantize_nvfp4_inputs(args[0]),))
     if bf16_lm_head_inputs:
         model.lm_head.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
     with torch.no_grad():
@@ -168,6 +235,24 @@ def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_
     diff = (ours - reference).abs().max().item()
     assert diff < TOLERANCE, f"{scheme}: max |Δ logprob| {diff:.2e}"
     # the quantized weights did change the model: the comparison is not dense vs dense
+    plain = LLM(str(source_dir)).score_full_logprobs(TOKENS)
+    assert (plain - reference).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+def test_llmcompressor_nvfp4_checkpoint_serves_what_compressed_tensors_computes(tmp_path, source_dir, scheme,
+                                                                               monkeypatch, request):
+    if scheme == "nvfp4":  # activations rounded to FP4: an ulp from another summation order flips a rounding
+        monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
+        cpu_kernels.kernel.cache_clear()
+        request.addfinalizer(cpu_kernels.kernel.cache_clear)
+    ckpt = tmp_path / scheme
+    dequantized = write_llmc_nvfp4_checkpoint(source_dir, ckpt, w4a4=scheme == "nvfp4")
+    CTQuantizationConfig.model_validate(json.loads((ckpt / "config.json").read_text())["quantization_config"])
+    ours = LLM(str(ckpt)).score_full_logprobs(TOKENS)
+    reference = hf_reference(source_dir, dequantized, scheme, TOKENS, panel_matmul.bf16_dot_available())
+    diff = (ours - reference).abs().max().item()
+    assert diff < TOLERANCE, f"{scheme}: max |Δ logprob| {diff:.2e}"
     plain = LLM(str(source_dir)).score_full_logprobs(TOKENS)
     assert (plain - reference).abs().max().item() > 100 * TOLERANCE
 
