@@ -135,12 +135,8 @@ class WeightQuantizer:
         input_scale = self._input_scale(stats)
         # A fresh input_scale per shard: safetensors refuses to save tensors that share memory.
         fresh_scale = (lambda: None) if input_scale is None else input_scale.clone
-        if self.scheme.weights.is_fp4:  # one global scale across the fused shards, as vLLM loads them
-            shared = fp4.global_scale(weight)
-            # NVFP4 activations: a global scale from the calibration inputs' absmax, the run-time group scales' base
-            inputs = fp4.global_scale(stats.input_absmax.per_channel) if self.scheme.input_activations else None
-            return [quantize_weight(weight[r], self.scheme, global_scale=shared, input_global_scale=inputs)
-                    for r in rows]
+        if self.scheme.weights.is_fp4:
+            return self._quantize_fp4(weight, rows, stats)
         if self.algorithm != "gptq":
             return [quantize_weight(weight[r], self.scheme, input_scale=fresh_scale(), scale_dtype=torch.float32)
                     for r in rows]
@@ -169,6 +165,24 @@ class WeightQuantizer:
                 input_scale=fresh_scale(), scale_dtype=torch.float32)
             for (s, local), r in zip(pick, rows, strict=True)
         ]
+
+    def _quantize_fp4(self, weight: torch.Tensor, rows: list[slice], stats: LinearStats) -> list[dict[str, torch.Tensor]]:
+        """NVFP4: one global scale across the fused shards, as vLLM loads them; under W4A4 an input
+        global scale from the calibration inputs' absmax (the run-time group scales' base); GPTQ
+        solves the fused weight at once (its rows are independent given H)."""
+        shared = fp4.global_scale(weight)
+        inputs = fp4.global_scale(stats.input_absmax.per_channel) if self.scheme.input_activations else None
+        solved = None
+        if self.algorithm == "gptq":
+            try:
+                solved = gptq_quantize(weight, stats.hessian.hessian.cpu(), num_bits=4, group_size=fp4.GROUP_SIZE,
+                                       fp4_global=shared)
+            except ValueError as exc:
+                warnings.warn(f"{exc}; falling back to RTN for this Linear", stacklevel=2)
+        return [quantize_weight(weight[r], self.scheme, global_scale=shared, input_global_scale=inputs,
+                                q=None if solved is None else solved.q[r],
+                                scale=None if solved is None else solved.scale[r])
+                for r in rows]
 
     def _input_scale(self, stats: LinearStats) -> torch.Tensor | None:
         acts = self.scheme.input_activations

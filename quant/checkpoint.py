@@ -90,12 +90,13 @@ def quantize_weight(
         tensors["input_scale"] = s.to(sdtype)
 
     if w.is_fp4:
-        if q is not None or scale is not None or zero_point is not None or g_idx is not None:
-            raise ValueError("NVFP4 weights are rounded to nearest here; they take no precomputed q/scale")
+        if zero_point is not None or g_idx is not None or (q is None) != (scale is None) or (
+                q is not None and global_scale is None):
+            raise ValueError("NVFP4 takes precomputed codes (GPTQ) with their FP8 scales and global scale, or none")
         global_ = fp4.global_scale(weight) if global_scale is None else global_scale.float().reshape(1)
-        scales = fp4.group_scales(weight, global_)
-        tensors.update(weight_packed=fp4.pack(fp4.quantize(weight, scales, global_)), weight_scale=scales,
-                       weight_global_scale=global_.clone())
+        scales = fp4.group_scales(weight, global_) if scale is None else scale.to(torch.float8_e4m3fn)
+        codes = fp4.quantize(weight, scales, global_) if q is None else q.to(torch.uint8)
+        tensors.update(weight_packed=fp4.pack(codes), weight_scale=scales, weight_global_scale=global_.clone())
         if (acts is not None) != (input_global_scale is not None):
             raise ValueError(f"input_global_scale is {'required' if acts else 'not allowed'} for scheme {scheme}")
         if input_global_scale is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant import fp4
 from quant.int_quant import compute_qparams, int_range, num_groups
 
 
@@ -22,8 +23,8 @@ from quant.int_quant import compute_qparams, int_range, num_groups
 class GPTQResult:
     """Quantized values and their qparams, in the layout ``quantize_weight`` takes."""
 
-    q: torch.Tensor  # [out, in] int8
-    scale: torch.Tensor  # [out, n_groups] (scale_dtype)
+    q: torch.Tensor  # [out, in] int8 (NVFP4: uint8 E2M1 codes)
+    scale: torch.Tensor  # [out, n_groups] (scale_dtype; NVFP4: float8_e4m3fn)
     zero_point: torch.Tensor | None  # [out, n_groups] int8, asymmetric only
     g_idx: torch.Tensor | None  # [in] int32, actorder "group" only
 
@@ -39,6 +40,7 @@ def gptq_quantize(
     block_size: int = 128,
     dampening: float = 0.01,
     scale_dtype: torch.dtype = torch.float32,
+    fp4_global: torch.Tensor | None = None,
 ) -> GPTQResult:
     """Solve GPTQ for one Linear.
 
@@ -46,9 +48,13 @@ def gptq_quantize(
     ``group_size`` None means one scale per output row. ``actorder`` "weight" visits columns by
     decreasing Hessian diagonal (a calibration-only change); "group" also forms the groups in that
     order and returns ``g_idx``. Scales are rounded to ``scale_dtype`` before use so the stored
-    checkpoint dequantizes to exactly what was solved for. Raises ValueError when H is not
-    positive definite even after dampening.
+    checkpoint dequantizes to exactly what was solved for. With ``fp4_global`` the weight is
+    NVFP4 (quant/fp4.py): E2M1 codes in groups of 16, each group's FP8 scale under that global
+    scale taken when the solve reaches it. Raises ValueError when H is not positive definite even
+    after dampening.
     """
+    if fp4_global is not None and (group_size != fp4.GROUP_SIZE or actorder is not None or not symmetric):
+        raise ValueError(f"NVFP4 GPTQ takes symmetric groups of {fp4.GROUP_SIZE} in column order")
     if actorder not in (None, "weight", "group"):
         raise ValueError(f"actorder must be None, 'weight' or 'group', got {actorder!r}")
     if actorder == "group" and group_size is None:
@@ -69,7 +75,8 @@ def gptq_quantize(
     dynamic_groups = actorder is None and group_size is not None
     if dynamic_groups:
         block_size = max(1, block_size // g) * g  # a group never straddles a block
-        scale = torch.empty(out, num_groups(cols, g), dtype=scale_dtype)
+        scale = torch.empty(out, num_groups(cols, g), dtype=torch.float8_e4m3fn if fp4_global is not None
+                            else scale_dtype)
         zero_point = None if symmetric else torch.empty(out, num_groups(cols, g), dtype=torch.int8)
     else:
         # Groups are consecutive columns in processing order for "group", in original order otherwise.
@@ -106,23 +113,32 @@ def gptq_quantize(
             c = start + i
             if dynamic_groups and c % g == 0:
                 group = c // g
-                s, z = compute_qparams(w_block[:, i:i + g], num_bits, group_size=None, symmetric=symmetric)
-                scale[:, group] = s[:, 0].to(scale_dtype)
-                col_scale[:, c:c + g] = scale[:, group:group + 1].float()
-                if z is not None:
-                    zero_point[:, group] = z[:, 0]
-                    col_zp[:, c:c + g] = z[:, :1].float()
+                if fp4_global is not None:
+                    scale[:, group] = fp4.group_scales(w_block[:, i:i + g], fp4_global)[:, 0]
+                    col_scale[:, c:c + g] = fp4.effective_scales(scale[:, group:group + 1], fp4_global)
+                else:
+                    s, z = compute_qparams(w_block[:, i:i + g], num_bits, group_size=None, symmetric=symmetric)
+                    scale[:, group] = s[:, 0].to(scale_dtype)
+                    col_scale[:, c:c + g] = scale[:, group:group + 1].float()
+                    if z is not None:
+                        zero_point[:, group] = z[:, 0]
+                        col_zp[:, c:c + g] = z[:, :1].float()
             col = w_block[:, i]
-            q_col = torch.round(col / col_scale[:, c] + col_zp[:, c]).clamp(qmin, qmax)
-            q[:, c] = q_col
-            err = (col - (q_col - col_zp[:, c]) * col_scale[:, c]) / h_inv_block[i, i]
+            if fp4_global is not None:
+                q_col = fp4.encode(col / col_scale[:, c])
+                dequantized = fp4.values(q_col) * col_scale[:, c]
+            else:
+                q_col = torch.round(col / col_scale[:, c] + col_zp[:, c]).clamp(qmin, qmax)
+                dequantized = (q_col - col_zp[:, c]) * col_scale[:, c]
+            q[:, c] = q_col.float()
+            err = (col - dequantized) / h_inv_block[i, i]
             # Optimal update of the block's remaining columns for this column's error.
             w_block[:, i:] -= err.unsqueeze(1) * h_inv_block[i, i:].unsqueeze(0)
             err_block[:, i] = err
         # Lazy batch update of every column after the block.
         w[:, end:] -= err_block @ h_inv[start:end, end:]
 
-    q = q[:, torch.argsort(perm)].to(torch.int8)
+    q = q[:, torch.argsort(perm)].to(torch.uint8 if fp4_global is not None else torch.int8)
     return GPTQResult(
         q=q,
         scale=scale,

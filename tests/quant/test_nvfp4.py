@@ -123,14 +123,14 @@ def test_the_w4a4_linear_rounds_its_inputs_first(device):
         fused.finalize()
 
 
-def _quantized(root, scheme: str):
+def _quantized(root, options: str):
     from calibration.cli import main
     from tests.calibration.factories import write_calib_file
 
     source = make_tiny_model_dir(root / "source")
-    out = root / scheme
+    out = root / "quantized"
     assert main([str(source), "--calib", str(write_calib_file(root / "calib.jsonl", 12)), "-o", str(out),
-                 "--scheme", scheme, "--num-samples", "8", "--num-heldout", "4"]) == 0
+                 "--scheme", *options.split(), "--num-samples", "8", "--num-heldout", "4"]) == 0
     return source, out
 
 
@@ -166,7 +166,7 @@ def _reference(source, out):
     return reference, tensors
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4", "nvfp4 --algo gptq"])
 def test_quantize_writes_nvfp4_that_serves_as_compressed_tensors_computes_it(nvfp4_checkpoint, tmp_path, scheme):
     """The config is CT's NVFP4A16 / NVFP4; fused q/k/v and gate/up share one global scale (vLLM
     loads them so), and under W4A4 one input global scale; the engine's logits equal HF's model
@@ -175,6 +175,7 @@ def test_quantize_writes_nvfp4_that_serves_as_compressed_tensors_computes_it(nvf
     from engine.loader import load_model
 
     source, out = nvfp4_checkpoint if scheme == "nvfp4a16" else _quantized(tmp_path, scheme)
+    scheme = scheme.split()[0]
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["format"] == "nvfp4-pack-quantized"
     group = config["config_groups"]["group_0"]
@@ -229,8 +230,8 @@ def test_nvfp4_is_refused_where_it_cannot_run(tmp_path, capsys):
     source = make_tiny_model_dir(tmp_path / "source")
     calib = write_calib_file(tmp_path / "calib.jsonl", 8)
     assert main([str(source), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", "nvfp4a16",
-                 "--algo", "gptq"]) == 2
-    assert "--algo gptq applies to" in capsys.readouterr().err
+                 "--algo", "awq"]) == 2
+    assert "--algo awq applies to" in capsys.readouterr().err
     odd = make_tiny_model_dir(tmp_path / "odd", hidden_size=72)  # q/k/v and gate/up read 72 columns
     assert main([str(odd), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", "nvfp4a16"]) == 2
     assert "nvfp4a16 groups input columns by 16; model.layers.0.self_attn.q_proj" in capsys.readouterr().err
