@@ -45,9 +45,13 @@ def effective_scales(scales: torch.Tensor, global_: torch.Tensor) -> torch.Tenso
 
 def quantize(weight: torch.Tensor, scales: torch.Tensor, global_: torch.Tensor) -> torch.Tensor:
     """[out, in] uint8 codes (0..15): each weight over its group's effective scale, rounded to E2M1."""
-    out, cols = weight.shape
     per_column = effective_scales(scales, global_).repeat_interleave(GROUP_SIZE, dim=1)
-    x = (weight.float() / per_column).clamp(-FP4_MAX, FP4_MAX)
+    return encode(weight.float() / per_column)
+
+
+def encode(scaled: torch.Tensor) -> torch.Tensor:
+    """Values already divided by their scales → uint8 codes of the nearest E2M1 values (clamped to ±6)."""
+    x = scaled.clamp(-FP4_MAX, FP4_MAX)
     magnitude, midpoints = x.abs(), _MIDPOINTS.to(x.device)
     index = torch.bucketize(magnitude, midpoints)  # a tie lands on the lower neighbour ...
     tie_to_odd = (index < len(midpoints)) & (magnitude == midpoints[index.clamp(max=len(midpoints) - 1)])
