@@ -22,7 +22,8 @@ step "generate with each checkpoint"
     "What is the capital of France?" || exit 2
 "$bin/driftgate" generate "$out/smollm2-w8a16" --chat --max-tokens 32 "What is the capital of France?" || exit 2
 
-passed=""
+# Every passing candidate may be served; the demo serves the one closest to BF16 (lowest Tier 0 KL)
+passed="" best_kl=""
 for cand in smollm2-fp8-dynamic:auto smollm2-w4a16-kvfp8:fp8 smollm2-w8a16:auto; do
     name=${cand%%:*} kv=${cand##*:}
     step "gate $name against BF16 (quick policy; the baseline arm is cached after the first run)"
@@ -30,9 +31,17 @@ for cand in smollm2-fp8-dynamic:auto smollm2-w4a16-kvfp8:fp8 smollm2-w8a16:auto;
         --report-dir "$out/$name-gate" --data-dir "$data"
     code=$?
     echo "verdict for $name: exit $code (0 pass, 1 drift, 2 could not evaluate); report: $out/$name-gate/report.md"
-    if [ $code -eq 0 ] && [ -z "$passed" ]; then passed=$out/$name kvdtype=$kv; fi
+    if [ $code -eq 0 ]; then
+        kl=$("$bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["tier0"]["overall"]["kl_mean"])' \
+            "$out/$name-gate/report.json")
+        if [ -z "$best_kl" ] || "$bin/python" -c 'import sys; sys.exit(float(sys.argv[1]) >= float(sys.argv[2]))' \
+                "$kl" "$best_kl"; then
+            passed=$out/$name kvdtype=$kv best_kl=$kl
+        fi
+    fi
 done
 
+[ -n "$passed" ] && step "serving the passing checkpoint closest to BF16: $passed (Tier 0 KL $best_kl)"
 if [ -z "$passed" ]; then
     step "no candidate passed the gate: serving the BF16 model instead"
     passed=$model kvdtype=auto gate_flag=""
