@@ -214,7 +214,7 @@ class WeightQuantizer:
             else:
                 scales = awq_search_scales(  # on CPU, where the token sample is kept
                     balance_weight, balance_stats.token_sample.rows, num_bits=w.num_bits, group_size=w.group_size,
-                    symmetric=w.symmetric, act_mean_abs=balance_stats.mean_abs.mean).scales
+                    symmetric=w.symmetric, act_mean_abs=balance_stats.mean_abs.mean, nvfp4=w.is_fp4).scales
             searched.append((mapping, scales))
         changed: dict[str, torch.Tensor] = {}
         for mapping, scales in searched:

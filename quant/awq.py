@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant import fp4
 from quant.int_quant import fake_quantize_int
 
 
@@ -33,12 +34,14 @@ def awq_search_scales(
     symmetric: bool = True,
     act_mean_abs: torch.Tensor | None = None,
     n_grid: int = 20,
+    nvfp4: bool = False,
 ) -> AWQResult:
     """Search AWQ scales for the Linears that share input ``x``.
 
     weight: [out, in] (fused balance layers concatenated along out, e.g. q/k/v); x: [n, in]
     sample inputs; act_mean_abs: [in] mean |activation| per channel over the whole calibration
-    set (defaults to the samples').
+    set (defaults to the samples'). ``nvfp4``: the weights are NVFP4 (quant/fp4.py: E2M1 in
+    groups of 16 under a global scale taken from the scaled weight), not integers.
     """
     w = weight.detach().float()
     x2d = x.detach().reshape(-1, w.shape[1]).float()
@@ -49,7 +52,11 @@ def awq_search_scales(
     for alpha in torch.linspace(0, 1, n_grid + 1).tolist():
         s = mag.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
-        w_q = fake_quantize_int(w * s, num_bits, group_size=group_size, symmetric=symmetric)
+        scaled = w * s
+        if nvfp4:  # the groups of 16 along each row are what fake_quantize rounds activations by, too
+            w_q = fp4.fake_quantize(scaled, fp4.global_scale(scaled))
+        else:
+            w_q = fake_quantize_int(scaled, num_bits, group_size=group_size, symmetric=symmetric)
         loss = ((x2d / s) @ w_q.t() - target).pow(2).mean().item()
         if alpha == 0:
             rtn_loss = loss

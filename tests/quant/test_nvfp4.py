@@ -140,8 +140,8 @@ def nvfp4_checkpoint(tmp_path_factory):
 
 
 def _reference(source, out):
-    """HF's source model with the checkpoint's dequantized weights put in, and (W4A4) each
-    quantized Linear's input rounded by compressed-tensors' own fake quantization."""
+    """HF's source model with the checkpoint's tensors and dequantized weights put in, and (W4A4)
+    each quantized Linear's input rounded by compressed-tensors' own fake quantization."""
     from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
     from compressed_tensors.quantization.quant_scheme import NVFP4
     from transformers import AutoModelForCausalLM
@@ -156,6 +156,9 @@ def _reference(source, out):
         return (fake_quantize(x=x, scale=scale, zero_point=zp, args=NVFP4["input_activations"], global_scale=global_),)
 
     with torch.no_grad():
+        for name, param in reference.named_parameters():  # norms AWQ smoothed, and the rest as written
+            if name in tensors:
+                param.copy_(tensors[name])
         for name, module in reference.named_modules():
             if f"{name}.weight_packed" in tensors:
                 module.weight.copy_(fp4.dequantize(tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"],
@@ -166,7 +169,7 @@ def _reference(source, out):
     return reference, tensors
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4", "nvfp4 --algo gptq"])
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4", "nvfp4 --algo gptq", "nvfp4a16 --algo awq"])
 def test_quantize_writes_nvfp4_that_serves_as_compressed_tensors_computes_it(nvfp4_checkpoint, tmp_path, scheme):
     """The config is CT's NVFP4A16 / NVFP4; fused q/k/v and gate/up share one global scale (vLLM
     loads them so), and under W4A4 one input global scale; the engine's logits equal HF's model
@@ -230,8 +233,8 @@ def test_nvfp4_is_refused_where_it_cannot_run(tmp_path, capsys):
     source = make_tiny_model_dir(tmp_path / "source")
     calib = write_calib_file(tmp_path / "calib.jsonl", 8)
     assert main([str(source), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", "nvfp4a16",
-                 "--algo", "awq"]) == 2
-    assert "--algo awq applies to" in capsys.readouterr().err
+                 "--smoothquant", "0.5"]) == 2
+    assert "--smoothquant applies to w8a8-int8" in capsys.readouterr().err
     odd = make_tiny_model_dir(tmp_path / "odd", hidden_size=72)  # q/k/v and gate/up read 72 columns
     assert main([str(odd), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", "nvfp4a16"]) == 2
     assert "nvfp4a16 groups input columns by 16; model.layers.0.self_attn.q_proj" in capsys.readouterr().err

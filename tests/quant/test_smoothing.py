@@ -61,6 +61,19 @@ def test_awq_beats_rtn_on_salient_channels():
     assert err_awq < err_rtn
 
 
+def test_awq_for_nvfp4_beats_round_to_nearest_on_salient_channels():
+    """The same search with NVFP4 weights (E2M1 groups of 16 under a global scale from the scaled
+    weight): its α = 0 loss is round to nearest's, and scaling salient channels lowers it."""
+    from quant import fp4
+
+    x = salient_inputs()
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.05
+    res = awq_search_scales(w, x[:128], num_bits=4, group_size=16, act_mean_abs=x.abs().mean(0), nvfp4=True)
+    rtn = fp4.fake_quantize(w, fp4.global_scale(w))
+    assert res.rtn_loss == pytest.approx((x[:128] @ (rtn - w).t()).pow(2).mean().item(), rel=1e-5)
+    assert res.alpha > 0 and res.loss < 0.9 * res.rtn_loss
+
+
 def test_awq_never_worse_than_rtn_on_flat_inputs():
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
     res = awq_search_scales(torch.randn(16, 64), x, num_bits=4, group_size=None, symmetric=False, n_grid=4)
