@@ -236,8 +236,9 @@ def test_nvfp4_is_refused_where_it_cannot_run(tmp_path, capsys):
                  "--smoothquant", "0.5"]) == 2
     assert "--smoothquant applies to w8a8-int8" in capsys.readouterr().err
     odd = make_tiny_model_dir(tmp_path / "odd", hidden_size=72)  # q/k/v and gate/up read 72 columns
-    assert main([str(odd), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", "nvfp4a16"]) == 2
-    assert "nvfp4a16 groups input columns by 16; model.layers.0.self_attn.q_proj" in capsys.readouterr().err
+    for scheme in ("nvfp4a16", "nvfp4"):
+        assert main([str(odd), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", scheme]) == 2
+        assert f"{scheme} groups input columns by 16; model.layers.0.self_attn.q_proj" in capsys.readouterr().err
     with pytest.raises(ValueError, match="NVFP4, and only they"):
         QuantArgs(type="float", num_bits=4, strategy="group", group_size=16)
     with pytest.raises(ValueError, match="NVFP4, and only they"):
