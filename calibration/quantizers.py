@@ -132,11 +132,11 @@ class WeightQuantizer:
                          stats: LinearStats) -> list[dict[str, torch.Tensor]]:
         """Checkpoint tensors of each shard of ``weight`` [sum(output_sizes), in]."""
         rows = _shard_rows(target.output_sizes)
+        if self.scheme.weights.is_fp4:
+            return self._quantize_fp4(weight, rows, stats)
         input_scale = self._input_scale(stats)
         # A fresh input_scale per shard: safetensors refuses to save tensors that share memory.
         fresh_scale = (lambda: None) if input_scale is None else input_scale.clone
-        if self.scheme.weights.is_fp4:
-            return self._quantize_fp4(weight, rows, stats)
         if self.algorithm != "gptq":
             return [quantize_weight(weight[r], self.scheme, input_scale=fresh_scale(), scale_dtype=torch.float32)
                     for r in rows]

@@ -310,9 +310,10 @@ class LLMEngine:
             return []
         result = self.runner.execute(out)
         self.scheduler.update_from_output(out, result.sampled)
-        for chunk in out.chunks:  # an embedding request ends with its prompt
-            if chunk.request.request_id in result.pooled:
-                self.scheduler.finish(chunk.request, RequestStatus.FINISHED_STOPPED)
+        if result.pooled:  # an embedding request ends with its prompt
+            for chunk in out.chunks:
+                if chunk.request.request_id in result.pooled:
+                    self.scheduler.finish(chunk.request, RequestStatus.FINISHED_STOPPED)
         return self._process(out, result)
 
     def _propose_drafts(self) -> None:

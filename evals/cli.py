@@ -147,11 +147,12 @@ def _run(args: argparse.Namespace) -> int:
     # the baseline's cache entry is for these weights through this adapter
     baseline_key_hashes = {**baseline_hashes, **{f"lora/{name}": h for name, h in lora_hashes.items()}}
     baseline, base_llm, cached = _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts,
-                                               baseline_dir, baseline_key_hashes, data_hashes, variant="baseline")
+                                               baseline_dir, baseline_key_hashes, data_hashes, variant="baseline",
+                                               lora=lora_dir)
     noise = None
     if policy.noise_floor.enabled:
         noise, _, _ = _baseline_arm(args, arms, cache, policy, data_dir, ids, [], baseline_dir, baseline_key_hashes,
-                                    data_hashes, variant="noise_floor")
+                                    data_hashes, variant="noise_floor", lora=lora_dir)
 
     comparisons, pooled = gate.compare_arms(policy, baseline.items, candidate.items)
     noise_cmp, noise_pooled = gate.compare_arms(policy, baseline.items, noise.items) if noise else ({}, None)
@@ -238,15 +239,15 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) 
 
 
 def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_dir, baseline_hashes, data_hashes,
-                  *, variant):
-    """The baseline (or its noise-floor rerun) from cache, or run and stored."""
+                  *, variant, lora: Path | None):
+    """The baseline (or its noise-floor rerun, through adapter `lora` if given) from cache, or run and stored."""
     key = cache.key(baseline_hashes, policy, data_hashes, ids, variant)
     if not args.no_cache and (hit := cache.load(key)) is not None:
         print(f"[gate] {variant}: cached ({key[:12]})", flush=True)
         return hit, None, True
     batched = policy.noise_floor.max_num_batched_tokens if variant == "noise_floor" else None
     arm, llm = arms.run_arm(baseline_dir, policy, data_dir, ids, label=variant, max_num_batched_tokens=batched,
-                            tier2_prompt_ids=prompts or None, lora=Path(args.lora) if args.lora else None)
+                            tier2_prompt_ids=prompts or None, lora=lora)
     cache.store(key, arm)
     return arm, llm, False
 

@@ -154,6 +154,16 @@ def _read_scale(where: str, t: torch.Tensor, rows: int, n_groups: int, strategy:
     return scale.contiguous()
 
 
+def _read_scalar_scale(where: str, name: str, t: torch.Tensor,
+                       dtypes: tuple[torch.dtype, ...] = _FLOATS) -> torch.Tensor:
+    """A per-tensor scale stored as one number ([1] or []), as fp32 [1]; finite and positive."""
+    if t.numel() != 1 or t.dim() > 1 or t.dtype not in dtypes:
+        raise ValueError(f"{where} '{name}': expected one {'/'.join(str(d) for d in dtypes)}, got {t.dtype} {_shape(t)}")
+    if not torch.isfinite(t).all() or t.item() <= 0:
+        raise ValueError(f"{where} '{name}': must be finite and positive, got {t.item()}")
+    return t.float().reshape(1)
+
+
 def _read_int_weight(where: str, scheme: QuantScheme, rows: int, cols: int, tensors: dict) -> dict[str, torch.Tensor]:
     """int8 values [rows, cols], fp32 scale [rows, G], int8 zero point [rows, G] | None, g_idx [cols] | None."""
     w = scheme.weights
@@ -259,12 +269,7 @@ class Fp8Linear(QuantLinearBase):
             "scale": _read_scale(where, tensors["weight_scale"], rows, 1, self.scheme.weights.strategy),
         }
         if "input_scale" in tensors:
-            s = tensors["input_scale"]
-            if s.numel() != 1 or s.dim() > 1 or s.dtype not in _FLOATS:
-                raise ValueError(f"{where} 'input_scale': expected one float, got {s.dtype} {_shape(s)}")
-            if not torch.isfinite(s).all() or s.item() <= 0:
-                raise ValueError(f"{where} 'input_scale': {s.item()} is not a positive finite scale")
-            out["input_scale"] = s.float().reshape(1)
+            out["input_scale"] = _read_scalar_scale(where, "input_scale", tensors["input_scale"])
         return out
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
@@ -495,21 +500,15 @@ class Nvfp4Linear(WeightOnlyIntLinear):
             raise ValueError(f"{where}: NVFP4 needs an input size that is a multiple of {fp4.GROUP_SIZE}, got {cols}")
         _check(where, "weight_packed", tensors["weight_packed"], (rows, cols // 2), (torch.uint8,))
         _check(where, "weight_scale", tensors["weight_scale"], (rows, cols // fp4.GROUP_SIZE), (torch.float8_e4m3fn,))
-        _check(where, "weight_global_scale", tensors["weight_global_scale"], (1,), (torch.float32,))
-        global_ = tensors["weight_global_scale"]
-        if not torch.isfinite(global_).all() or global_.item() <= 0:
-            raise ValueError(f"{where} 'weight_global_scale': must be finite and positive, got {global_.item()}")
+        global_ = _read_scalar_scale(where, "weight_global_scale", tensors["weight_global_scale"], (torch.float32,))
         scale = fp4.effective_scales(tensors["weight_scale"], global_) / 2
         if not torch.isfinite(scale).all():
             raise ValueError(f"{where} 'weight_scale': group scales must be finite")
         q = (fp4.values(fp4.unpack(tensors["weight_packed"])) * 2).to(torch.int8)
         shard = {"q": q, "scale": scale.contiguous()}
         if self.scheme.input_activations:
-            _check(where, "input_global_scale", tensors["input_global_scale"], (1,), (torch.float32,))
-            inputs = tensors["input_global_scale"]
-            if not torch.isfinite(inputs).all() or inputs.item() <= 0:
-                raise ValueError(f"{where} 'input_global_scale': must be finite and positive, got {inputs.item()}")
-            shard["input_global_scale"] = inputs
+            shard["input_global_scale"] = _read_scalar_scale(where, "input_global_scale",
+                                                             tensors["input_global_scale"], (torch.float32,))
         return shard
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:

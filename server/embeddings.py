@@ -31,9 +31,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> JSONResp
         raise APIError(400, "the served model is a sequence classifier: it answers /classify, /score and "
                             "/rerank, not embeddings", param="model")
     prompts = [ids for _, ids in tokenized_prompts(body.input, state.ready_engine().tokenizer)]
-    pooled = await pooled_outputs(request, prompts, config.pooling.pooling, model=body.model,
-                                  truncate_prompt_tokens=body.truncate_prompt_tokens, priority=body.priority,
-                                  id_prefix="embd", param="input")
+    pooled = await pooled_outputs(request, body, prompts, config.pooling.pooling, id_prefix="embd")
     width = len(pooled.outputs[0].embedding)
     if body.dimensions is not None and body.dimensions > width:
         raise APIError(400, f"dimensions {body.dimensions} exceeds the model's {width}", param="dimensions")

@@ -22,7 +22,7 @@ from server.completions import tokenized_prompts
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.params import check_prompt_ids, requested_adapter, truncate_prompt
-from server.protocol import ClassificationRequest, RerankRequest, ScoreRequest
+from server.protocol import ClassificationRequest, PoolingFields, RerankRequest, ScoreRequest
 from server.state import RequestRecord, ServerState
 
 
@@ -37,21 +37,20 @@ class Pooled(NamedTuple):
         return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
 
 
-async def pooled_outputs(request: Request, prompts: list[list[int]], pooling: str, *, model: str | None,
-                         truncate_prompt_tokens: int | None, priority: int, id_prefix: str,
-                         param: str) -> Pooled:
-    """Pool each prompt (truncated, checked: a 400 names `param`) through the adapter `model` names."""
+async def pooled_outputs(request: Request, body: PoolingFields, prompts: list[list[int]], pooling: str, *,
+                         id_prefix: str, param: str = "input") -> Pooled:
+    """Pool each prompt (truncated, checked: a 400 names `param`) through the adapter `body.model` names."""
     state: ServerState = request.app.state.driftgate
     engine = state.ready_engine()
-    lora = requested_adapter(model, state.config)
+    lora = requested_adapter(body.model, state.config)
     params = SamplingParams(max_tokens=1, pooling=pooling)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     engine_requests = []
     for i, ids in enumerate(prompts):
-        ids = truncate_prompt(ids, truncate_prompt_tokens, engine.max_model_len)
+        ids = truncate_prompt(ids, body.truncate_prompt_tokens, engine.max_model_len)
         check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len, max_tokens=1,
                          param=param)
-        engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params, priority, lora))
+        engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params, body.priority, lora))
     record = RequestRecord(request_id)
     request.state.record = record
     generation = Generation(state, engine, engine_requests, record)
@@ -75,9 +74,7 @@ async def create_classification(body: ClassificationRequest, request: Request) -
     classifier = _classifier(request, "/classify")
     tokenizer = request.app.state.driftgate.ready_engine().tokenizer
     prompts = [ids for _, ids in tokenized_prompts(body.input, tokenizer)]
-    pooled = await pooled_outputs(request, prompts, "last", model=body.model,
-                                  truncate_prompt_tokens=body.truncate_prompt_tokens, priority=body.priority,
-                                  id_prefix="classify", param="input")
+    pooled = await pooled_outputs(request, body, prompts, "last", id_prefix="classify")
     data = []
     for i, out in enumerate(pooled.outputs):
         probs = classifier.probabilities(out.embedding)
@@ -87,7 +84,7 @@ async def create_classification(body: ClassificationRequest, request: Request) -
                          "model": pooled.model, "data": data, "usage": pooled.usage})
 
 
-async def _scores(request: Request, body: ScoreRequest | RerankRequest, text_1: str | list[str],
+async def _scores(request: Request, body: PoolingFields, text_1: str | list[str],
                   text_2: str | list[str], id_prefix: str) -> tuple[Pooled, list[float]]:
     state: ServerState = request.app.state.driftgate
     try:
@@ -95,9 +92,7 @@ async def _scores(request: Request, body: ScoreRequest | RerankRequest, text_1: 
                                state.config.pooling)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
-    pooled = await pooled_outputs(request, plan.prompts, plan.pooling, model=body.model,
-                                  truncate_prompt_tokens=body.truncate_prompt_tokens, priority=body.priority,
-                                  id_prefix=id_prefix, param="input")
+    pooled = await pooled_outputs(request, body, plan.prompts, plan.pooling, id_prefix=id_prefix)
     return pooled, plan.scores([out.embedding for out in pooled.outputs])
 
 

@@ -304,51 +304,42 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class EmbeddingRequest(_Request):
-    """OpenAI's embeddings request (and vLLM's truncate_prompt_tokens)."""
+class PoolingFields(_Request):
+    """What every pooling route (embeddings, classify, score, rerank) takes beside its inputs."""
 
     model: str | None = None
-    input: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1)]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     priority: int = 0
 
 
-class ClassificationRequest(_Request):
+class ClassificationRequest(PoolingFields):
     """vLLM's /classify request: one input or a list (text or token ids)."""
 
-    model: str | None = None
     input: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    priority: int = 0
 
 
-class ScoreRequest(_Request):
+class EmbeddingRequest(ClassificationRequest):
+    """OpenAI's embeddings request (and vLLM's truncate_prompt_tokens)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+
+
+class ScoreRequest(PoolingFields):
     """vLLM's /score request: text_1 against each of text_2 (or pairwise, lists of equal length)."""
 
-    model: str | None = None
     text_1: str | Annotated[list[str], Field(min_length=1)]
     text_2: str | Annotated[list[str], Field(min_length=1)]
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    priority: int = 0
 
 
-class RerankRequest(_Request):
+class RerankRequest(PoolingFields):
     """The Jina / Cohere rerank request vLLM's /rerank takes; top_n 0 (or none) keeps every document."""
 
-    model: str | None = None
     query: str
     documents: Annotated[list[str], Field(min_length=1)]
     top_n: Annotated[int, Field(ge=0)] | None = None
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    priority: int = 0
 
 
 class ModelList(BaseModel):

@@ -1,9 +1,11 @@
 """The Llama family in one file: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms), SmolLM2
-(tied embeddings), SmolLM3 (every fourth layer without rotary positions), Phi-3 (fused q/k/v and gate/up in the checkpoint, LongRoPE, partial rotation),
-Gemma 2 and 3 (sandwich norms, GeGLU, scaled embeddings, local and global attention layers;
-Gemma 2's capped attention scores and logits), Granite (scaled embeddings, attention, block
-outputs and logits), OLMo 2 and 3 (norms on block outputs only, q/k normed over all heads), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (a
-router's top-k expert MLPs per token in place of the MLP; OLMoE norms q and k over all heads).
+(tied embeddings), SmolLM3 (every fourth layer without rotary positions), Phi-3 (fused q/k/v and
+gate/up in the checkpoint, LongRoPE, partial rotation), Gemma 2 and 3 (sandwich norms, GeGLU,
+scaled embeddings, local and global attention layers; Gemma 2's capped attention scores and
+logits), Granite (scaled embeddings, attention, block outputs and logits), OLMo 2 and 3 (norms on
+block outputs only, q/k normed over all heads), and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE and OLMoE (a router's top-k expert MLPs per token in place of the MLP; OLMoE norms q
+and k over all heads). Sequence classifiers put a score head where the LM head was.
 
     x → embed → N × [x + attn(norm(x)); x + mlp(norm(x))] → norm → lm_head
     Gemma 3: x · √d → N × [x + norm(attn(norm(x))); x + norm(mlp(norm(x)))] → norm → lm_head,
@@ -40,6 +42,13 @@ CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM"
                for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Mixtral", "Qwen2Moe", "Qwen3Moe")}
 CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 
+POST_NORM_ARCHITECTURES = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}
+MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
+                           "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "SmolLM3ForCausalLM", *POST_NORM_ARCHITECTURES,
+                           *MOE_ARCHITECTURES}
+
 
 def classifier_labels(config: dict) -> tuple[str, ...]:
     """A sequence classifier's class names, in its score head's row order (empty for other models).
@@ -53,13 +62,6 @@ def classifier_labels(config: dict) -> tuple[str, ...]:
         return ("LABEL_0",) if config.get("is_original_qwen3_reranker") else tuple(tokens)
     id2label = config.get("id2label") or {str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
     return tuple(label for _, label in sorted(id2label.items(), key=lambda item: int(item[0])))
-
-POST_NORM_ARCHITECTURES = {"Olmo2ForCausalLM", "Olmo3ForCausalLM"}
-MOE_ARCHITECTURES = {"MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
-SUPPORTED_ARCHITECTURES = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM", *POST_NORM_ARCHITECTURES,
-                           *MOE_ARCHITECTURES}
 
 
 @dataclass(frozen=True, slots=True)
