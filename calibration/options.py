@@ -12,10 +12,13 @@ ALGORITHMS = ("rtn", "gptq", "awq")
 GROUP_SIZES = (128, 64, 32)  # largest first: `auto` takes the first that divides every input size
 KV_CACHE_DTYPES = ("fp8",)
 KV_STRATEGIES = ("tensor", "head")
-# The schemes each weight algorithm applies to (NVFP4's FP4 codes included).
-_ALGORITHM_SCHEMES = {"gptq": ("w4a16", "w4a16-asym", "w8a16", "w8a8-int8", "nvfp4a16", "nvfp4"),
-                      "awq": ("w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "nvfp4")}
-_GROUPED_SCHEMES = tuple(name for name in PRESETS if preset(name).weights.strategy == "group")
+_FP4_SCHEMES = ("nvfp4a16", "nvfp4", "mxfp4a16", "mxfp4")
+# The schemes each weight algorithm applies to (FP4 codes included).
+_ALGORITHM_SCHEMES = {"gptq": ("w4a16", "w4a16-asym", "w8a16", "w8a8-int8", *_FP4_SCHEMES),
+                      "awq": ("w4a16", "w4a16-asym", "w8a16", *_FP4_SCHEMES)}
+# Integer groups take --group-size; FP4's group sizes are the format's own.
+_GROUPED_SCHEMES = tuple(name for name in PRESETS
+                         if preset(name).weights.strategy == "group" and not preset(name).weights.is_fp4)
 
 
 @dataclass(slots=True)

@@ -167,20 +167,23 @@ class WeightQuantizer:
         ]
 
     def _quantize_fp4(self, weight: torch.Tensor, rows: list[slice], stats: LinearStats) -> list[dict[str, torch.Tensor]]:
-        """NVFP4: one global scale across the fused shards, as vLLM loads them; under W4A4 an input
-        global scale from the calibration inputs' absmax (the run-time group scales' base); GPTQ
-        solves the fused weight at once (its rows are independent given H)."""
-        shared = fp4.global_scale(weight)
-        inputs = fp4.global_scale(stats.input_absmax.per_channel) if self.scheme.input_activations else None
+        """FP4. NVFP4: one global scale across the fused shards, as vLLM loads them; under W4A4 an
+        input global scale from the calibration inputs' absmax (the run-time group scales' base).
+        GPTQ solves the fused weight at once (its rows are independent given H)."""
+        nvfp4 = self.scheme.weights.fp4_kind == "nvfp4"
+        scaling = fp4.SCALINGS[self.scheme.weights.fp4_kind].of(weight)
+        inputs = None
+        if nvfp4 and self.scheme.input_activations:
+            inputs = fp4.global_scale(stats.input_absmax.per_channel)
         solved = None
         if self.algorithm == "gptq":
             try:
-                solved = gptq_quantize(weight, stats.hessian.hessian.cpu(), num_bits=4, group_size=fp4.GROUP_SIZE,
-                                       fp4_global=shared)
+                solved = gptq_quantize(weight, stats.hessian.hessian.cpu(), num_bits=4, group_size=scaling.group_size,
+                                       fp4_scaling=scaling)
             except ValueError as exc:
                 warnings.warn(f"{exc}; falling back to RTN for this Linear", stacklevel=2)
-        return [quantize_weight(weight[r], self.scheme, global_scale=shared, input_global_scale=inputs,
-                                q=None if solved is None else solved.q[r],
+        return [quantize_weight(weight[r], self.scheme, global_scale=scaling.global_scale if nvfp4 else None,
+                                input_global_scale=inputs, q=None if solved is None else solved.q[r],
                                 scale=None if solved is None else solved.scale[r])
                 for r in rows]
 
@@ -214,7 +217,8 @@ class WeightQuantizer:
             else:
                 scales = awq_search_scales(  # on CPU, where the token sample is kept
                     balance_weight, balance_stats.token_sample.rows, num_bits=w.num_bits, group_size=w.group_size,
-                    symmetric=w.symmetric, act_mean_abs=balance_stats.mean_abs.mean, nvfp4=w.is_fp4).scales
+                    symmetric=w.symmetric, act_mean_abs=balance_stats.mean_abs.mean,
+                    fp4_scaling=fp4.SCALINGS.get(w.fp4_kind)).scales
             searched.append((mapping, scales))
         changed: dict[str, torch.Tensor] = {}
         for mapping, scales in searched:

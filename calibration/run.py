@@ -66,9 +66,9 @@ def _plan(options: QuantizeOptions, config: dict) -> tuple[list[LinearTarget], l
         group_size = resolve_group_size(targets, options.group_size, GROUP_SIZES) if options.is_grouped else None
     except TargetError as exc:
         raise QuantizeError(str(exc)) from None
-    fp4_weights = preset(options.scheme).weights.is_fp4
-    if fp4_weights and (odd := [t.prefixes[0] for t in targets if t.input_size % fp4.GROUP_SIZE]):
-        raise QuantizeError(f"{options.scheme} groups input columns by {fp4.GROUP_SIZE}; {', '.join(odd[:3])} "
+    fp4_group = fp4.SCALINGS[kind].group_size if (kind := preset(options.scheme).weights.fp4_kind) else None
+    if fp4_group and (odd := [t.prefixes[0] for t in targets if t.input_size % fp4_group]):
+        raise QuantizeError(f"{options.scheme} groups input columns by {fp4_group}; {', '.join(odd[:3])} "
                             f"{'has' if len(odd) == 1 else 'have'} other input sizes (add them to --ignore)")
     quantized = {p for t in targets for p in t.prefixes}
     ignored = [p for t in linears for p in t.prefixes if p not in quantized]

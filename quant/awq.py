@@ -34,14 +34,14 @@ def awq_search_scales(
     symmetric: bool = True,
     act_mean_abs: torch.Tensor | None = None,
     n_grid: int = 20,
-    nvfp4: bool = False,
+    fp4_scaling: type[fp4.Nvfp4] | type[fp4.Mxfp4] | None = None,
 ) -> AWQResult:
     """Search AWQ scales for the Linears that share input ``x``.
 
     weight: [out, in] (fused balance layers concatenated along out, e.g. q/k/v); x: [n, in]
     sample inputs; act_mean_abs: [in] mean |activation| per channel over the whole calibration
-    set (defaults to the samples'). ``nvfp4``: the weights are NVFP4 (quant/fp4.py: E2M1 in
-    groups of 16 under a global scale taken from the scaled weight), not integers.
+    set (defaults to the samples'). ``fp4_scaling``: the weights are FP4 in that scaling
+    (quant/fp4.py: E2M1 groups; NVFP4's global scale taken from the scaled weight), not integers.
     """
     w = weight.detach().float()
     x2d = x.detach().reshape(-1, w.shape[1]).float()
@@ -53,8 +53,8 @@ def awq_search_scales(
         s = mag.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
         scaled = w * s
-        if nvfp4:  # the groups of 16 along each row are what fake_quantize rounds activations by, too
-            w_q = fp4.fake_quantize(scaled, fp4.global_scale(scaled))
+        if fp4_scaling is not None:  # the groups along each row are what fake_quantize rounds activations by, too
+            w_q = fp4.fake_quantize(scaled, fp4_scaling.of(scaled))
         else:
             w_q = fake_quantize_int(scaled, num_bits, group_size=group_size, symmetric=symmetric)
         loss = ((x2d / s) @ w_q.t() - target).pow(2).mean().item()

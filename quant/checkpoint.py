@@ -71,7 +71,8 @@ def quantize_weight(
     calibration set) is required for static FP8 activations. NVFP4 weights take the fused Linear's
     ``global_scale`` (shards of one Linear share it, as vLLM requires; default: this weight's own)
     and store FP8 group scales; NVFP4 activations need ``input_global_scale`` (from the calibration
-    set's input absmax). Other scales are stored in ``scale_dtype``
+    set's input absmax); MXFP4 stores power-of-two group scales as bytes and no global scale.
+    Other scales are stored in ``scale_dtype``
     (default: the given scale's dtype, else the weight's) and RTN values are computed from the stored scales, so the
     checkpoint dequantizes to exactly what we measured.
     """
@@ -90,15 +91,23 @@ def quantize_weight(
         tensors["input_scale"] = s.to(sdtype)
 
     if w.is_fp4:
+        nvfp4 = w.fp4_kind == "nvfp4"
         if zero_point is not None or g_idx is not None or (q is None) != (scale is None) or (
-                q is not None and global_scale is None):
-            raise ValueError("NVFP4 takes precomputed codes (GPTQ) with their FP8 scales and global scale, or none")
-        global_ = fp4.global_scale(weight) if global_scale is None else global_scale.float().reshape(1)
-        scales = fp4.group_scales(weight, global_) if scale is None else scale.to(torch.float8_e4m3fn)
-        codes = fp4.quantize(weight, scales, global_) if q is None else q.to(torch.uint8)
-        tensors.update(weight_packed=fp4.pack(codes), weight_scale=scales, weight_global_scale=global_.clone())
-        if (acts is not None) != (input_global_scale is not None):
-            raise ValueError(f"input_global_scale is {'required' if acts else 'not allowed'} for scheme {scheme}")
+                q is not None and nvfp4 and global_scale is None) or (not nvfp4 and global_scale is not None):
+            raise ValueError("FP4 takes precomputed codes (GPTQ) with their group scales (and NVFP4's global scale), "
+                             "or none")
+        if nvfp4:
+            scaling = fp4.Nvfp4.of(weight) if global_scale is None else fp4.Nvfp4(global_scale)
+            tensors["weight_global_scale"] = scaling.global_scale.clone()
+        else:
+            scaling = fp4.Mxfp4()
+        scales = scaling.group_scales(weight) if scale is None else scale.to(scaling.scale_dtype)
+        codes = fp4.quantize(weight, scaling, scales) if q is None else q.to(torch.uint8)
+        tensors.update(weight_packed=fp4.pack(codes), weight_scale=scales)
+        needs_input_global = acts is not None and nvfp4  # MXFP4 activations have no global scale
+        if needs_input_global != (input_global_scale is not None):
+            raise ValueError(f"input_global_scale is {'required' if needs_input_global else 'not allowed'} "
+                             f"for scheme {scheme}")
         if input_global_scale is not None:
             tensors["input_global_scale"] = input_global_scale.float().reshape(1).clone()
         return tensors

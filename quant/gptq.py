@@ -23,8 +23,8 @@ from quant.int_quant import compute_qparams, int_range, num_groups
 class GPTQResult:
     """Quantized values and their qparams, in the layout ``quantize_weight`` takes."""
 
-    q: torch.Tensor  # [out, in] int8 (NVFP4: uint8 E2M1 codes)
-    scale: torch.Tensor  # [out, n_groups] (scale_dtype; NVFP4: float8_e4m3fn)
+    q: torch.Tensor  # [out, in] int8 (FP4: uint8 E2M1 codes)
+    scale: torch.Tensor  # [out, n_groups] (scale_dtype; FP4: the scaling's stored scales)
     zero_point: torch.Tensor | None  # [out, n_groups] int8, asymmetric only
     g_idx: torch.Tensor | None  # [in] int32, actorder "group" only
 
@@ -40,7 +40,7 @@ def gptq_quantize(
     block_size: int = 128,
     dampening: float = 0.01,
     scale_dtype: torch.dtype = torch.float32,
-    fp4_global: torch.Tensor | None = None,
+    fp4_scaling: fp4.Scaling | None = None,
 ) -> GPTQResult:
     """Solve GPTQ for one Linear.
 
@@ -48,13 +48,13 @@ def gptq_quantize(
     ``group_size`` None means one scale per output row. ``actorder`` "weight" visits columns by
     decreasing Hessian diagonal (a calibration-only change); "group" also forms the groups in that
     order and returns ``g_idx``. Scales are rounded to ``scale_dtype`` before use so the stored
-    checkpoint dequantizes to exactly what was solved for. With ``fp4_global`` the weight is
-    NVFP4 (quant/fp4.py): E2M1 codes in groups of 16, each group's FP8 scale under that global
-    scale taken when the solve reaches it. Raises ValueError when H is not positive definite even
-    after dampening.
+    checkpoint dequantizes to exactly what was solved for. With ``fp4_scaling`` the weight is
+    FP4 (quant/fp4.py): E2M1 codes in that scaling's groups (NVFP4: FP8 scales under its global
+    scale; MXFP4: powers of two), each group's scale taken when the solve reaches it. Raises
+    ValueError when H is not positive definite even after dampening.
     """
-    if fp4_global is not None and (group_size != fp4.GROUP_SIZE or actorder is not None or not symmetric):
-        raise ValueError(f"NVFP4 GPTQ takes symmetric groups of {fp4.GROUP_SIZE} in column order")
+    if fp4_scaling is not None and (group_size != fp4_scaling.group_size or actorder is not None or not symmetric):
+        raise ValueError(f"{fp4_scaling.name} GPTQ takes symmetric groups of {fp4_scaling.group_size} in column order")
     if actorder not in (None, "weight", "group"):
         raise ValueError(f"actorder must be None, 'weight' or 'group', got {actorder!r}")
     if actorder == "group" and group_size is None:
@@ -75,8 +75,8 @@ def gptq_quantize(
     dynamic_groups = actorder is None and group_size is not None
     if dynamic_groups:
         block_size = max(1, block_size // g) * g  # a group never straddles a block
-        scale = torch.empty(out, num_groups(cols, g), dtype=torch.float8_e4m3fn if fp4_global is not None
-                            else scale_dtype)
+        scale = torch.empty(out, num_groups(cols, g), dtype=scale_dtype if fp4_scaling is None
+                            else fp4_scaling.scale_dtype)
         zero_point = None if symmetric else torch.empty(out, num_groups(cols, g), dtype=torch.int8)
     else:
         # Groups are consecutive columns in processing order for "group", in original order otherwise.
@@ -113,9 +113,9 @@ def gptq_quantize(
             c = start + i
             if dynamic_groups and c % g == 0:
                 group = c // g
-                if fp4_global is not None:
-                    scale[:, group] = fp4.group_scales(w_block[:, i:i + g], fp4_global)[:, 0]
-                    col_scale[:, c:c + g] = fp4.effective_scales(scale[:, group:group + 1], fp4_global)
+                if fp4_scaling is not None:
+                    scale[:, group] = fp4_scaling.group_scales(w_block[:, i:i + g])[:, 0]
+                    col_scale[:, c:c + g] = fp4_scaling.effective(scale[:, group:group + 1])
                 else:
                     s, z = compute_qparams(w_block[:, i:i + g], num_bits, group_size=None, symmetric=symmetric)
                     scale[:, group] = s[:, 0].to(scale_dtype)
@@ -124,7 +124,7 @@ def gptq_quantize(
                         zero_point[:, group] = z[:, 0]
                         col_zp[:, c:c + g] = z[:, :1].float()
             col = w_block[:, i]
-            if fp4_global is not None:
+            if fp4_scaling is not None:
                 q_col = fp4.encode(col / col_scale[:, c])
                 dequantized = fp4.values(q_col) * col_scale[:, c]
             else:
@@ -138,7 +138,7 @@ def gptq_quantize(
         # Lazy batch update of every column after the block.
         w[:, end:] -= err_block @ h_inv[start:end, end:]
 
-    q = q[:, torch.argsort(perm)].to(torch.uint8 if fp4_global is not None else torch.int8)
+    q = q[:, torch.argsort(perm)].to(torch.int8 if fp4_scaling is None else torch.uint8)
     return GPTQResult(
         q=q,
         scale=scale,

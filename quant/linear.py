@@ -477,51 +477,66 @@ class WeightOnlyIntLinear(_IntWeightLinear):
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
 
-class Nvfp4Linear(WeightOnlyIntLinear):
-    """NVFP4 weights (quant/fp4.py). An E2M1 value times two is an integer of at most 12 in
-    magnitude, so each weight becomes that int8 and its group's scale half the group's effective
-    scale: the same products, bit for bit, through the weight-only int8 kernels (on the CPU the
-    int8 panel kernel; elsewhere the weight dequantized once). Fused shards may each have their
-    own global scale here; vLLM needs them equal, which is how `quantize` writes them.
+class Fp4Linear(WeightOnlyIntLinear):
+    """FP4 weights, NVFP4 or MXFP4 (quant/fp4.py). An E2M1 value times two is an integer of at most
+    12 in magnitude, so each weight becomes that int8 and its group's scale half the group's
+    effective scale: the same products, bit for bit, through the weight-only int8 kernels (on the
+    CPU the int8 panel kernel; elsewhere the weight dequantized once). NVFP4's fused shards may
+    each have their own global scale here; vLLM needs them equal, which is how `quantize` writes
+    them.
 
-    With NVFP4 activations (W4A4) each input row is first rounded to E2M1 in groups of 16 under
-    the checkpoint's input global scale, as an FP4 GPU computes (emulated: the products then run
-    as above), so the gate measures what that GPU would serve."""
+    With FP4 activations (W4A4) each input row is first rounded to E2M1 in its groups (NVFP4:
+    under the checkpoint's input global scale), as an FP4 GPU computes (emulated: the products
+    then run as above), so the gate measures what that GPU would serve."""
 
     fake_quantizes_inputs = False  # the one-call C decode step runs only Linears whose inputs it need not touch
 
+    @property
+    def _nvfp4(self) -> bool:
+        return self.scheme.weights.fp4_kind == "nvfp4"
+
     def expected_tensors(self) -> tuple[set[str], set[str]]:
-        names = {"weight_packed", "weight_scale", "weight_global_scale"}
-        return (names | {"input_global_scale"} if self.scheme.input_activations else names), set()
+        names = {"weight_packed", "weight_scale"} | ({"weight_global_scale"} if self._nvfp4 else set())
+        return (names | {"input_global_scale"} if self._nvfp4 and self.scheme.input_activations else names), set()
 
     def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cols = self.input_size
-        if cols % fp4.GROUP_SIZE:
-            raise ValueError(f"{where}: NVFP4 needs an input size that is a multiple of {fp4.GROUP_SIZE}, got {cols}")
+        kind = fp4.Nvfp4 if self._nvfp4 else fp4.Mxfp4
+        if cols % kind.group_size:
+            raise ValueError(f"{where}: {kind.name} needs an input size that is a multiple of {kind.group_size}, "
+                             f"got {cols}")
         _check(where, "weight_packed", tensors["weight_packed"], (rows, cols // 2), (torch.uint8,))
-        _check(where, "weight_scale", tensors["weight_scale"], (rows, cols // fp4.GROUP_SIZE), (torch.float8_e4m3fn,))
-        global_ = _read_scalar_scale(where, "weight_global_scale", tensors["weight_global_scale"], (torch.float32,))
-        scale = fp4.effective_scales(tensors["weight_scale"], global_) / 2
+        _check(where, "weight_scale", tensors["weight_scale"], (rows, cols // kind.group_size), (kind.scale_dtype,))
+        if self._nvfp4:
+            scaling = fp4.Nvfp4(_read_scalar_scale(where, "weight_global_scale", tensors["weight_global_scale"],
+                                                   (torch.float32,)))
+        else:
+            scaling = fp4.Mxfp4()
+        scale = scaling.effective(tensors["weight_scale"]) / 2
         if not torch.isfinite(scale).all():
             raise ValueError(f"{where} 'weight_scale': group scales must be finite")
         q = (fp4.values(fp4.unpack(tensors["weight_packed"])) * 2).to(torch.int8)
         shard = {"q": q, "scale": scale.contiguous()}
-        if self.scheme.input_activations:
+        if self._nvfp4 and self.scheme.input_activations:
             shard["input_global_scale"] = _read_scalar_scale(where, "input_global_scale",
                                                              tensors["input_global_scale"], (torch.float32,))
         return shard
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
         super()._build(shards)
-        if self.scheme.input_activations:
+        if not self.scheme.input_activations:
+            return
+        self.fake_quantizes_inputs = True
+        if self._nvfp4:
             inputs = {s["input_global_scale"].item() for s in shards}
             if len(inputs) != 1:  # fused shards read one input: one scale for it
                 raise ValueError(f"fused shards have different input_global_scale values {sorted(inputs)}")
             self.register_buffer("input_global_scale", shards[0]["input_global_scale"].float(), persistent=False)
-            self.fake_quantizes_inputs = True
 
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
-        return fp4.fake_quantize(x, self.input_global_scale) if self.fake_quantizes_inputs else x
+        if not self.fake_quantizes_inputs:
+            return x
+        return fp4.fake_quantize(x, fp4.Nvfp4(self.input_global_scale) if self._nvfp4 else fp4.Mxfp4())
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().reference_forward(self._inputs(x))
@@ -619,7 +634,7 @@ def make_quantized_linear(
     """The module for ``scheme``; raises ValueError for combinations no kernel here runs."""
     w, acts = scheme.weights, scheme.input_activations
     if w.is_fp4:
-        return Nvfp4Linear(scheme, input_size, output_sizes, bias, dtype)
+        return Fp4Linear(scheme, input_size, output_sizes, bias, dtype)
     if w.type == "float":
         if w.strategy == "group":
             raise ValueError("FP8 weights need per-tensor or per-channel scales, not groups")

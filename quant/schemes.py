@@ -12,7 +12,10 @@ from typing import Any
 
 TYPES = ("int", "float")
 WEIGHT_STRATEGIES = ("tensor", "channel", "group", "tensor_group")  # tensor_group: NVFP4's groups under a global scale
-INPUT_STRATEGIES = ("tensor", "token", "tensor_group")  # tensor_group: NVFP4 activations, scaled per 16 at run time
+# tensor_group: NVFP4 activations, scaled per 16 at run time; group: MXFP4's, per 32
+INPUT_STRATEGIES = ("tensor", "token", "tensor_group", "group")
+# 4-bit floats: NVFP4 groups 16 columns under a global scale, MXFP4 32 under powers of two
+FP4_KINDS = {("tensor_group", 16): "nvfp4", ("group", 32): "mxfp4"}
 ACTORDERS = ("group", "weight")
 # CT aliases: "dynamic" → "group" (g_idx stored), "static" → "weight" (calibration order only).
 _ACTORDER_ALIASES = {"dynamic": "group", "static": "weight", True: "group", False: None}
@@ -25,7 +28,7 @@ _ARGS_KEYS = {
 _SCHEME_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 
 FORMATS = ("dense", "float-quantized", "naive-quantized", "int-quantized", "pack-quantized", "nvfp4-pack-quantized",
-           "mixed-precision")
+           "mxfp4-pack-quantized", "mixed-precision")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,8 @@ class QuantArgs:
 
     ``group_size`` is set only for the group strategies. ``dynamic`` means the scale is computed
     at run time (no ``*_scale`` tensor in the checkpoint); ``"local"`` (NVFP4 activations) that the
-    group scales are, under a calibrated global scale.
+    group scales are, under a calibrated global scale (MXFP4's activations, with no global scale,
+    are plainly dynamic).
     """
 
     type: str = "int"
@@ -50,10 +54,14 @@ class QuantArgs:
         if self.type not in TYPES:
             raise ValueError(f"quantization type {self.type!r} is not one of {TYPES}")
         if self.type == "float" and self.num_bits not in (4, 8):
-            raise ValueError(f"float quantization supports 8 bits (float8_e4m3fn) or 4 (NVFP4), got {self.num_bits}")
-        if self.is_fp4 != (self.strategy == "tensor_group") or (self.is_fp4 and self.group_size != 16):
-            raise ValueError("4-bit floats are NVFP4, and only they: tensor_group strategy, group_size 16")
-        if self.dynamic not in (False, True, "local") or (self.dynamic == "local") != (self.is_fp4 and bool(self.dynamic)):
+            raise ValueError(f"float quantization supports 8 bits (float8_e4m3fn) or 4 (NVFP4, MXFP4), got {self.num_bits}")
+        if self.is_fp4 and (self.strategy, self.group_size) not in FP4_KINDS:
+            raise ValueError("4-bit floats are NVFP4 (tensor_group strategy, group_size 16) or MXFP4 (group strategy, "
+                             f"group_size 32), got {self.strategy} strategy, group_size {self.group_size}")
+        if self.strategy == "tensor_group" and not self.is_fp4:
+            raise ValueError("the tensor_group strategy is NVFP4's, and only its")
+        nvfp4_dynamic = self.fp4_kind == "nvfp4" and bool(self.dynamic)
+        if self.dynamic not in (False, True, "local") or (self.dynamic == "local") != nvfp4_dynamic:
             raise ValueError(f"dynamic {self.dynamic!r}: NVFP4's run-time scales are 'local', and only they")
         if self.type == "int" and self.num_bits not in (4, 8):
             raise ValueError(f"int quantization supports 4 or 8 bits, got {self.num_bits}")
@@ -80,6 +88,11 @@ class QuantArgs:
     @property
     def is_fp4(self) -> bool:
         return self.type == "float" and self.num_bits == 4
+
+    @property
+    def fp4_kind(self) -> str | None:
+        """"nvfp4" or "mxfp4" for 4-bit floats (quant/fp4.py), else None."""
+        return FP4_KINDS.get((self.strategy, self.group_size)) if self.is_fp4 else None
 
     def to_dict(self) -> dict[str, Any]:
         """The CT ``QuantizationArgs`` JSON, restricted to keys every vLLM-pinned CT accepts."""
@@ -145,19 +158,22 @@ class QuantScheme:
             raise ValueError(f"weights must be static tensor/channel/group, got {w.strategy} dynamic={w.dynamic}")
         if self.format == "pack-quantized" and w.type != "int":
             raise ValueError("pack-quantized holds int weights only")
-        if (self.format == "nvfp4-pack-quantized") != w.is_fp4:
-            raise ValueError("4-bit float weights are stored as nvfp4-pack-quantized, and only they are")
+        if (w.is_fp4 or self.format.endswith("fp4-pack-quantized")) and self.format != f"{w.fp4_kind}-pack-quantized":
+            raise ValueError("4-bit float weights are stored as nvfp4-pack-quantized (NVFP4) or mxfp4-pack-quantized "
+                             "(MXFP4), and only they are")
         if a is not None:
-            if a.strategy not in INPUT_STRATEGIES:
-                raise ValueError(f"input activations must use token or tensor strategy, got {a.strategy!r}")
+            if a.strategy not in INPUT_STRATEGIES or (a.strategy in ("group", "tensor_group")) != a.is_fp4:
+                raise ValueError(f"input activations must use token or tensor strategy (groups: FP4 only), "
+                                 f"got {a.strategy!r}")
             if a.actorder is not None:
                 raise ValueError("actorder is not allowed on input activations")
             if not a.symmetric:
                 raise ValueError("asymmetric input activations are not supported")
-            if a.type != w.type or a.is_fp4 != w.is_fp4 or not (a.num_bits == 8 or a.is_fp4):
-                raise ValueError(f"input activations {a.type}{a.num_bits} do not pair with weights {w.type}{w.num_bits}")
-            if a.is_fp4 and a.dynamic != "local":
-                raise ValueError("NVFP4 activations are scaled per group at run time (dynamic 'local')")
+            if a.type != w.type or a.fp4_kind != w.fp4_kind or not (a.num_bits == 8 or a.is_fp4):
+                raise ValueError(f"input activations {a.type}{a.num_bits} ({a.strategy}) do not pair with weights "
+                                 f"{w.type}{w.num_bits} ({w.strategy})")
+            if a.is_fp4 and not a.dynamic:
+                raise ValueError("FP4 activations are scaled per group at run time (dynamic)")
             if w.type == "int" and (not a.dynamic or not w.symmetric or w.num_bits != 8):
                 raise ValueError("int8 activations need dynamic per-token quantization and symmetric int8 weights")
 
@@ -204,7 +220,7 @@ class QuantScheme:
 def infer_format(weights: QuantArgs, acts: QuantArgs | None) -> str:
     """CT's format choice for a scheme (first match wins, as in CT's ``format.py``)."""
     if weights.is_fp4:
-        return "nvfp4-pack-quantized"
+        return f"{weights.fp4_kind}-pack-quantized"
     if weights.type == "int" and acts is not None:
         return "int-quantized"
     if weights.type == "int":
@@ -219,13 +235,16 @@ def _fp8(strategy: str, **kw: Any) -> QuantArgs:
 
 
 FP8_KV = _fp8("tensor")
-PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "nvfp4")
+PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "nvfp4", "mxfp4a16",
+           "mxfp4")
 
 
 def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> QuantScheme:
     """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``W8A8``, ``W4A16``, ``W4A16_ASYM``; w8a16
     is per-channel; nvfp4a16 is NVFP4 weights (LLMC ``NVFP4A16``: FP4 in groups of 16, FP8 group
-    scales under a global scale), nvfp4 (LLMC ``NVFP4``) quantizes activations so as well. w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
+    scales under a global scale), nvfp4 (LLMC ``NVFP4``) quantizes activations so as well; mxfp4a16 and
+    mxfp4 likewise in MXFP4 (``MXFP4A16``, ``MXFP4``: FP4 in groups of 32, power-of-two scales).
+    w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
     span the group's [min, max] rather than ±absmax (AWQ's and most GPTQ exports' choice).
 
     ``group_size`` applies to w4a16 and w4a16-asym only (it must divide each Linear's input size for the fast
@@ -244,10 +263,12 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
         return QuantScheme(weights, None, "pack-quantized")
     if name == "w8a16":
         return QuantScheme(QuantArgs(strategy="channel", actorder=actorder), None, "pack-quantized")
-    if name in ("nvfp4a16", "nvfp4"):
-        fp4 = QuantArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16)
-        acts = replace(fp4, dynamic="local") if name == "nvfp4" else None
-        return QuantScheme(fp4, acts, "nvfp4-pack-quantized")
+    if name in ("nvfp4a16", "nvfp4", "mxfp4a16", "mxfp4"):
+        kind = name.removesuffix("a16")
+        strategy, group_size = next(k for k, v in FP4_KINDS.items() if v == kind)
+        fp4 = QuantArgs(type="float", num_bits=4, strategy=strategy, group_size=group_size)
+        acts = replace(fp4, dynamic="local" if kind == "nvfp4" else True) if name == kind else None
+        return QuantScheme(fp4, acts, f"{kind}-pack-quantized")
     raise ValueError(f"unknown scheme preset {name!r}; choose one of {PRESETS}")
 
 
@@ -267,4 +288,6 @@ CT_PRESETS = {
     "W8A16": lambda: QuantScheme(QuantArgs(strategy="group", group_size=128), None, "pack-quantized"),
     "NVFP4A16": lambda: preset("nvfp4a16"),
     "NVFP4": lambda: preset("nvfp4"),
+    "MXFP4A16": lambda: preset("mxfp4a16"),
+    "MXFP4": lambda: preset("mxfp4"),
 }

@@ -45,7 +45,7 @@ def _fp8(strategy: str, **kw) -> QuantArgs:
 
 
 SCHEMES = {name: preset(name) for name in ("w8a16", "w4a16", "w4a16-asym", "w8a8-int8", "fp8-dynamic", "fp8-static",
-                                           "nvfp4a16")} | {
+                                           "nvfp4a16", "mxfp4a16")} | {
     "fp8-tensor-dynamic": QuantScheme(_fp8("channel"), _fp8("tensor", dynamic=True), "float-quantized"),
     "fp8-weight-only": QuantScheme(_fp8("channel"), None, "naive-quantized"),
 }

@@ -94,8 +94,8 @@ def test_llmcompressor_style_config_is_accepted():
 
 
 @pytest.mark.parametrize("patch,match", [
-    ({"format": "nvfp4-pack-quantized"}, "stored as nvfp4-pack-quantized, and only they are"),  # int weights
-    ({"format": "mxfp4-pack-quantized"}, "'mxfp4-pack-quantized'"),
+    ({"format": "nvfp4-pack-quantized"}, r"nvfp4-pack-quantized \(NVFP4\) or mxfp4"),  # int weights
+    ({"format": "mxfp4-pack-quantized"}, r"mxfp4-pack-quantized \(MXFP4\), and only they are"),
     ({"format": "marlin-24"}, "'marlin-24'"),
     ({"quant_method": "gptq"}, "'gptq'"),
     ({"transform_config": {"hadamard": {}}}, "transform"),

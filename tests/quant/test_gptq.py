@@ -88,27 +88,31 @@ def test_group_scales_come_from_the_error_updated_weights():
                                res.q.float() * res.scale.repeat_interleave(16, dim=1))
 
 
-def test_nvfp4_gptq_beats_round_to_nearest_and_identity_h_reduces_to_it():
-    """FP4 codes under FP8 group scales taken as the solve reaches each group (one global scale):
-    with H = I it is round to nearest; on correlated inputs its output error is well below it;
-    its codes and scales load into the NVFP4 Linear and dequantize to what was solved."""
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
+def test_fp4_gptq_beats_round_to_nearest_and_identity_h_reduces_to_it(scheme):
+    """FP4 codes under group scales taken as the solve reaches each group (NVFP4: FP8 under one
+    global scale; MXFP4: powers of two): with H = I it is round to nearest; on correlated inputs its
+    output error is well below it; its codes and scales load into the FP4 Linear and dequantize to
+    what was solved."""
     from quant import fp4
     from quant.schemes import preset
 
     x = correlated_inputs(512, 128)
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1)) * 0.05
-    global_ = fp4.global_scale(w)
-    rtn_scales = fp4.group_scales(w, global_)
-    rtn = fp4.dequantize(fp4.pack(fp4.quantize(w, rtn_scales, global_)), rtn_scales, global_)
-    same = gptq_quantize(w, torch.eye(128), num_bits=4, group_size=16, fp4_global=global_)
-    assert torch.equal(same.q, fp4.quantize(w, rtn_scales, global_)) and torch.equal(same.scale, rtn_scales)
-    res = gptq_quantize(w, x.t() @ x, num_bits=4, group_size=16, fp4_global=global_, block_size=32)
-    solved = fp4.dequantize(fp4.pack(res.q), res.scale, global_)
+    scaling = fp4.SCALINGS[preset(scheme).weights.fp4_kind].of(w)
+    g = scaling.group_size
+    rtn_scales = scaling.group_scales(w)
+    rtn = fp4.dequantize(fp4.pack(fp4.quantize(w, scaling, rtn_scales)), scaling, rtn_scales)
+    same = gptq_quantize(w, torch.eye(128), num_bits=4, group_size=g, fp4_scaling=scaling)
+    assert torch.equal(same.q, fp4.quantize(w, scaling, rtn_scales)) and torch.equal(same.scale, rtn_scales)
+    res = gptq_quantize(w, x.t() @ x, num_bits=4, group_size=g, fp4_scaling=scaling, block_size=32)
+    solved = fp4.dequantize(fp4.pack(res.q), scaling, res.scale)
     assert output_error(x, w, solved) < 0.8 * output_error(x, w, rtn)
-    tensors = quantize_weight(w, preset("nvfp4a16"), q=res.q, scale=res.scale, global_scale=global_)
-    module = make_quantized_linear(preset("nvfp4a16"), 128, [48], bias=False, dtype=torch.float32)
+    global_ = {"global_scale": scaling.global_scale} if scheme == "nvfp4a16" else {}
+    tensors = quantize_weight(w, preset(scheme), q=res.q, scale=res.scale, **global_)
+    module = make_quantized_linear(preset(scheme), 128, [48], bias=False, dtype=torch.float32)
     module.load_shard(0, tensors)
     module.finalize()
     assert torch.equal(module.dequantized_weight(), solved)
-    with pytest.raises(ValueError, match="NVFP4 GPTQ takes symmetric groups of 16"):
-        gptq_quantize(w, x.t() @ x, num_bits=4, group_size=32, fp4_global=global_)
+    with pytest.raises(ValueError, match=f"{scaling.name} GPTQ takes symmetric groups of {g}"):
+        gptq_quantize(w, x.t() @ x, num_bits=4, group_size=64, fp4_scaling=scaling)

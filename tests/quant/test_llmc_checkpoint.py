@@ -116,52 +116,62 @@ def write_llmc_checkpoint(source: Path, dest: Path, scheme: str, kv: bool) -> di
     return dequantized
 
 
-NVFP4_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+FP4_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+             ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 NVFP4_INPUT_RANGE = 4.0  # the calibrated input absmax behind every Linear's input_global_scale
+FP4_SCHEMES = ("nvfp4a16", "nvfp4", "mxfp4a16", "mxfp4")
 
 
-def _ct_nvfp4(w4a4: bool):
-    from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
+def _ct_fp4(scheme: str):
+    from compressed_tensors.quantization import quant_scheme
 
-    return NVFP4 if w4a4 else NVFP4A16
+    return getattr(quant_scheme, scheme.upper())
 
 
-def write_llmc_nvfp4_checkpoint(source: Path, dest: Path, w4a4: bool) -> dict[str, torch.Tensor]:
-    """NVFP4 (A16 or W4A4) as llm-compressor writes it, every tensor from compressed-tensors' own
-    code: global scales from generate_gparam over each fused group (llm-compressor fuses q/k/v's
-    and gate/up's), group scales from calculate_qparams, codes from NVFP4PackedCompressor; the
-    dequantized weights from CT's unpacking and the spec's value · scale / global."""
+def _nvfp4_input_global() -> torch.Tensor:
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    return generate_gparam(torch.tensor(-NVFP4_INPUT_RANGE), torch.tensor(NVFP4_INPUT_RANGE)).reshape(1)
+
+
+def write_llmc_fp4_checkpoint(source: Path, dest: Path, scheme: str) -> dict[str, torch.Tensor]:
+    """NVFP4 / MXFP4 (A16 or W4A4) as llm-compressor writes it, every tensor from compressed-tensors'
+    own code: NVFP4's global scales from generate_gparam over each fused group (llm-compressor fuses
+    q/k/v's and gate/up's), group scales from calculate_qparams, codes from the format's compressor;
+    the dequantized weights from CT's unpacking and the spec's value · scale (/ global)."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
-    preset = _ct_nvfp4(w4a4)
-    scheme = QuantizationScheme(targets=["Linear"], **preset)
-    input_global = generate_gparam(torch.tensor(-NVFP4_INPUT_RANGE), torch.tensor(NVFP4_INPUT_RANGE)).reshape(1)
+    preset = _ct_fp4(scheme)
+    nvfp4 = scheme.startswith("nvfp4")
+    compressor, group_size = (NVFP4PackedCompressor, 16) if nvfp4 else (MXFP4PackedCompressor, 32)
+    ct_scheme = QuantizationScheme(targets=["Linear"], **preset)
     shutil.copytree(source, dest)
     tensors = load_file(str(source / "model.safetensors"))
     dequantized = {}
     for i in range(NUM_LAYERS):
-        for fused in NVFP4_FUSED:
+        for fused in FP4_FUSED:
             weights = {f"model.layers.{i}.{name}": tensors.pop(f"model.layers.{i}.{name}.weight").float()
                        for name in fused}
             whole = torch.cat(list(weights.values()))
-            global_ = generate_gparam(whole.min(), whole.max()).reshape(1).float()
+            global_ = generate_gparam(whole.min(), whole.max()).reshape(1).float() if nvfp4 else None
             for prefix, w in weights.items():
-                groups = w.reshape(w.shape[0], -1, 16)
+                groups = w.reshape(w.shape[0], -1, group_size)
                 scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), preset["weights"], global_scale=global_)
-                packed = NVFP4PackedCompressor.compress(
-                    {"weight": w, "weight_scale": scale.reshape(w.shape[0], -1), "weight_global_scale": global_.clone()},
-                    scheme)
+                state = {"weight": w, "weight_scale": scale.reshape(w.shape[0], -1)}
+                packed = compressor.compress(state | ({"weight_global_scale": global_.clone()} if nvfp4 else {}),
+                                             ct_scheme)
                 tensors.update({f"{prefix}.{name}": t for name, t in packed.items()})
-                if w4a4:
-                    tensors[f"{prefix}.input_global_scale"] = input_global.clone()
+                if scheme == "nvfp4":
+                    tensors[f"{prefix}.input_global_scale"] = _nvfp4_input_global().clone()
                 values = unpack_fp4_from_uint8(packed["weight_packed"], *w.shape, dtype=torch.float32)
-                dequantized[prefix] = values * (packed["weight_scale"].float() / global_).repeat_interleave(16, dim=1)
+                effective = scale.reshape(w.shape[0], -1).float() / (global_ if nvfp4 else 1.0)
+                dequantized[prefix] = values * effective.repeat_interleave(group_size, dim=1)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    group = {"targets": ["Linear"], "format": "nvfp4-pack-quantized", "output_activations": None,
+    group = {"targets": ["Linear"], "format": f"{scheme.removesuffix('a16')}-pack-quantized", "output_activations": None,
              **{k: None if v is None else {**_COMMON_ARGS, **v.model_dump(mode="json")}
                 for k, v in (("weights", preset["weights"]), ("input_activations", preset.get("input_activations")))}}
     config = json.loads((source / "config.json").read_text())
@@ -176,13 +186,13 @@ def fake_quantize_tokens_fp8(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
-def fake_quantize_nvfp4_inputs(x: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' own run-time rounding of NVFP4 activations (dynamic local group scales)."""
+def fake_quantize_fp4_inputs(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """compressed-tensors' own run-time rounding of FP4 activations (dynamic group scales; NVFP4's
+    under the input global scale)."""
     from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
-    from compressed_tensors.quantization.utils.helpers import generate_gparam
 
-    args = _ct_nvfp4(True)["input_activations"]
-    global_ = generate_gparam(torch.tensor(-NVFP4_INPUT_RANGE), torch.tensor(NVFP4_INPUT_RANGE)).reshape(1)
+    args = _ct_fp4(scheme)["input_activations"]
+    global_ = _nvfp4_input_global() if scheme == "nvfp4" else None
     scale, zp = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module(), global_scale=global_)
     return fake_quantize(x=x, scale=scale, zero_point=zp, args=args, global_scale=global_)
 
@@ -199,8 +209,8 @@ def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str
         linear.weight.data.copy_(weight)
         if scheme == "fp8-dynamic":
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_fp8(args[0]),))
-        elif scheme == "nvfp4":
-            linear.register_forward_pre_hook(lambda _, args: (fake_quantize_nvfp4_inputs(args[0]),))
+        elif scheme in ("nvfp4", "mxfp4"):
+            linear.register_forward_pre_hook(lambda _, args: (fake_quantize_fp4_inputs(args[0], scheme),))
     if bf16_lm_head_inputs:
         model.lm_head.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
     with torch.no_grad():
@@ -215,9 +225,9 @@ TOKENS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31, 8, 77, 150, 19, 240, 4
 TOLERANCE = 1e-4
 
 
-@pytest.mark.parametrize("scheme", [*sorted(SCHEMES), "nvfp4a16", "nvfp4"])
+@pytest.mark.parametrize("scheme", [*sorted(SCHEMES), *FP4_SCHEMES])
 def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_dir, scheme, monkeypatch, request):
-    if scheme in ("fp8-dynamic", "nvfp4"):
+    if scheme in ("fp8-dynamic", "nvfp4", "mxfp4"):
         # Rounding activations to fp8 / fp4 is discontinuous: the C kernels' other summation order
         # moves an activation by an ulp, flips its rounding and moves log-probs by ~0.3. Compare with
         # torch's arithmetic on both sides; the kernels equal torch in tests/engine.
@@ -225,8 +235,8 @@ def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_
         cpu_kernels.kernel.cache_clear()
         request.addfinalizer(cpu_kernels.kernel.cache_clear)
     ckpt = tmp_path / scheme
-    if scheme.startswith("nvfp4"):
-        dequantized = write_llmc_nvfp4_checkpoint(source_dir, ckpt, w4a4=scheme == "nvfp4")
+    if scheme in FP4_SCHEMES:
+        dequantized = write_llmc_fp4_checkpoint(source_dir, ckpt, scheme)
     else:
         dequantized = write_llmc_checkpoint(source_dir, ckpt, scheme, kv=True)
     config = json.loads((ckpt / "config.json").read_text())["quantization_config"]

@@ -61,15 +61,18 @@ def test_awq_beats_rtn_on_salient_channels():
     assert err_awq < err_rtn
 
 
-def test_awq_for_nvfp4_beats_round_to_nearest_on_salient_channels():
-    """The same search with NVFP4 weights (E2M1 groups of 16 under a global scale from the scaled
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_awq_for_fp4_beats_round_to_nearest_on_salient_channels(kind):
+    """The same search with FP4 weights (E2M1 groups; NVFP4's global scale from the scaled
     weight): its α = 0 loss is round to nearest's, and scaling salient channels lowers it."""
     from quant import fp4
 
     x = salient_inputs()
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.05
-    res = awq_search_scales(w, x[:128], num_bits=4, group_size=16, act_mean_abs=x.abs().mean(0), nvfp4=True)
-    rtn = fp4.fake_quantize(w, fp4.global_scale(w))
+    scaling = fp4.SCALINGS[kind]
+    res = awq_search_scales(w, x[:128], num_bits=4, group_size=scaling.group_size, act_mean_abs=x.abs().mean(0),
+                            fp4_scaling=scaling)
+    rtn = fp4.fake_quantize(w, scaling.of(w))
     assert res.rtn_loss == pytest.approx((x[:128] @ (rtn - w).t()).pow(2).mean().item(), rel=1e-5)
     assert res.alpha > 0 and res.loss < 0.9 * res.rtn_loss
 
