@@ -24,7 +24,7 @@ import torch
 
 from bench.datasets import find_data_dir, sharegpt
 from bench.output import save_result
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +38,9 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=3, help="repetitions per measurement (medians reported)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
-                        help="every request through this PEFT LoRA adapter (the HF side: PEFT's unmerged model)")
+    parser.add_argument("--lora", default=None, nargs="+", metavar="ADAPTER_DIR",
+                        help="requests through these PEFT LoRA adapters: batch 1 and the HF side (PEFT's unmerged "
+                             "model) through the first, the throughput requests cycling through all")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", type=Path, default=None)
@@ -91,11 +92,14 @@ def hf_batch1(model, prompt: list[int], output_len: int) -> dict[str, float]:
     return {"ttft_s": ttft, "decode_tok_s": (output_len - 1) / ((t2 - t1) - ttft)}
 
 
-def ours_throughput(llm: LLM, prompts: list[str], output_lens: list[int]) -> dict[str, float]:
+def ours_throughput(llm: LLM, prompts: list[str], output_lens: list[int],
+                    loras: list[LoRARequest] | None = None) -> dict[str, float]:
+    """Output tokens per second over the batch; with ``loras``, request i through loras[i % len]."""
     _cold_prefix_cache(llm)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    per_request = None if not loras else [loras[i % len(loras)] for i in range(len(prompts))]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=per_request)
     elapsed = time.perf_counter() - t0
     num_in = sum(len(o.prompt_token_ids) for o in outs)
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -114,7 +118,9 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def run_offline(args: argparse.Namespace) -> int:
     data_dir = find_data_dir(args.data_dir)
-    adapter = {} if args.lora is None else {"lora_modules": {"bench": args.lora}, "default_lora": "bench"}
+    loras = [LoRARequest(f"bench{i}", i + 1, path) for i, path in enumerate(args.lora or [])]
+    adapter = {} if not loras else {"lora_modules": {r.lora_name: r.lora_path for r in loras},
+                                    "default_lora": loras[0].lora_name}
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, **adapter)
     tokenizer = llm.tokenizer
@@ -131,14 +137,14 @@ def run_offline(args: argparse.Namespace) -> int:
         if args.lora is not None:
             from peft import PeftModel
 
-            hf_model = PeftModel.from_pretrained(hf_model, args.lora).eval()
+            hf_model = PeftModel.from_pretrained(hf_model, args.lora[0]).eval()
     ours_runs, hf_runs, tput_runs = [], [], []
     ours_batch1(llm, prompt[:32], 4)  # warm-up: first-call allocations and kernel selection
     for _ in range(args.runs):  # interleaved so machine noise hits both sides alike
         ours_runs.append(ours_batch1(llm, prompt, args.output_len))
         if hf_model is not None:
             hf_runs.append(hf_batch1(hf_model, prompt, args.output_len))
-        tput_runs.append(ours_throughput(llm, prompts, output_lens))
+        tput_runs.append(ours_throughput(llm, prompts, output_lens, loras))
     ours, tput = _median(ours_runs), _median(tput_runs)
     result = {
         "model": str(args.model),

@@ -10,9 +10,8 @@ A_cat stacks the A of every shard the adapter targets in a fused Linear (q, k, v
 B_full places each shard's B at its output rows with the scale folded in, so one adapter costs
 two small matmuls per Linear whatever it targets there. The base weights stay as loaded
 (quantized ones included), so adapters serve over an FP8 / INT4 checkpoint unchanged, and a
-step without adapter rows runs exactly as without LoRA. A decode step whose rows all take one
-adapter runs in the one-call C decode step with that adapter's factors (same arithmetic, same
-floats); steps mixing adapters take the module path, which groups rows.
+step without adapter rows runs exactly as without LoRA. Decode steps run in the one-call C
+decode step with each adapter's factors on its rows (same arithmetic, same floats).
 
 Adapters come in PEFT's format (adapter_config.json + adapter_model.safetensors).
 """
@@ -48,12 +47,6 @@ class LoRAStep:
     def __init__(self) -> None:
         # (adapter index, its row indices, or None when it has every row of the step)
         self.groups: list[tuple[int, torch.Tensor | None]] = []
-
-    @property
-    def whole_step_adapter(self) -> int | None:
-        """The adapter's index when one adapter has every row of the step (what the C decode step runs)."""
-        groups = self.groups
-        return groups[0][0] if len(groups) == 1 and groups[0][1] is None else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,11 +32,16 @@ typedef struct {
     const int32_t *sums;  /* w8a8: 128 · row sums */
     const float *zeros;   /* asymmetric int4: zero-point panels, else NULL */
     const float *bias;    /* or NULL */
-    /* a LoRA adapter's update, y += (x A_catᵀ) B_fullᵀ (engine/lora.py): fp32 panels of A_cat
-     * [lora_rank, k] and B_full [n, lora_rank], rank padded to whole panels; rank 0: none */
-    const float *lora_a, *lora_b;
-    int32_t lora_rank;
+    const struct LoRA *loras; /* per adapter group of the step (Model.lora_*): its factors here, or NULL */
 } Linear;
+
+/* An adapter's update on one Linear, y += (x A_catᵀ) B_fullᵀ (engine/lora.py): fp32 panels of
+ * A_cat [rank, k] and B_full [n, rank], rank padded to whole panels; rank 0: the adapter does not
+ * target this Linear. */
+typedef struct LoRA {
+    const float *a, *b;
+    int32_t rank;
+} LoRA;
 
 typedef struct {
     const float *input_norm, *post_norm;
@@ -58,7 +63,10 @@ typedef struct {
     float residual_multiplier; /* each block's output scaled before its residual add (Granite; else 1) */
     const float *final_norm;
     const Layer *layers;
-    int32_t lora_rank; /* the largest lora_rank of any Linear (the scratch it needs) */
+    /* the step's rows grouped by adapter: group g holds lora_rows[lora_offsets[g] .. lora_offsets[g + 1]]
+     * (ascending), and each Linear's loras[g] says what that adapter adds there */
+    int32_t lora_groups, lora_rank; /* lora_rank: the largest rank of any adapter (the scratch it needs) */
+    const int32_t *lora_offsets, *lora_rows;
 } Model;
 
 /* x *= s, as torch's fp32 multiply (a no-op for s = 1). */
@@ -143,16 +151,31 @@ static int base_linear(const Linear *l, float *y, const float *x, float *staging
     }
 }
 
-/* y = x Wᵀ + b, plus the adapter's update from the unrounded x: the module path's arithmetic
- * (LoRAFactors.delta, then one add). `lora_scratch` holds rows × (lora_rank + n) floats. */
-static int linear(const Linear *l, float *y, const float *x, float *staging, float *lora_scratch, int rows,
-                  int threads) {
+/* y = x Wᵀ + b, plus each adapter group's update from the unrounded x of its rows: the module
+ * path's arithmetic (LoRAFactors.delta on the group's rows, then one add per element).
+ * `lora_scratch` holds rows × (k + lora_rank + n) floats. */
+static int linear(const Model *m, const Linear *l, float *y, const float *x, float *staging, float *lora_scratch,
+                  int rows, int threads) {
     const int status = base_linear(l, y, x, staging, rows, threads);
-    if (status != STEP_OK || l->lora_rank == 0) return status;
-    float *t = lora_scratch, *u = lora_scratch + (size_t)rows * l->lora_rank;
-    panel_matmul_f32(t, x, l->lora_a, NULL, rows, l->lora_rank, l->k, threads);
-    panel_matmul_f32(u, t, l->lora_b, NULL, rows, l->n, l->lora_rank, threads);
-    for (size_t i = 0; i < (size_t)rows * l->n; i++) y[i] += u[i];
+    if (status != STEP_OK || l->loras == NULL) return status;
+    for (int g = 0; g < m->lora_groups; g++) {
+        const LoRA *lora = &l->loras[g];
+        const int32_t *group = m->lora_rows + m->lora_offsets[g];
+        const int count = m->lora_offsets[g + 1] - m->lora_offsets[g];
+        if (lora->rank == 0 || count == 0) continue;
+        const int whole = count == rows; /* every row, in order: no gather */
+        float *gathered = lora_scratch, *t = gathered + (size_t)count * l->k, *u = t + (size_t)count * lora->rank;
+        if (!whole)
+            for (int j = 0; j < count; j++)
+                memcpy(gathered + (size_t)j * l->k, x + (size_t)group[j] * l->k, sizeof(float) * l->k);
+        panel_matmul_f32(t, whole ? x : gathered, lora->a, NULL, count, lora->rank, l->k, threads);
+        panel_matmul_f32(u, t, lora->b, NULL, count, l->n, lora->rank, threads);
+        for (int j = 0; j < count; j++) {
+            float *out = y + (size_t)(whole ? j : group[j]) * l->n;
+            const float *add = u + (size_t)j * l->n;
+            for (int i = 0; i < l->n; i++) out[i] += add[i];
+        }
+    }
     return STEP_OK;
 }
 
@@ -166,7 +189,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
     const int widest_input = m->inter > width ? (m->inter > q_size ? m->inter : q_size) : (width > q_size ? width : q_size);
     const int widest_output = qkv_size > 2 * m->inter ? (qkv_size > width ? qkv_size : width)
                                                       : (2 * m->inter > width ? 2 * m->inter : width);
-    const size_t lora_floats = m->lora_rank ? (size_t)m->lora_rank + widest_output : 0;
+    const size_t lora_floats = m->lora_rank ? (size_t)widest_input + m->lora_rank + widest_output : 0;
     const size_t row_floats = (size_t)2 * width + qkv_size + 2 * q_size + 3 * (size_t)m->inter + widest_input +
                               lora_floats;
     float *scratch = malloc(sizeof(float) * row_floats * rows);
@@ -185,7 +208,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         } else {
             rms_norm_f32(normed, residual, hidden, residual, layer->input_norm, rows, width, m->eps, threads);
         }
-        if ((status = linear(&layer->qkv, qkv, normed, staging, lora_scratch, rows, threads))) break;
+        if ((status = linear(m, &layer->qkv, qkv, normed, staging, lora_scratch, rows, threads))) break;
         if (layer->q_norm) /* each head normalized in place, row by row as the modules' norms do it */
             for (int t = 0; t < rows; t++) {
                 float *row = qkv + (size_t)t * qkv_size;
@@ -208,7 +231,7 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                                         max_blocks, m->num_heads, m->num_kv_heads, m->head_dim, block_size,
                                         m->attn_scale, m->kv_type, layer->k_table, layer->v_table,
                                         layer->window, m->attn_softcap, threads);
-        if (status || (status = linear(&layer->o, hidden, attn, staging, lora_scratch, rows, threads))) break;
+        if (status || (status = linear(m, &layer->o, hidden, attn, staging, lora_scratch, rows, threads))) break;
         scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);
         if (layer->pre_mlp_norm) { /* the attention output normed, then added and normed for the MLP */
             rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_norm, rows, width, m->eps, threads);
@@ -216,9 +239,9 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
         } else {
             rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
         }
-        if ((status = linear(&layer->gate_up, gate_up, normed, staging, lora_scratch, rows, threads))) break;
+        if ((status = linear(m, &layer->gate_up, gate_up, normed, staging, lora_scratch, rows, threads))) break;
         (m->gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(act, gate_up, rows, m->inter, threads);
-        if ((status = linear(&layer->down, hidden, act, staging, lora_scratch, rows, threads))) break;
+        if ((status = linear(m, &layer->down, hidden, act, staging, lora_scratch, rows, threads))) break;
         scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);
         if (layer->post_mlp_norm) rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_mlp_norm, rows, width, m->eps, threads);
     }

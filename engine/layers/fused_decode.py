@@ -3,8 +3,8 @@
 At batch 1 a small model's decode step spent about half its time in Python between kernels
 (SmolLM2-135M: 16.9 → 11.1 ms a token in fp32, 18.0 → 8.5 ms in W8A8). When a step holds only
 decode tokens and every layer runs on a C kernel (fp32 activations, panel-packed dense, int8
-weight-only, W8A8 or FP8 weights, an fp32, bf16 or fp8 KV cache; no LoRA adapter, or one for
-every row), the layers run in one call instead: the same kernels in the same order, so the same
+weight-only, W8A8 or FP8 weights, an fp32, bf16 or fp8 KV cache; LoRA adapters included, each
+on its rows), the layers run in one call instead: the same kernels in the same order, so the same
 floats. Every other step, and every model this does not describe, goes through the modules,
 which stay the oracle.
 `DRIFTGATE_FUSED_DECODE=0` turns it off (to measure what it saves).
@@ -38,7 +38,11 @@ class _Linear(ctypes.Structure):
                 ("group_size", ctypes.c_int32), ("act", ctypes.c_int32), ("input_scale", ctypes.c_float),
                 ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("sums", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("lora_a", ctypes.c_void_p), ("lora_b", ctypes.c_void_p), ("lora_rank", ctypes.c_int32)]
+                ("loras", ctypes.c_void_p)]
+
+
+class _LoRA(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("rank", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -55,7 +59,8 @@ class _Model(ctypes.Structure):
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
                 ("rotary_dim", ctypes.c_int32), ("gelu", ctypes.c_int32), ("attn_softcap", ctypes.c_float),
                 ("residual_multiplier", ctypes.c_float), ("final_norm", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(_Layer)), ("lora_rank", ctypes.c_int32)]
+                ("layers", ctypes.POINTER(_Layer)), ("lora_groups", ctypes.c_int32), ("lora_rank", ctypes.c_int32),
+                ("lora_offsets", ctypes.c_void_p), ("lora_rows", ctypes.c_void_p)]
 
 
 _ARGTYPES = (ctypes.POINTER(_Model), *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4)
@@ -115,12 +120,14 @@ class FusedDecode:
                  descriptions: list[tuple[_Linear, ...]], keep: list[torch.Tensor]):
         self._keep = keep
         # LoRA wrappers (engine/lora.py) around each layer's q/k/v, o, gate/up and down Linears:
-        # a step whose rows all take one adapter runs here with that adapter's factors bound
+        # each Linear is bound to the factors of the step's adapters, in the step's group order
         self._lora_wrappers = [tuple(m if isinstance(m, LoRALinear) else None for m in _projections(layer))
                                for layer in layers]
         wrappers = [w for linears in self._lora_wrappers for w in linears if w is not None]
         self._lora_step: LoRAStep | None = wrappers[0].step if wrappers else None
-        self._lora_bound: int | None = None
+        self._lora_bound: tuple[int, ...] = ()
+        self._lora_keep: list[ctypes.Array] = []
+        self._lora_rows: torch.Tensor | None = None
         self._layers = (_Layer * len(layers))()
         for layer, c_layer, linears in zip(layers, self._layers, descriptions, strict=True):
             c_layer.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -197,34 +204,44 @@ class FusedDecode:
                 and not any(self._hook_dicts) and self._lora_runs())
 
     def _lora_runs(self) -> bool:
-        """No adapter rows, or one adapter with every row whose factors have CPU panels (mixed
-        adapters take the module path, which groups rows)."""
+        """Whether every adapter of the step has its factors as CPU panels (or there is none)."""
         step = self._lora_step
-        if step is None or not step.groups:
+        if step is None:
             return True
-        index = step.whole_step_adapter
-        return index is not None and all(w.factors[index].packed
-                                         for linears in self._lora_wrappers for w in linears
-                                         if w is not None and index in w.factors)
+        indices = {index for index, _ in step.groups}
+        return all(factors.packed for linears in self._lora_wrappers for w in linears if w is not None
+                   for index, factors in w.factors.items() if index in indices)
 
-    def _bind_lora(self) -> None:
-        """Point each Linear at this step's adapter factors (none: rank 0), when the adapter changes."""
-        index = None if self._lora_step is None else self._lora_step.whole_step_adapter
-        if index == self._lora_bound:
+    def _bind_lora(self, rows: int) -> None:
+        """Point each Linear at the factors of the step's adapters, in group order (rebuilt when
+        that order changes), and the model at the groups' rows."""
+        groups = [] if self._lora_step is None else self._lora_step.groups
+        order = tuple(index for index, _ in groups)
+        if order != self._lora_bound:
+            keep, widest = [], 0
+            for c_layer, wrappers in zip(self._layers, self._lora_wrappers, strict=True):
+                for name, wrapper in zip(("qkv", "o", "gate_up", "down"), wrappers, strict=True):
+                    factors = [None if wrapper is None else wrapper.factors.get(index) for index in order]
+                    c_linear = getattr(c_layer, name)  # a view: assignments reach the layer
+                    if not any(factors):
+                        c_linear.loras = None
+                        continue
+                    # B's panels are [out / 16, R, 16]: R, the padded rank
+                    table = (_LoRA * len(order))(*[_LoRA() if f is None else _LoRA(f.a.data_ptr(), f.b.data_ptr(),
+                                                                                    f.b.shape[1]) for f in factors])
+                    keep.append(table)
+                    c_linear.loras = ctypes.addressof(table)
+                    widest = max([widest] + [f.b.shape[1] for f in factors if f is not None])
+            self._model.lora_groups, self._model.lora_rank = len(order), widest
+            self._lora_keep, self._lora_bound = keep, order
+        if not groups:
             return
-        widest = 0
-        for c_layer, wrappers in zip(self._layers, self._lora_wrappers, strict=True):
-            for name, wrapper in zip(("qkv", "o", "gate_up", "down"), wrappers, strict=True):
-                factors = None if wrapper is None or index is None else wrapper.factors.get(index)
-                c_linear = getattr(c_layer, name)  # a view: assignments reach the layer
-                if factors is None:
-                    c_linear.lora_a, c_linear.lora_b, c_linear.lora_rank = None, None, 0
-                    continue
-                rank = factors.b.shape[1]  # B's panels [out / 16, R, 16]
-                c_linear.lora_a, c_linear.lora_b = factors.a.data_ptr(), factors.b.data_ptr()
-                c_linear.lora_rank, widest = rank, max(widest, rank)
-        self._model.lora_rank = widest
-        self._lora_bound = index
+        members = [torch.arange(rows) if r is None else r.cpu() for _, r in groups]
+        offsets = torch.tensor([0] + [len(m) for m in members], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        lora_rows = torch.cat([offsets, *members]).to(torch.int32)  # offsets, then each group's rows
+        self._model.lora_offsets = lora_rows.data_ptr()
+        self._model.lora_rows = lora_rows.data_ptr() + 4 * len(offsets)
+        self._lora_rows = lora_rows  # read by the C call
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """embeddings [T, hidden] → the final norm's output [T, hidden], the KV cache written."""
@@ -236,7 +253,7 @@ class FusedDecode:
             self._cache_bound = cache
         if cache.is_fp8:
             self._bind_fp8_scales(cache.k[0].shape[1])
-        self._bind_lora()
+        self._bind_lora(embeddings.shape[0])
         decode = meta.paged_decode
         hidden = embeddings.float().contiguous()  # a fresh lookup: the C call writes it in place
         positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()

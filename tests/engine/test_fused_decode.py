@@ -109,25 +109,29 @@ def test_fused_step_equals_module_path(tmp_path, monkeypatch, name, engine_kwarg
 @needs_kernel
 @pytest.mark.parametrize("name,scheme", [("llama-gqa", None), ("qwen2-qkv-bias", None), ("llama-gqa", "fp8-dynamic"),
                                          ("llama-gqa", "w4a16")])
-def test_fused_step_with_a_lora_adapter_equals_module_path(tmp_path, monkeypatch, name, scheme):
-    """Decode steps whose rows all take one adapter run in C with its factors bound (added from
-    the unrounded input, as the modules add them, also over FP8 activations): the module path's
-    floats; steps mixing adapters, and steps after the adapter, still match."""
+def test_fused_step_with_lora_adapters_equals_module_path(tmp_path, monkeypatch, name, scheme):
+    """Decode steps run in C with each adapter's factors on its rows (added from the unrounded
+    input, as the modules add them, also over FP8 activations): the module path's floats, with
+    one adapter on every row, and with two adapters of different ranks and targets mixed with base
+    rows in one batch."""
     pytest.importorskip("peft")
     model_dir = make_tiny_model_dir(tmp_path / name, **MODELS[name])
-    adapter = write_lora_adapter(model_dir, tmp_path / "lora", ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
-                                 rank=4, seed=1)
+    first = write_lora_adapter(model_dir, tmp_path / "a", ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                               rank=4, seed=1)
+    second = write_lora_adapter(model_dir, tmp_path / "b", ["k_proj", "gate_proj"], rank=20, seed=2)
     if scheme is not None:
         model_dir = _quantized_dir(tmp_path, model_dir, scheme)
-    request = LoRARequest("a", 1, str(adapter))
-    for lora in (request, [request, None, request, None]):
+    a, b = LoRARequest("a", 1, str(first)), LoRARequest("b", 2, str(second))
+    runs = {}
+    for lora in (a, [a, None, b, a], [b, b, None, None]):
         fused, fused_calls = _run(model_dir, True, monkeypatch, lora, enable_lora=True)
         modules, _ = _run(model_dir, False, monkeypatch, lora, enable_lora=True)
         assert fused == modules  # tokens and logprobs, bit for bit
-        if lora is request:  # one adapter with every row: the C path ran its decode steps
-            assert fused_calls > 0
+        assert fused_calls > 0  # the C path ran the decode steps
+        runs[str(lora)] = fused
     without, _ = _run(model_dir, True, monkeypatch, enable_lora=True)
-    assert without != fused  # the adapter changed the answers
+    assert without != runs[str(a)]  # the adapters changed the answers
+    assert runs[str(a)] != runs[str([a, None, b, a])]
 
 
 # FP8 W8A8 also on the fp32 kernel the bf16-product one replaces where AVX-512 BF16 is missing
