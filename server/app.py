@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.config import ServerConfig
-from server.embeddings import create_embedding
+from server.embeddings import create_embedding, create_pooling
 from server.errors import APIError, error_response, install_error_handlers
 from server.lora import load_lora_adapter, unload_lora_adapter
 from server.metrics import cluster_health
@@ -50,6 +50,7 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
     app.post("/v1/embeddings")(create_embedding)
+    app.post("/pooling")(create_pooling)
     for path in ("/classify", "/v1/classify"):
         app.post(path)(create_classification)
     for path in ("/score", "/v1/score"):

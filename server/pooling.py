@@ -1,5 +1,6 @@
 """vLLM's pooling routes: `/classify` (a sequence classifier's classes), `/score` and `/rerank`
-(how well texts match: a cross-encoder's relevance, or an embedding model's cosine).
+(how well texts match: a cross-encoder's relevance, or an embedding model's cosine); `/pooling`
+lives beside `/v1/embeddings` (server/embeddings.py).
 
 Each runs its inputs as pooling requests (one prompt's final hidden state, or a classifier's
 logits) batched with whatever else the engine is serving; `pooled_outputs` is the part
@@ -70,16 +71,21 @@ def _classifier(request: Request, route: str) -> ClassifierConfig:
     return classifier
 
 
-async def create_classification(body: ClassificationRequest, request: Request) -> JSONResponse:
-    classifier = _classifier(request, "/classify")
+async def classified(body: ClassificationRequest, request: Request, route: str,
+                     id_prefix: str) -> tuple[Pooled, list[tuple[list[float], str]]]:
+    """Each input's class probabilities and most probable label (a 400 unless a classifier is served)."""
+    classifier = _classifier(request, route)
     tokenizer = request.app.state.driftgate.ready_engine().tokenizer
     prompts = [ids for _, ids in tokenized_prompts(body.input, tokenizer)]
-    pooled = await pooled_outputs(request, body, prompts, "last", id_prefix="classify")
-    data = []
-    for i, out in enumerate(pooled.outputs):
-        probs = classifier.probabilities(out.embedding)
-        data.append({"index": i, "label": classifier.most_probable(probs), "probs": probs,
-                     "num_classes": len(probs)})
+    pooled = await pooled_outputs(request, body, prompts, "last", id_prefix=id_prefix)
+    probabilities = [classifier.probabilities(out.embedding) for out in pooled.outputs]
+    return pooled, [(probs, classifier.most_probable(probs)) for probs in probabilities]
+
+
+async def create_classification(body: ClassificationRequest, request: Request) -> JSONResponse:
+    pooled, results = await classified(body, request, "/classify", "classify")
+    data = [{"index": i, "label": label, "probs": probs, "num_classes": len(probs)}
+            for i, (probs, label) in enumerate(results)]
     return JSONResponse({"id": pooled.request_id, "object": "list", "created": int(time.time()),
                          "model": pooled.model, "data": data, "usage": pooled.usage})
 

@@ -327,6 +327,13 @@ class EmbeddingRequest(ClassificationRequest):
     dimensions: Annotated[int, Field(ge=1)] | None = None
 
 
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling request: the model's pooled output per input, as `task` asks ("embed": the
+    embedding, "classify": a classifier's class probabilities; default: the served model's own)."""
+
+    task: Literal["embed", "classify"] | None = None
+
+
 class ScoreRequest(PoolingFields):
     """vLLM's /score request: text_1 against each of text_2 (or pairwise, lists of equal length)."""
 

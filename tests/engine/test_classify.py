@@ -148,7 +148,7 @@ def _live(folder, **config):
 def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder, three_classes):
     """/classify gives each input's label and probabilities; /score and /rerank (and their /v1,
     /v2 paths) the cross-encoder's scores, rerank best first and cut to top_n; usage counts the
-    pairs' tokens. Each equals the offline engine."""
+    pairs' tokens. Each equals the offline engine; /pooling gives a classifier's probabilities."""
     offline = LLM(str(cross_encoder), dtype="float32")
     scores = offline.score(QUERY, DOCUMENTS, use_tqdm=False)
     engine, serving = _live(cross_encoder)
@@ -198,6 +198,12 @@ def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder,
             assert reply["usage"]["prompt_tokens"] == sum(len(e.prompt_token_ids) for e in expected)
             refused = httpx.post(url + "/score", json={"text_1": QUERY, "text_2": DOCUMENTS})
             assert refused.status_code == 400 and "one-class classifier" in refused.json()["error"]["message"]
+            pooled = httpx.post(url + "/pooling", json={"input": DOCUMENTS}).json()  # classify: the default here
+            assert [d["object"] for d in pooled["data"]] == ["pooling"] * 4
+            assert [d["data"] for d in pooled["data"]] == [d["probs"] for d in reply["data"]]
+            for body in ({"input": QUERY, "task": "embed"}, {"input": QUERY, "dimensions": 2}):
+                refused = httpx.post(url + "/pooling", json=body)
+                assert refused.status_code == 400, body
     finally:
         engine.shutdown()
 

@@ -89,7 +89,8 @@ def test_a_headless_checkpoint_embeds_with_its_sentence_transformers_pooling(qwe
 
 def test_the_embeddings_route_answers_as_openai_does(qwen3_dir):
     """Text, token ids and lists of either; float or base64; Matryoshka `dimensions`
-    (truncated, then normalized); usage; 400s for a bad input or too many dimensions."""
+    (truncated, then normalized); usage; 400s for a bad input or too many dimensions. vLLM's
+    /pooling gives the same vectors."""
     import openai
 
     from engine import AsyncEngine, EngineConfig
@@ -120,6 +121,18 @@ def test_the_embeddings_route_answers_as_openai_does(qwen3_dir):
             for body, param in (({"input": texts[0], "dimensions": 4096}, "dimensions"), ({"input": []}, "input"),
                                 ({"input": [10**9]}, "input"), ({"input": "x", "model": "other"}, "model")):
                 refused = httpx.post(url + "/v1/embeddings", json=body)
+                assert refused.status_code == 400 and (refused.json()["error"]["param"] or "").startswith(param), body
+            # vLLM's /pooling: the same vectors in its pooling shape (the embed task is the default here)
+            pooled = httpx.post(url + "/pooling", json={"input": texts, "dimensions": 16}).json()
+            assert pooled["object"] == "list" and pooled["id"].startswith("pool-") and pooled["model"] == "embedder"
+            assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+            assert pooled["data"][0]["data"] == pytest.approx(vector.tolist(), abs=1e-5)
+            assert pooled["usage"]["prompt_tokens"] == reply.usage.prompt_tokens
+            embed = httpx.post(url + "/pooling", json={"input": texts[1], "task": "embed"}).json()["data"][0]["data"]
+            assert embed == pytest.approx(expected[1].embedding, abs=1e-5)
+            for body, param in (({"input": texts[0], "task": "classify"}, "model"),
+                                ({"input": texts[0], "task": "token_embed"}, "task")):
+                refused = httpx.post(url + "/pooling", json=body)
                 assert refused.status_code == 400 and (refused.json()["error"]["param"] or "").startswith(param), body
     finally:
         engine.shutdown()
