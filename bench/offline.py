@@ -6,7 +6,8 @@ in the same process):
 
 1. batch 1: TTFT for a `--prompt-len`-token prompt and decode tokens/s over `--output-len` tokens;
 2. offline throughput: `--num-requests` ShareGPT prompts (output lengths drawn as in
-   `bench serve`) submitted at once, input and output tokens/s;
+   `bench serve`), or with `--dataset random` random prompts of `--prompt-len` tokens each
+   generating `--output-len`, submitted at once, input and output tokens/s;
 3. KV-cache utilization per block size on the same length mix: tokens stored ÷ slots allocated.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.datasets import find_data_dir, sharegpt
+from bench.datasets import find_data_dir, random_prompts, sharegpt
 from bench.output import save_result
 from engine import LLM, LoRARequest, SamplingParams
 
@@ -34,6 +35,8 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt",
+                        help="the throughput requests: ShareGPT prompts, or random ones of --prompt-len / --output-len")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=3, help="repetitions per measurement (medians reported)")
@@ -126,7 +129,10 @@ def run_offline(args: argparse.Namespace) -> int:
     tokenizer = llm.tokenizer
     prompt = fixed_length_prompt(tokenizer, data_dir, args.prompt_len)
     rng = np.random.default_rng(args.seed)
-    samples = sharegpt(tokenizer, data_dir, args.num_requests, args.output_len, False, rng)
+    if args.dataset == "random":
+        samples = random_prompts(tokenizer, args.num_requests, args.prompt_len, args.output_len, rng)
+    else:
+        samples = sharegpt(tokenizer, data_dir, args.num_requests, args.output_len, False, rng)
     prompts, output_lens = [s.prompt for s in samples], [s.output_len for s in samples]
 
     hf_model = None
@@ -156,7 +162,7 @@ def run_offline(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "runs": args.runs,
         "batch1": {"prompt_len": args.prompt_len, "output_len": args.output_len, "ours": ours, "ours_runs": ours_runs},
-        "throughput": {"num_requests": args.num_requests, "mean_prompt_len": float(np.mean([s.prompt_len for s in samples])),
+        "throughput": {"dataset": args.dataset, "num_requests": args.num_requests, "mean_prompt_len": float(np.mean([s.prompt_len for s in samples])),
                        "mean_output_len": float(np.mean(output_lens)), "ours": tput, "ours_runs": tput_runs},
         "kv_utilization": kv_utilization([s.prompt_len + s.output_len for s in samples]),
     }

@@ -39,3 +39,29 @@ def test_throughput_runs_start_with_a_cold_prefix_cache(tiny_model_dir):
     assert llm.stats().prefix_cache_hits == hits
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)  # without the reset they would hit
     assert llm.stats().prefix_cache_hits > hits
+
+
+def test_bench_offline_cycles_random_requests_through_several_adapters(tiny_model_dir, tmp_path, monkeypatch):
+    """--dataset random: every request --prompt-len tokens in, --output-len out; --lora A B: the
+    requests alternate between the adapters (each one's requests counted at submit)."""
+    import pytest
+
+    pytest.importorskip("peft")
+    from engine.llm_engine import LLMEngine
+    from tests.helpers import write_lora_adapter
+
+    adapters = [write_lora_adapter(tiny_model_dir, tmp_path / name, ["q_proj", "down_proj"], seed=i)
+                for i, name in enumerate(("a", "b"))]
+    asked = []
+    add_request = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, request_id, prompt, params, priority=0, lora=None:
+                        asked.append(lora) or add_request(self, request_id, prompt, params, priority, lora))
+    out = tmp_path / "offline.json"
+    assert driftgate_main(["bench", "offline", str(tiny_model_dir), "--runs", "1", "--num-requests", "4",
+                           "--prompt-len", "12", "--output-len", "3", "--no-hf", "--dataset", "random",
+                           "--lora", *map(str, adapters), "--result-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["throughput"]["dataset"] == "random" and result["throughput"]["mean_output_len"] == 3
+    assert result["throughput"]["mean_prompt_len"] > 0  # re-measured: decode/encode need not round-trip
+    assert result["lora"] == list(map(str, adapters))
+    assert asked[-4:] == ["bench0", "bench1", "bench0", "bench1"]  # the throughput run's requests
