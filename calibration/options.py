@@ -14,8 +14,9 @@ KV_CACHE_DTYPES = ("fp8",)
 KV_STRATEGIES = ("tensor", "head")
 _FP4_SCHEMES = ("nvfp4a16", "nvfp4", "mxfp4a16", "mxfp4")
 # The schemes each weight algorithm applies to (FP4 codes included).
-_ALGORITHM_SCHEMES = {"gptq": ("w4a16", "w4a16-asym", "w8a16", "w8a8-int8", *_FP4_SCHEMES),
-                      "awq": ("w4a16", "w4a16-asym", "w8a16", *_FP4_SCHEMES)}
+_ALGORITHM_SCHEMES = {"gptq": ("w4a16", "w4a16-asym", "w4a8", "w8a16", "w8a8-int8", *_FP4_SCHEMES),
+                      "awq": ("w4a16", "w4a16-asym", "w4a8", "w8a16", *_FP4_SCHEMES)}
+_SMOOTHQUANT_SCHEMES = ("w8a8-int8", "w4a8")  # int8 activations: what SmoothQuant's scales protect
 # Integer groups take --group-size; FP4's group sizes are the format's own.
 _GROUPED_SCHEMES = tuple(name for name in PRESETS
                          if preset(name).weights.strategy == "group" and not preset(name).weights.is_fp4)
@@ -57,8 +58,9 @@ class QuantizeOptions:
             raise ValueError(f"--algo {self.algorithm} applies to {', '.join(_ALGORITHM_SCHEMES[self.algorithm])}, "
                              f"not --scheme {self.scheme}")
         if self.smoothquant is not None:
-            if self.scheme != "w8a8-int8":
-                raise ValueError(f"--smoothquant applies to w8a8-int8 (its activations are quantized), not {self.scheme}")
+            if self.scheme not in _SMOOTHQUANT_SCHEMES:
+                raise ValueError(f"--smoothquant applies to {', '.join(_SMOOTHQUANT_SCHEMES)} (their activations are "
+                                 f"quantized), not {self.scheme}")
             if not 0.0 < self.smoothquant <= 1.0:
                 raise ValueError(f"--smoothquant α must be in (0, 1], got {self.smoothquant}")
         if self.group_size is not None:

@@ -562,9 +562,13 @@ def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(_IntWeightLinear):
-    """W8A8 INT8 (``int-quantized``): symmetric int8 weights per channel, dynamic per-token int8 inputs.
+    """W8A8 / W4A8 INT (``int-quantized``): symmetric int8 weights per channel, or int4 weights per
+    channel or group, dynamic per-token int8 inputs.
 
-    The oracle quantizes each token with scale absmax/127 (vLLM's runtime kernel). Kernels:
+    The oracle quantizes each token with scale absmax/127 (vLLM's runtime kernel). Int4 weights run
+    on ``panel_matmul_w4a8`` (AVX-512 VNNI: the W8A8 products on nibble panels, each group's
+    integer dot scaled by its scale), elsewhere on the oracle over the weight dequantized once.
+    Int8 kernels:
     - CPU with AVX-512 VNNI: ``panel_matmul_w8a8`` (engine/csrc/panel_matmul.c) quantizes each
       row exactly as the oracle does and multiplies in integers: the oracle up to fp32 rounding
       of the final scaling, and faster than fbgemm at every batch size measured here.
@@ -580,8 +584,11 @@ class Int8Linear(_IntWeightLinear):
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
         merged = _merge_int_shards(shards)
         self.register_buffer("qweight", merged["q"], persistent=False)  # [out, in] int8
-        self.register_buffer("weight_scale", merged["scale"], persistent=False)  # [out, 1] fp32
-        if self.qweight.is_cuda:
+        self.register_buffer("weight_scale", merged["scale"], persistent=False)  # [out, G] fp32
+        self.register_buffer("g_idx", merged["g_idx"], persistent=False)  # [in] | None
+        if self.scheme.weights.is_int4:
+            self._build_int4()
+        elif self.qweight.is_cuda:
             # cuBLASLt int8 GEMM needs in and out multiples of 8; otherwise run the oracle.
             dims_ok = self.input_size % 8 == 0 and self.output_size % 8 == 0
             self.kernel = "int_mm" if dims_ok else "reference"
@@ -595,19 +602,38 @@ class Int8Linear(_IntWeightLinear):
             self.kernel = "fbgemm"
             self._packed = _fbgemm_prepack(self.qweight, self.weight_scale[:, 0])
 
+    def _build_int4(self) -> None:
+        group = self.scheme.weights.group_size or self.input_size
+        if self.g_idx is None and not self.qweight.is_cuda and panel_matmul.w4a8_fits(
+                self.output_size, self.input_size, group):
+            self.kernel = "w4a8panel"
+            panels, sums, scales = panel_matmul.pack_w4a8(self.qweight, self.weight_scale.expand(
+                -1, self.input_size // group))
+            self.register_buffer("kernel_weight", panels, persistent=False)
+            self.register_buffer("kernel_sums", sums, persistent=False)
+            self.register_buffer("kernel_scales", scales, persistent=False)
+        else:
+            self.kernel = "reference"
+            self.register_buffer("weight_dense", self.dequantized_weight(), persistent=False)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.weight_scale).to(dtype)  # [out, in]
+        return dequantize_int(self.qweight, self.weight_scale, None, group_size=self.scheme.weights.group_size,
+                              g_idx=self.g_idx, dtype=dtype)  # [out, in]
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.input_size).float()
         s = (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)  # [M, 1]
         xq = torch.round(x2d / s).clamp(-127, 127) * s
-        y = F.linear(xq, self.dequantized_weight())
+        weight = getattr(self, "weight_dense", None)
+        y = F.linear(xq, self.dequantized_weight() if weight is None else weight)
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "reference":
             return self.reference_forward(x)
+        if self.kernel == "w4a8panel":
+            y = panel_matmul.matmul_w4a8(x, self.kernel_weight, self.kernel_sums, self.kernel_scales, self.bias)
+            return y.to(x.dtype)
         if self.kernel == "w8a8panel":
             y = panel_matmul.matmul_w8a8(x, self.kernel_weight, self.kernel_sums, self.kernel_scales, self.bias)
             return y.to(x.dtype)
@@ -641,6 +667,4 @@ def make_quantized_linear(
         return Fp8Linear(scheme, input_size, output_sizes, bias, dtype)
     if acts is None:
         return WeightOnlyIntLinear(scheme, input_size, output_sizes, bias, dtype)
-    if w.strategy == "group":
-        raise ValueError("W8A8 int8 needs per-channel or per-tensor weight scales, not groups")
-    return Int8Linear(scheme, input_size, output_sizes, bias, dtype)
+    return Int8Linear(scheme, input_size, output_sizes, bias, dtype)  # the scheme refused int8 weight groups

@@ -174,8 +174,11 @@ class QuantScheme:
                                  f"{w.type}{w.num_bits} ({w.strategy})")
             if a.is_fp4 and not a.dynamic:
                 raise ValueError("FP4 activations are scaled per group at run time (dynamic)")
-            if w.type == "int" and (not a.dynamic or not w.symmetric or w.num_bits != 8):
-                raise ValueError("int8 activations need dynamic per-token quantization and symmetric int8 weights")
+            if w.type == "int" and (not a.dynamic or not w.symmetric):
+                raise ValueError("int8 activations need dynamic per-token quantization and symmetric int8 or int4 "
+                                 "weights")
+            if w.type == "int" and w.num_bits == 8 and w.strategy == "group":
+                raise ValueError("W8A8 int8 needs per-channel or per-tensor weight scales, not groups")
 
     def to_dict(self, targets: list[str], *, with_format: bool) -> dict[str, Any]:
         """The CT ``QuantizationScheme`` JSON for a config group."""
@@ -235,8 +238,8 @@ def _fp8(strategy: str, **kw: Any) -> QuantArgs:
 
 
 FP8_KV = _fp8("tensor")
-PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "nvfp4", "mxfp4a16",
-           "mxfp4")
+PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w4a8", "w8a16", "nvfp4a16", "nvfp4",
+           "mxfp4a16", "mxfp4")
 
 
 def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> QuantScheme:
@@ -244,10 +247,11 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
     is per-channel; nvfp4a16 is NVFP4 weights (LLMC ``NVFP4A16``: FP4 in groups of 16, FP8 group
     scales under a global scale), nvfp4 (LLMC ``NVFP4``) quantizes activations so as well; mxfp4a16 and
     mxfp4 likewise in MXFP4 (``MXFP4A16``, ``MXFP4``: FP4 in groups of 32, power-of-two scales).
+    w4a8 (LLMC ``W4A8``) is w4a16's weights with w8a8-int8's per-token int8 activations.
     w4a16-asym gives each group a zero point as well as a scale, so its 16 levels
     span the group's [min, max] rather than ±absmax (AWQ's and most GPTQ exports' choice).
 
-    ``group_size`` applies to w4a16 and w4a16-asym only (it must divide each Linear's input size for the fast
+    ``group_size`` applies to w4a16, w4a16-asym and w4a8 only (it must divide each Linear's input size for the fast
     CPU kernel: 32 or 64 for hidden 576). w8a16 is per-channel because the CPU int8 kernel takes
     one scale per output row.
     """
@@ -257,9 +261,11 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
         return QuantScheme(_fp8("tensor"), _fp8("tensor", observer="static_minmax"), "float-quantized")
     if name == "w8a8-int8":
         return QuantScheme(QuantArgs(strategy="channel"), QuantArgs(strategy="token", dynamic=True), "int-quantized")
-    if name in ("w4a16", "w4a16-asym"):
+    if name in ("w4a16", "w4a16-asym", "w4a8"):
         weights = QuantArgs(num_bits=4, strategy="group", group_size=group_size, actorder=actorder,
-                            symmetric=name == "w4a16")
+                            symmetric=name != "w4a16-asym")
+        if name == "w4a8":
+            return QuantScheme(weights, QuantArgs(strategy="token", dynamic=True), "int-quantized")
         return QuantScheme(weights, None, "pack-quantized")
     if name == "w8a16":
         return QuantScheme(QuantArgs(strategy="channel", actorder=actorder), None, "pack-quantized")
@@ -284,6 +290,7 @@ CT_PRESETS = {
     "W8A8": lambda: preset("w8a8-int8"),
     "INT8": lambda: preset("w8a8-int8"),
     "W4A16": lambda: preset("w4a16"),
+    "W4A8": lambda: preset("w4a8"),
     "W4A16_ASYM": lambda: preset("w4a16-asym"),
     "W8A16": lambda: QuantScheme(QuantArgs(strategy="group", group_size=128), None, "pack-quantized"),
     "NVFP4A16": lambda: preset("nvfp4a16"),

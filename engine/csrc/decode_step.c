@@ -22,14 +22,14 @@
 
 /* A Linear's kernel and operands, as engine/layers/fused_decode.py describes them. */
 enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_FP8 = 4, LINEAR_FP8_DOT = 5,
-       LINEAR_INT4 = 6 };
+       LINEAR_INT4 = 6, LINEAR_W4A8 = 7 };
 
 typedef struct {
     int32_t kind, n, k, group_size, act;
     float input_scale;    /* ACT_FP8_STATIC */
     const void *weight;   /* panels in the kernel's layout */
     const void *scales;   /* int8, int4 and fp8: scale panels; w8a8 and fp8 dot: per-channel scales */
-    const int32_t *sums;  /* w8a8: 128 · row sums */
+    const int32_t *sums;  /* w8a8: 128 · row sums; w4a8: 128 · group sums */
     const float *zeros;   /* asymmetric int4: zero-point panels, else NULL */
     const float *bias;    /* or NULL */
     const struct LoRA *loras; /* per adapter group of the step (Model.lora_*): its factors here, or NULL */
@@ -133,6 +133,9 @@ static int base_linear(const Linear *l, float *y, const float *x, float *staging
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case LINEAR_W8A8:
         return panel_matmul_w8a8(y, x, l->weight, l->sums, l->scales, l->bias, rows, l->n, l->k, threads);
+    case LINEAR_W4A8:
+        return panel_matmul_w4a8(y, x, l->weight, l->sums, l->scales, l->bias, rows, l->n, l->k, l->group_size,
+                                 threads);
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
     case LINEAR_FP8_DOT:

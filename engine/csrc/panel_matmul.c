@@ -1,7 +1,7 @@
 /* y = x Wᵀ + b for CPUs, on a weight laid out in 16-column panels: float32 (or bf16-valued)
  * weights, int8 or fp8 weights with float32 scales per group of input columns (weight-only
- * W8A16 / W4A16, and FP8 with its activations already rounded), int8 weights times per-token
- * int8 activations (W8A8), and, at the end of this file, bf16 or FP8 products on AVX-512 BF16.
+ * W8A16 / W4A16, and FP8 with its activations already rounded), int8 or int4 weights times
+ * per-token int8 activations (W8A8, W4A8), and, at the end of this file, bf16 or FP8 products on AVX-512 BF16.
  *
  * Decode multiplies a few activation rows by every weight, so the step is bound by how fast the
  * weights stream from memory. oneDNN's blocked layout reached 15–20 GB/s here at 1–8 rows; this
@@ -452,6 +452,93 @@ int panel_matmul_w8a8(float *y, const float *x, const int8_t *panels, const int3
                               bias_p, ROW_TILE_W8A8, K, N, &ahead);
             switch (end - m) {
                 TAIL_W8A8(1) TAIL_W8A8(2) TAIL_W8A8(3) TAIL_W8A8(4) TAIL_W8A8(5) TAIL_W8A8(6) TAIL_W8A8(7)
+                default: break;
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+/* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
+ * the same per-token int8 activations and vpdpbusd products as W8A8; the integer dot of each
+ * group is scaled by its group's scales before the next group adds in, and the row scale comes
+ * last:  y = (Σ_g s_g · (Σ_{k∈g} x_q[k] · q[k])) · row scale + b.  Half W8A8's weight bytes, which
+ * decode streams once a step; the arithmetic llama.cpp's 4-bit formats use with 8-bit activations.
+ *
+ * Layouts:
+ *   panels [N / 16, K / 8, 64] uint8: panel p, block b, lane j, byte t holds u[16p + j][8b + t] in
+ *          its low nibble and u[16p + j][8b + 4 + t] in its high one (t = 0..3), u = q + 8 in 0..15
+ *   group_sums [N / 16, K / G, 16] int32: 128 · Σ_{k∈g} q[n][k] (rows are stored as x_q + 128)
+ *   group_scales [N / 16, K / G, 16] float32
+ * K and the group size G must be multiples of 8 (G = K: per channel), N of 16.
+ */
+static inline __attribute__((always_inline)) void row_tile_w4a8(
+    float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const uint8_t *restrict panel,
+    const int32_t *group_sums, const float *group_scales, const float *bias, int rows, int K, int N, int G,
+    Lookahead *ahead) {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    __m512 total[ROW_TILE_W8A8];
+    __m512i acc[ROW_TILE_W8A8];
+    for (int i = 0; i < rows; i++) total[i] = _mm512_setzero_ps();
+    for (int g = 0; g < K / G; g++) {
+        for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_si512();
+        for (int k = g * G; k < (g + 1) * G; k += 8, panel += 64) {
+            lookahead_step(ahead);
+            __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
+            const __m512i both = _mm512_loadu_si512((const void *)panel);
+            const __m512i first = _mm512_sub_epi8(_mm512_and_si512(both, low_nibbles), eight);
+            const __m512i second = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles), eight);
+            for (int i = 0; i < rows; i++) {
+                int32_t lo, hi;
+                __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
+                __builtin_memcpy(&hi, xq + (int64_t)i * K + k + 4, 4);
+                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(lo), first);
+                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(hi), second);
+            }
+        }
+        const __m512i sums = _mm512_loadu_si512((const void *)(group_sums + g * PANEL));
+        const __m512 scale = _mm512_loadu_ps(group_scales + g * PANEL);
+        for (int i = 0; i < rows; i++)
+            total[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], sums)), scale, total[i]);
+    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; i++)
+        _mm512_storeu_ps(y + (int64_t)i * N, _mm512_fmadd_ps(total[i], _mm512_set1_ps(row_scales[i]), b));
+}
+
+#define TAIL_W4A8(r) case r: row_tile_w4a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, \
+                                           scales_p, bias_p, r, K, N, G, &ahead); break;
+
+/* Returns 0, or -1 when the row buffer could not be allocated. */
+int panel_matmul_w4a8(float *y, const float *x, const uint8_t *panels, const int32_t *group_sums,
+                      const float *group_scales, const float *bias, int M, int N, int K, int G, int threads) {
+    uint8_t *xq = malloc((size_t)M * K + (size_t)M * sizeof(float));
+    if (!xq) return -1;
+    float *row_scales = (float *)(xq + (size_t)M * K);
+    const int groups = K / G;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
+        const int num_panels = N / PANEL, row_blocks = (M + W8A8_ROW_BLOCK - 1) / W8A8_ROW_BLOCK;
+#pragma omp for schedule(static)
+        for (int task = 0; task < row_blocks * num_panels; task++) {
+            const int p = task % num_panels, first = task / num_panels * W8A8_ROW_BLOCK;
+            const int end = first + W8A8_ROW_BLOCK < M ? first + W8A8_ROW_BLOCK : M;
+            const int64_t panel_bytes = (int64_t)K * PANEL / 2;
+            const uint8_t *panel = panels + p * panel_bytes;
+            const int32_t *sums_p = group_sums + (int64_t)p * groups * PANEL;
+            const float *scales_p = group_scales + (int64_t)p * groups * PANEL, *bias_p = bias ? bias + p * PANEL : 0;
+            float *y_p = y + p * PANEL;
+            const int has_next = task + 1 < row_blocks * num_panels;
+            Lookahead ahead = lookahead(has_next ? panels + (task + 1) % num_panels * panel_bytes : 0, panel_bytes);
+            int m = first;
+            for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8)
+                row_tile_w4a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, scales_p,
+                              bias_p, ROW_TILE_W8A8, K, N, G, &ahead);
+            switch (end - m) {
+                TAIL_W4A8(1) TAIL_W4A8(2) TAIL_W4A8(3) TAIL_W4A8(4) TAIL_W4A8(5) TAIL_W4A8(6) TAIL_W4A8(7)
                 default: break;
             }
         }

@@ -3,7 +3,7 @@
 At batch 1 a small model's decode step spent about half its time in Python between kernels
 (SmolLM2-135M: 16.9 → 11.1 ms a token in fp32, 18.0 → 8.5 ms in W8A8). When a step holds only
 decode tokens and every layer runs on a C kernel (fp32 activations, panel-packed dense, int8
-weight-only, W8A8 or FP8 weights, an fp32, bf16 or fp8 KV cache; LoRA adapters included, each
+weight-only, W8A8, W4A8 or FP8 weights, an fp32, bf16 or fp8 KV cache; LoRA adapters included, each
 on its rows), the layers run in one call instead: the same kernels in the same order, so the same
 floats. Every other step, and every model this does not describe, goes through the modules,
 which stay the oracle.
@@ -28,7 +28,7 @@ from engine.lora import LoRALinear, LoRAStep
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
 
-LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8, LINEAR_FP8_DOT, LINEAR_INT4 = range(7)
+LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8, LINEAR_FP8_DOT, LINEAR_INT4, LINEAR_W4A8 = range(8)
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
@@ -94,13 +94,15 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         kind, scales, zeros = LINEAR_INT4, linear.kernel_scales, linear.kernel_zeros
     elif kernel == "w8a8panel":
         kind, scales, sums = LINEAR_W8A8, linear.kernel_scales, linear.kernel_sums
+    elif kernel == "w4a8panel":
+        kind, scales, sums = LINEAR_W4A8, linear.kernel_scales, linear.kernel_sums
     elif kernel == "fp8panel":
         kind, scales = LINEAR_FP8, linear.kernel_scales
     elif kernel == "fp8dot":
         kind, scales = LINEAR_FP8_DOT, linear.kernel_scales
     else:
         return None
-    group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_INT4, LINEAR_FP8) else k
+    group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_INT4, LINEAR_FP8, LINEAR_W4A8) else k
     act, input_scale = linear.input_rounding() if kind in (LINEAR_FP8, LINEAR_FP8_DOT) else (ACT_NONE, 0.0)
     keep.extend(t for t in (weight, scales, sums, zeros, bias) if t is not None)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731

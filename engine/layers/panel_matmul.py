@@ -266,3 +266,43 @@ def matmul_w8a8(x: torch.Tensor, panels: torch.Tensor, bias_sums: torch.Tensor, 
     num_panels, steps, _, _ = panels.shape
     kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_w8a8", _ARGTYPES_W8A8, ctypes.c_int)
     return _run(kernel, x, steps * 4, num_panels * PANEL, (panels, bias_sums, weight_scales), bias)
+
+
+_ARGTYPES_W4A8 = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 5)
+
+
+def w4a8_fits(n: int, k: int, group_size: int) -> bool:
+    """Whether a symmetric int4 [N, K] weight with groups of `group_size` columns runs on the W4A8 kernel."""
+    return w8a8_available() and n % PANEL == 0 and k % group_size == 0 and group_size % 8 == 0
+
+
+def pack_w4a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 values [N, K] (int8 in −8..7) and their scales [N, K / G] → (nibble panels
+    [N / 16, K / 8, 64] uint8, 128 · group sums [N / 16, K / G, 16] int32, scales [N / 16, K / G, 16]
+    float32), the layout `panel_matmul_w4a8` reads. The caller checks `w4a8_fits` first."""
+    n, k = qweight.shape
+    groups = scale.shape[1]
+    if qweight.dtype != torch.int8 or not w4a8_fits(n, k, k // groups) or qweight.min() < -8 or qweight.max() > 7:
+        raise ValueError(f"the W4A8 kernel does not take a {qweight.dtype} {(n, k)} weight in {groups} groups")
+    u = (qweight.to(torch.int16) + 8).to(torch.uint8).reshape(n // PANEL, PANEL, k // 8, 2, 4)
+    nibbles = (u[..., 0, :] | (u[..., 1, :] << 4)).transpose(1, 2)  # [N / 16, K / 8, 16, 4]
+    panels = host_memory.WEIGHTS.copy(nibbles.reshape(n // PANEL, k // 8, 64))
+    sums = (qweight.to(torch.int32).reshape(n, groups, k // groups).sum(-1) * 128).to(torch.int32)
+    return panels, _group_panels(sums), _group_panels(scale.float())
+
+
+def _group_panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] per-group values → [N / 16, G, 16], a panel's 16 channels side by side per group."""
+    n, groups = t.shape
+    return t.reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+
+
+def matmul_w4a8(x: torch.Tensor, panels: torch.Tensor, group_sums: torch.Tensor, group_scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``q(x) Wᵀ + b`` for x [..., K], each row quantized to int8 by its absmax / 127, W the int4
+    weight `pack_w4a8` laid out, times its group scales."""
+    num_panels, blocks, _ = panels.shape
+    k = blocks * 8
+    kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_w4a8", _ARGTYPES_W4A8, ctypes.c_int)
+    return _run(kernel, x, k, num_panels * PANEL, (panels, group_sums, group_scales), bias, k // group_sums.shape[1])
+

@@ -46,6 +46,7 @@ def _fp8(strategy: str, **kw) -> QuantArgs:
 
 SCHEMES = {name: preset(name) for name in ("w8a16", "w4a16", "w4a16-asym", "w8a8-int8", "fp8-dynamic", "fp8-static",
                                            "nvfp4a16", "mxfp4a16")} | {
+    "w4a8": preset("w4a8", group_size=32),
     "fp8-tensor-dynamic": QuantScheme(_fp8("channel"), _fp8("tensor", dynamic=True), "float-quantized"),
     "fp8-weight-only": QuantScheme(_fp8("channel"), None, "naive-quantized"),
 }
@@ -135,7 +136,7 @@ def test_fused_step_with_lora_adapters_equals_module_path(tmp_path, monkeypatch,
 
 
 # FP8 W8A8 also on the fp32 kernel the bf16-product one replaces where AVX-512 BF16 is missing
-QUANTIZED = [pytest.param(n, True, marks=needs_vnni) if n == "w8a8-int8" else (n, True) for n in SCHEMES] + [
+QUANTIZED = [pytest.param(n, True, marks=needs_vnni) if n in ("w8a8-int8", "w4a8") else (n, True) for n in SCHEMES] + [
     (n, False) for n in ("fp8-dynamic", "fp8-static", "fp8-tensor-dynamic")]
 
 

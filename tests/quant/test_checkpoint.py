@@ -54,6 +54,7 @@ def our_dequantized(out: Path, scheme: QuantScheme, prefix: str) -> torch.Tensor
     ("w4a16-asym", W4A16_ASYM),
     ("w8a16", preset("w8a16")),
     ("w8a8-int8", preset("w8a8-int8")),
+    ("w4a8-g32", preset("w4a8", group_size=32)),
 ])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_compressed_tensors_decompresses_to_our_weights(tmp_path, source_dir, name, scheme, scale_dtype):

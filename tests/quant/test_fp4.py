@@ -312,7 +312,7 @@ def test_fp4_is_refused_where_it_cannot_run(tmp_path, capsys):
     assert "--smoothquant applies to w8a8-int8" in capsys.readouterr().err
     assert main([str(source), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", "mxfp4a16",
                  "--group-size", "64"]) == 2
-    assert "--group-size applies to w4a16, w4a16-asym; mxfp4a16 does not" in capsys.readouterr().err
+    assert "--group-size applies to w4a16, w4a16-asym, w4a8; mxfp4a16 does not" in capsys.readouterr().err
     odd = make_tiny_model_dir(tmp_path / "odd", hidden_size=72)  # q/k/v and gate/up read 72 columns
     for scheme, group in (("nvfp4a16", 16), ("nvfp4", 16), ("mxfp4a16", 32), ("mxfp4", 32)):
         assert main([str(odd), "--calib", str(calib), "-o", str(tmp_path / "q"), "--scheme", scheme]) == 2

@@ -45,6 +45,12 @@ W4A16_GROUP = {  # llm-compressor W4A16
     "weights": {**_COMMON_ARGS, "num_bits": 4, "type": "int", "symmetric": True, "group_size": GROUP,
                 "strategy": "group", "dynamic": False, "observer": "minmax"},
 }
+W4A8_GROUP = {  # llm-compressor W4A8: W4A16's weights, unpacked (int-quantized), and per-token int8 inputs
+    "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+    "weights": W4A16_GROUP["weights"],
+    "input_activations": {**_COMMON_ARGS, "num_bits": 8, "type": "int", "symmetric": True, "group_size": None,
+                          "strategy": "token", "dynamic": True, "observer": None},
+}
 KV_SCHEME = {**_COMMON_ARGS, "num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
              "strategy": "tensor", "dynamic": False, "observer": "minmax"}
 
@@ -84,7 +90,15 @@ def int4_group(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return tensors, dequantized
 
 
-SCHEMES = {"fp8-dynamic": (FP8_DYNAMIC_GROUP, fp8_channel), "w4a16": (W4A16_GROUP, int4_group)}
+def int4_group_unpacked(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The same int4 values as int4_group, one int8 each (``weight``), as int-quantized stores them."""
+    tensors, dequantized = int4_group(w)
+    q = (dequantized.reshape(w.shape[0], -1, GROUP) / tensors["weight_scale"].float()[..., None]).round()
+    return {"weight": q.reshape(w.shape).to(torch.int8), "weight_scale": tensors["weight_scale"]}, dequantized
+
+
+SCHEMES = {"fp8-dynamic": (FP8_DYNAMIC_GROUP, fp8_channel), "w4a16": (W4A16_GROUP, int4_group),
+           "w4a8": (W4A8_GROUP, int4_group_unpacked)}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +200,12 @@ def fake_quantize_tokens_fp8(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
+def fake_quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token int8 activations (vLLM's): scale = token absmax / 127, rounded half to even."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).eps)
+    return (x / scale).round().clamp(-127, 127) * scale
+
+
 def fake_quantize_fp4_inputs(x: torch.Tensor, scheme: str) -> torch.Tensor:
     """compressed-tensors' own run-time rounding of FP4 activations (dynamic group scales; NVFP4's
     under the input global scale)."""
@@ -209,6 +229,8 @@ def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str
         linear.weight.data.copy_(weight)
         if scheme == "fp8-dynamic":
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_fp8(args[0]),))
+        elif scheme == "w4a8":
+            linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_int8(args[0]),))
         elif scheme in ("nvfp4", "mxfp4"):
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_fp4_inputs(args[0], scheme),))
     if bf16_lm_head_inputs:
@@ -227,8 +249,8 @@ TOLERANCE = 1e-4
 
 @pytest.mark.parametrize("scheme", [*sorted(SCHEMES), *FP4_SCHEMES])
 def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_dir, scheme, monkeypatch, request):
-    if scheme in ("fp8-dynamic", "nvfp4", "mxfp4"):
-        # Rounding activations to fp8 / fp4 is discontinuous: the C kernels' other summation order
+    if scheme in ("fp8-dynamic", "w4a8", "nvfp4", "mxfp4"):
+        # Rounding activations to fp8 / int8 / fp4 is discontinuous: the C kernels' other summation order
         # moves an activation by an ulp, flips its rounding and moves log-probs by ~0.3. Compare with
         # torch's arithmetic on both sides; the kernels equal torch in tests/engine.
         monkeypatch.setenv("DRIFTGATE_CPU_KERNELS", "0")
