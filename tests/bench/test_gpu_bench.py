@@ -22,3 +22,13 @@ def test_fp8_kv_fits_twice_the_sequences():
     args = LlamaArgs.from_hf_config(gpu.TINY)
     fits = gpu.kv_capacity(args, 64 << 20, 1024)["sequences"]
     assert fits["float8_e4m3fn"] == 2 * fits["bfloat16"] > 0
+
+
+def test_the_gpu_check_script_names_test_files_that_exist():
+    """bench/gpu_check.sh runs once per lent GPU: a renamed test file must not silently drop out of it."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    named = re.findall(r"tests/\S+\.py", (root / "bench" / "gpu_check.sh").read_text())
+    assert named and all((root / path).is_file() for path in named), [p for p in named if not (root / p).is_file()]
