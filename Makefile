@@ -11,7 +11,7 @@ DATA    ?= $(or $(DRIFTGATE_DATA),$(abspath ../shared/data))
 # `make bench-schemes`: every CPU scheme quantized once (cached here) and llama.cpp built once, then
 # measured side by side with fp32 and llama.cpp's Q8_0/Q4_1 in one run
 CKPTS   ?= $(HOMEDIR)/checkpoints
-SCHEMES := fp8-dynamic w8a8-int8 w8a16 w4a16-rtn
+SCHEMES := fp8-dynamic w8a8-int8 w8a16 w4a16-rtn w4a8-rtn
 QUANTIZE_FLAGS := --calib $(DATA)/calib/self_instruct_seed_tasks.jsonl --num-samples 128 --max-seq-len 512
 LLAMA_BENCH := $(HOMEDIR)/llama.cpp/bin/llama-bench
 
