@@ -501,7 +501,7 @@ class Fp4Linear(WeightOnlyIntLinear):
 
     def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cols = self.input_size
-        kind = fp4.Nvfp4 if self._nvfp4 else fp4.Mxfp4
+        kind = fp4.SCALINGS[self.scheme.weights.fp4_kind]
         if cols % kind.group_size:
             raise ValueError(f"{where}: {kind.name} needs an input size that is a multiple of {kind.group_size}, "
                              f"got {cols}")

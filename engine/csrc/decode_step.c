@@ -44,8 +44,9 @@ typedef struct LoRA {
 } LoRA;
 
 typedef struct {
-    const float *input_norm, *post_norm;
-    const float *q_norm, *k_norm; /* Qwen3's and Gemma's per-head query and key norms [head_dim], else NULL */
+    const float *input_norm, *post_norm; /* OLMo 2 (Model.post_norms): no input norm; post_norm norms the attention output */
+    const float *q_norm, *k_norm; /* Qwen3's and Gemma's per-head query and key norms [head_dim] (OLMo's: whole
+                                   * [q_size] and [kv_size], Model.qk_norm_full), else NULL */
     const float *pre_mlp_norm, *post_mlp_norm; /* Gemma's sandwich: post_norm then norms the attention output */
     const float *cos, *sin; /* this layer's rotary tables (Gemma's local layers have their own), or NULL */
     Linear qkv, o, gate_up, down;
@@ -61,6 +62,8 @@ typedef struct {
     int32_t gelu;       /* the MLP's gate: 0 silu (SwiGLU), 1 gelu with tanh (GeGLU) */
     float attn_softcap; /* > 0: attention scores capped (Gemma 2) */
     float residual_multiplier; /* each block's output scaled before its residual add (Granite; else 1) */
+    int32_t post_norms;   /* OLMo 2: x + norm(attn(x)), then x + norm(mlp(x)) */
+    int32_t qk_norm_full; /* q and k normed over all their heads at once */
     const float *final_norm;
     const Layer *layers;
     /* the step's rows grouped by adapter: group g holds lora_rows[lora_offsets[g] .. lora_offsets[g + 1]]
@@ -68,6 +71,11 @@ typedef struct {
     int32_t lora_groups, lora_rank; /* lora_rank: the largest rank of any adapter (the scratch it needs) */
     const int32_t *lora_offsets, *lora_rows;
 } Model;
+
+/* sum += x, as torch's fp32 add. */
+static void add_rows(float *sum, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) sum[i] += x[i];
+}
 
 /* x *= s, as torch's fp32 multiply (a no-op for s = 1). */
 static void scale_rows(float *x, size_t n, float s) {
@@ -205,19 +213,27 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
     int status = STEP_OK;
     for (int i = 0; i < m->num_layers && status == STEP_OK; i++) {
         const Layer *layer = m->layers + i;
-        if (i == 0) { /* the embeddings are the first residual */
+        if (m->post_norms) { /* the block's input is the residual stream itself: x = hidden + residual */
+            if (i == 0)
+                memcpy(residual, hidden, row_bytes * rows);
+            else
+                add_rows(residual, hidden, (size_t)rows * width);
+        } else if (i == 0) { /* the embeddings are the first residual */
             memcpy(residual, hidden, row_bytes * rows);
             rms_norm_f32(normed, NULL, hidden, NULL, layer->input_norm, rows, width, m->eps, threads);
         } else {
             rms_norm_f32(normed, residual, hidden, residual, layer->input_norm, rows, width, m->eps, threads);
         }
-        if ((status = linear(m, &layer->qkv, qkv, normed, staging, lora_scratch, rows, threads))) break;
-        if (layer->q_norm) /* each head normalized in place, row by row as the modules' norms do it */
+        if ((status = linear(m, &layer->qkv, qkv, m->post_norms ? residual : normed, staging, lora_scratch, rows,
+                             threads)))
+            break;
+        if (layer->q_norm) /* normalized in place, row by row as the modules' norms do it: each head, or all at once */
             for (int t = 0; t < rows; t++) {
                 float *row = qkv + (size_t)t * qkv_size;
-                rms_norm_f32(row, NULL, row, NULL, layer->q_norm, m->num_heads, m->head_dim, m->eps, 1);
-                rms_norm_f32(row + q_size, NULL, row + q_size, NULL, layer->k_norm, m->num_kv_heads, m->head_dim,
-                             m->eps, 1);
+                const int q_rows = m->qk_norm_full ? 1 : m->num_heads, k_rows = m->qk_norm_full ? 1 : m->num_kv_heads;
+                rms_norm_f32(row, NULL, row, NULL, layer->q_norm, q_rows, q_size / q_rows, m->eps, 1);
+                rms_norm_f32(row + q_size, NULL, row + q_size, NULL, layer->k_norm, k_rows, kv_size / k_rows, m->eps,
+                             1);
             }
         if (layer->cos) /* NULL: a layer without positions (SmolLM3's NoPE layers) */
             rotary_f32(qkv, positions, layer->cos, layer->sin, rows, qkv_size, m->num_heads + m->num_kv_heads,
@@ -236,13 +252,18 @@ int decode_step(const Model *m, float *hidden, const int64_t *positions, const i
                                         layer->window, m->attn_softcap, threads);
         if (status || (status = linear(m, &layer->o, hidden, attn, staging, lora_scratch, rows, threads))) break;
         scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);
-        if (layer->pre_mlp_norm) { /* the attention output normed, then added and normed for the MLP */
+        const float *mlp_input = normed;
+        if (m->post_norms) { /* x + norm(attn(x)) feeds the MLP; norm(mlp(x)) is the block's output beside it */
+            rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_norm, rows, width, m->eps, threads);
+            add_rows(residual, hidden, (size_t)rows * width);
+            mlp_input = residual;
+        } else if (layer->pre_mlp_norm) { /* the attention output normed, then added and normed for the MLP */
             rms_norm_f32(hidden, NULL, hidden, NULL, layer->post_norm, rows, width, m->eps, threads);
             rms_norm_f32(normed, residual, hidden, residual, layer->pre_mlp_norm, rows, width, m->eps, threads);
         } else {
             rms_norm_f32(normed, residual, hidden, residual, layer->post_norm, rows, width, m->eps, threads);
         }
-        if ((status = linear(m, &layer->gate_up, gate_up, normed, staging, lora_scratch, rows, threads))) break;
+        if ((status = linear(m, &layer->gate_up, gate_up, mlp_input, staging, lora_scratch, rows, threads))) break;
         (m->gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(act, gate_up, rows, m->inter, threads);
         if ((status = linear(m, &layer->down, hidden, act, staging, lora_scratch, rows, threads))) break;
         scale_rows(hidden, (size_t)rows * width, m->residual_multiplier);

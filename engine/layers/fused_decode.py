@@ -58,7 +58,8 @@ class _Model(ctypes.Structure):
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("kv_type", ctypes.c_int32), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
                 ("rotary_dim", ctypes.c_int32), ("gelu", ctypes.c_int32), ("attn_softcap", ctypes.c_float),
-                ("residual_multiplier", ctypes.c_float), ("final_norm", ctypes.c_void_p),
+                ("residual_multiplier", ctypes.c_float), ("post_norms", ctypes.c_int32),
+                ("qk_norm_full", ctypes.c_int32), ("final_norm", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer)), ("lora_groups", ctypes.c_int32), ("lora_rank", ctypes.c_int32),
                 ("lora_offsets", ctypes.c_void_p), ("lora_rows", ctypes.c_void_p)]
 
@@ -132,13 +133,15 @@ class FusedDecode:
         self._lora_rows: torch.Tensor | None = None
         self._layers = (_Layer * len(layers))()
         for layer, c_layer, linears in zip(layers, self._layers, descriptions, strict=True):
-            c_layer.input_norm = layer.input_layernorm.weight.data_ptr()
+            if layer.input_layernorm is not None:  # OLMo 2 has none: its norms sit on the block's outputs
+                c_layer.input_norm = layer.input_layernorm.weight.data_ptr()
             c_layer.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             if layer.self_attn.q_norm is not None:
                 c_layer.q_norm = layer.self_attn.q_norm.weight.data_ptr()
                 c_layer.k_norm = layer.self_attn.k_norm.weight.data_ptr()
             if layer.sandwich_norms:
                 c_layer.pre_mlp_norm = layer.pre_feedforward_layernorm.weight.data_ptr()
+            if layer.sandwich_norms or layer.post_norms:
                 c_layer.post_mlp_norm = layer.post_feedforward_layernorm.weight.data_ptr()
             rotary = layer.self_attn.rotary  # None: a layer without positions (SmolLM3's NoPE layers)
             if rotary is not None:
@@ -151,7 +154,8 @@ class FusedDecode:
                              model_args.head_dim, model_args.intermediate_size,
                              CACHE_TYPES[torch.float32],  # until a cache is bound (__call__)
                              final_norm.eps, attn.scale, model_args.rotary_dim, int(model_args.activation == "gelu_tanh"),
-                             attn.softcap or 0.0, model_args.residual_multiplier, final_norm.weight.data_ptr(),
+                             attn.softcap or 0.0, model_args.residual_multiplier, int(model_args.post_norms),
+                             int(model_args.qk_norm_full), final_norm.weight.data_ptr(),
                              self._layers)
         self._cache_bound: object | None = None
         self._fp8_scales_bound: list[torch.Tensor] = []  # each layer's K and V scale tensors, as bound
@@ -166,11 +170,10 @@ class FusedDecode:
     @classmethod
     def build(cls, model_args: LlamaArgs, layers: nn.ModuleList, final_norm: nn.Module) -> FusedDecode | None:
         """The fused step for these layers, or None where some part has no C kernel here (the
-        experts of a mixture-of-experts model, OLMoE's and OLMo's whole-width q/k norms, OLMoE's
-        clamps, OLMo's output-only norms: the module path runs those)."""
+        experts of a mixture-of-experts model, OLMoE's q/k/v clamps: the module path runs those)."""
         if os.environ.get("DRIFTGATE_FUSED_DECODE", "1") == "0" or _kernel() is None:
             return None
-        if model_args.is_moe or model_args.qk_norm_full or model_args.clip_qkv is not None or model_args.post_norms:
+        if model_args.is_moe or model_args.clip_qkv is not None:
             return None
         tensors = [final_norm.weight]
         for layer in layers:

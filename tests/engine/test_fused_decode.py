@@ -77,6 +77,13 @@ MODELS = {
         "embedding_multiplier": 6.0, "attention_multiplier": 0.05, "residual_multiplier": 0.3, "logits_scaling": 4.0}},
     # SmolLM3: a layer without rotary positions
     "smollm3-nope": {"architecture": "SmolLM3ForCausalLM", "extra_config": {"no_rope_layers": [0, 1], "pad_token_id": 0}},
+    # OLMo 2: no input norms, the attention and MLP outputs normed before their adds, q and k normed whole
+    "olmo2": {"architecture": "Olmo2ForCausalLM", "extra_config": {"pad_token_id": 0}},
+    # OLMo 3: the same, with a windowed first layer on its own rotary base
+    "olmo3": {"architecture": "Olmo3ForCausalLM", "extra_config": {
+        "pad_token_id": 0, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}}},
     # Phi-4-mini's partial rotation: 3/4 of each head
     "phi3-partial-rotary": {"architecture": "Phi3ForCausalLM",
                             "extra_config": {"pad_token_id": 0, "partial_rotary_factor": 0.75}},
