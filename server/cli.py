@@ -170,8 +170,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="refuse to serve unless the checkpoint's verdict.json passes and matches its weights")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     cluster = parser.add_argument_group("cluster (needs `pip install driftgate[cluster]`)")
-    cluster.add_argument("--replicas", type=int, default=1,
-                         help="engine replicas, each a Ray actor; above 1 the router runs in this process")
+    cluster.add_argument("--replicas", "--data-parallel-size", "-dp", dest="replicas", type=int, default=1,
+                         help="engine replicas, each a Ray actor; above 1 the router runs in this process "
+                              "(vLLM's --data-parallel-size names the same: whole engines side by side)")
     cluster.add_argument("--ray-address", default=None,
                          help="join this Ray cluster (`auto`: the one on this machine); default: start a local one")
     cluster.add_argument("--router-policy", default="coordinated",

@@ -72,8 +72,9 @@ def test_replicas_without_ray_exit_2_saying_what_to_install(tiny_model_dir: Path
     from server.cli import main
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the cluster extra were not installed
-    assert main([str(tiny_model_dir), "--replicas", "2"]) == 2
-    assert "pip install driftgate[cluster]" in capsys.readouterr().err
+    for flag in ("--replicas", "--data-parallel-size", "-dp"):  # vLLM's name for whole engines side by side
+        assert main([str(tiny_model_dir), flag, "2"]) == 2
+        assert "pip install driftgate[cluster]" in capsys.readouterr().err
     assert main([str(tiny_model_dir), "--replicas", "0"]) == 2
 
 
