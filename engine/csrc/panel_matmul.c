@@ -419,47 +419,6 @@ static inline __attribute__((always_inline)) void row_tile_w8a8(
     }
 }
 
-#define TAIL_W8A8(r) case r: row_tile_w8a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, \
-                                           scales_p, bias_p, r, K, N, &ahead); break;
-
-/* Returns 0, or -1 when the row buffer could not be allocated. */
-int panel_matmul_w8a8(float *y, const float *x, const int8_t *panels, const int32_t *bias_sums,
-                      const float *weight_scales, const float *bias, int M, int N, int K, int threads) {
-    uint8_t *xq = malloc((size_t)M * K + (size_t)M * sizeof(float));
-    if (!xq) return -1;
-    float *row_scales = (float *)(xq + (size_t)M * K);
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int m = 0; m < M; m++) row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
-        /* tasks in row-block-major order: each thread's contiguous share keeps one block of
-         * activations in its L2 while every panel passes over it */
-        const int num_panels = N / PANEL, row_blocks = (M + W8A8_ROW_BLOCK - 1) / W8A8_ROW_BLOCK;
-#pragma omp for schedule(static)
-        for (int task = 0; task < row_blocks * num_panels; task++) {
-            const int p = task % num_panels, first = task / num_panels * W8A8_ROW_BLOCK;
-            const int end = first + W8A8_ROW_BLOCK < M ? first + W8A8_ROW_BLOCK : M;
-            const int8_t *panel = panels + (int64_t)p * K * PANEL;
-            const int32_t *sums_p = bias_sums + p * PANEL;
-            const float *scales_p = weight_scales + p * PANEL, *bias_p = bias ? bias + p * PANEL : 0;
-            float *y_p = y + p * PANEL;
-            const int64_t panel_bytes = (int64_t)K * PANEL;
-            const int has_next = task + 1 < row_blocks * num_panels;
-            Lookahead ahead = lookahead(has_next ? panels + (task + 1) % num_panels * panel_bytes : 0, panel_bytes);
-            int m = first;
-            for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8)
-                row_tile_w8a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, scales_p,
-                              bias_p, ROW_TILE_W8A8, K, N, &ahead);
-            switch (end - m) {
-                TAIL_W8A8(1) TAIL_W8A8(2) TAIL_W8A8(3) TAIL_W8A8(4) TAIL_W8A8(5) TAIL_W8A8(6) TAIL_W8A8(7)
-                default: break;
-            }
-        }
-    }
-    free(xq);
-    return 0;
-}
-
 /* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
  * the same per-token int8 activations and vpdpbusd products as W8A8; the integer dot of each
  * group is scaled by its group's scales before the next group adds in, and the row scale comes
@@ -507,12 +466,23 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
         _mm512_storeu_ps(y + (int64_t)i * N, _mm512_fmadd_ps(total[i], _mm512_set1_ps(row_scales[i]), b));
 }
 
-#define TAIL_W4A8(r) case r: row_tile_w4a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, \
-                                           scales_p, bias_p, r, K, N, G, &ahead); break;
+/* One tile of rows on one panel, W4A8 (nibbles) or W8A8: the branch is the same for a whole call. */
+#define TAIL_INT8(r) case r: TILE_INT8(r); break;
+#define TILE_INT8(r)                                                                                                \
+    do {                                                                                                            \
+        if (nibbles)                                                                                                \
+            row_tile_w4a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, scales_p,      \
+                          bias_p, r, K, N, G, &ahead);                                                             \
+        else                                                                                                        \
+            row_tile_w8a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, (const int8_t *)panel, sums_p, \
+                          scales_p, bias_p, r, K, N, &ahead);                                                      \
+    } while (0)
 
-/* Returns 0, or -1 when the row buffer could not be allocated. */
-int panel_matmul_w4a8(float *y, const float *x, const uint8_t *panels, const int32_t *group_sums,
-                      const float *group_scales, const float *bias, int M, int N, int K, int G, int threads) {
+/* W8A8 (G = K, bytes) and W4A8 (nibbles): each row quantized to int8, then the tiles. Returns 0, or
+ * -1 when the row buffer could not be allocated. */
+static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, const int32_t *sums,
+                            const float *scales, const float *bias, int M, int N, int K, int G, int nibbles,
+                            int threads) {
     uint8_t *xq = malloc((size_t)M * K + (size_t)M * sizeof(float));
     if (!xq) return -1;
     float *row_scales = (float *)(xq + (size_t)M * K);
@@ -521,30 +491,40 @@ int panel_matmul_w4a8(float *y, const float *x, const uint8_t *panels, const int
     {
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
+        /* tasks in row-block-major order: each thread's contiguous share keeps one block of
+         * activations in its L2 while every panel passes over it */
         const int num_panels = N / PANEL, row_blocks = (M + W8A8_ROW_BLOCK - 1) / W8A8_ROW_BLOCK;
+        const int64_t panel_bytes = (int64_t)K * PANEL >> nibbles;
 #pragma omp for schedule(static)
         for (int task = 0; task < row_blocks * num_panels; task++) {
             const int p = task % num_panels, first = task / num_panels * W8A8_ROW_BLOCK;
             const int end = first + W8A8_ROW_BLOCK < M ? first + W8A8_ROW_BLOCK : M;
-            const int64_t panel_bytes = (int64_t)K * PANEL / 2;
             const uint8_t *panel = panels + p * panel_bytes;
-            const int32_t *sums_p = group_sums + (int64_t)p * groups * PANEL;
-            const float *scales_p = group_scales + (int64_t)p * groups * PANEL, *bias_p = bias ? bias + p * PANEL : 0;
+            const int32_t *sums_p = sums + (int64_t)p * groups * PANEL;
+            const float *scales_p = scales + (int64_t)p * groups * PANEL, *bias_p = bias ? bias + p * PANEL : 0;
             float *y_p = y + p * PANEL;
             const int has_next = task + 1 < row_blocks * num_panels;
             Lookahead ahead = lookahead(has_next ? panels + (task + 1) % num_panels * panel_bytes : 0, panel_bytes);
             int m = first;
-            for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8)
-                row_tile_w4a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, scales_p,
-                              bias_p, ROW_TILE_W8A8, K, N, G, &ahead);
+            for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8) TILE_INT8(ROW_TILE_W8A8);
             switch (end - m) {
-                TAIL_W4A8(1) TAIL_W4A8(2) TAIL_W4A8(3) TAIL_W4A8(4) TAIL_W4A8(5) TAIL_W4A8(6) TAIL_W4A8(7)
+                TAIL_INT8(1) TAIL_INT8(2) TAIL_INT8(3) TAIL_INT8(4) TAIL_INT8(5) TAIL_INT8(6) TAIL_INT8(7)
                 default: break;
             }
         }
     }
     free(xq);
     return 0;
+}
+
+int panel_matmul_w8a8(float *y, const float *x, const int8_t *panels, const int32_t *bias_sums,
+                      const float *weight_scales, const float *bias, int M, int N, int K, int threads) {
+    return int8_rows_matmul(y, x, (const uint8_t *)panels, bias_sums, weight_scales, bias, M, N, K, K, 0, threads);
+}
+
+int panel_matmul_w4a8(float *y, const float *x, const uint8_t *panels, const int32_t *group_sums,
+                      const float *group_scales, const float *bias, int M, int N, int K, int G, int threads) {
+    return int8_rows_matmul(y, x, panels, group_sums, group_scales, bias, M, N, K, G, 1, threads);
 }
 #else
 int w8a8_available(void) { return 0; }
