@@ -57,8 +57,8 @@ async def create_pooling(body: PoolingRequest, request: Request) -> JSONResponse
     if task == "classify":
         if body.dimensions is not None or body.encoding_format != "float":
             raise APIError(400, "dimensions and encoding_format apply to the embed task", param="task")
-        pooled, probabilities = await classified(body, request, "/pooling", "pool")
-        results = [probs for probs, _ in probabilities]
+        pooled, labelled = await classified(body, request, "/pooling", "pool")
+        results = [probs for probs, _ in labelled]
     else:
         pooled, results = await _embeddings(body, request, "pool")
     return JSONResponse({"id": pooled.request_id, "object": "list", "created": int(time.time()),
