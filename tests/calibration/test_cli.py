@@ -169,7 +169,8 @@ def test_kv_only_checkpoint_keeps_weights_dense(tmp_path, tiny_model_dir, calib_
 @pytest.mark.parametrize(("scheme", "algo"), [
     ("fp8-dynamic", "rtn"), ("w8a8-int8", "rtn"), ("w8a8-int8", "gptq"),
     ("w8a16", "rtn"), ("w8a16", "gptq"), ("w8a16", "awq"), ("w4a16", "gptq"), ("w4a16", "awq"),
-    ("w4a16-asym", "rtn"), ("w4a16-asym", "gptq"), ("w4a16-asym", "awq"), ("w4a8", "rtn"), ("w4a8", "gptq"),
+    ("w4a16-asym", "rtn"), ("w4a16-asym", "gptq"), ("w4a16-asym", "awq"),
+    ("w4a8", "rtn"), ("w4a8", "gptq"), ("w4a8", "awq"),
 ])
 def test_every_scheme_and_algorithm_reloads(tmp_path, tiny_model_dir, calib_file, scheme, algo):
     from engine.loader import load_model
