@@ -11,7 +11,7 @@ MXFP4 (`mxfp4-pack-quantized`, the OCP microscaling format): groups of 32, each 
 two stored as its biased exponent byte (E8M0), no global scale.
 
     scale_g = 2^(e − 2), e the exponent of absmax(W_g) rounded to a power of two (up from a
-              mantissa of 1.75), so the group's largest value lands in E2M1's [4, 7)
+              mantissa of 1.75), so the group's largest value lands at 3.5 to 7 scales (above 6: clamped)
     W ≈ value(code) · scale_g
 
 In both, code = e2m1(W / scale), the nearest of 0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6 (ties to even,

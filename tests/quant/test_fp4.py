@@ -86,7 +86,7 @@ def test_mxfp4_scales_and_packed_codes_are_compressed_tensors_own():
     theirs = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": exponents}, scheme)["weight"]
     ours = fp4.dequantize(packed, scaling, exponents)
     assert torch.equal(ours.to(theirs.dtype), theirs) and torch.equal(ours.to(theirs.dtype).float(), ours)
-    # a group's largest value lands in E2M1's [4, 7) before clamping: at most 1/6 clipped off
+    # a group's largest value lands at 3.5 to 7 scales: rounding (or clamping to 6) moves any weight by at most one
     assert ((ours - w).abs() <= scaling.effective(exponents).repeat_interleave(32, 1) * 1.0).all()
 
 
