@@ -1,5 +1,6 @@
 """Structured outputs: the output must be a JSON object (any, or one matching a schema), match
-a regex, be one of a list of choices, or follow an EBNF grammar.
+a regex, be one of a list of choices, follow an EBNF grammar, or follow a structural tag (free
+text in which tagged spans, a tool call say, must hold to their own schemas).
 
 xgrammar (the `structured` extra) does the grammar work, as in vLLM and SGLang: the grammar is
 compiled against the tokenizer's vocabulary once per request (milliseconds, cached), each step a
@@ -19,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # Whitespace between two JSON elements is free up to this run (a newline and 4-space indentation
 # to depth 4, 2-space to depth 9), so a model cannot spend its whole budget on whitespace: small
 # models fall into that loop under an unbounded grammar (the tests' tiny random model does).
 _MAX_JSON_WHITESPACE = 20
 _TYPES = {"json": ((dict, str), "a schema (an object or its JSON text)"), "json_object": (bool, "true or false"),
-          "regex": (str, "a string"), "grammar": (str, "a string")}
+          "regex": (str, "a string"), "grammar": (str, "a string"),
+          "structural_tag": ((dict, str), "a structural tag (an object or its JSON text)")}
 
 
 def _xgrammar():
@@ -47,7 +49,10 @@ class StructuredOutputs:
     """One constraint on a request's output (vLLM's `structured_outputs`); set exactly one field.
 
     json: a JSON schema (dict or JSON text); json_object: any JSON object; regex; choice: the output is
-    one of these strings; grammar: EBNF in xgrammar's GBNF-like syntax (``root ::= ...``).
+    one of these strings; grammar: EBNF in xgrammar's GBNF-like syntax (``root ::= ...``);
+    structural_tag: vLLM's, as xgrammar reads it (dict or JSON text): ``{"type": "structural_tag",
+    "format": {...}}``, or the older ``{"structures": [{"begin", "schema", "end"}, ...], "triggers":
+    [...]}`` (text is free until a trigger starts a structure, whose content must match its schema).
     """
 
     json: dict[str, Any] | str | None = None
@@ -55,6 +60,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
@@ -87,9 +93,35 @@ class StructuredOutputs:
             if kind == "choice":  # JSON string literals are valid EBNF literals, escapes included
                 return grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
                                                                   for c in self.choice))
+            if kind == "structural_tag":
+                return _structural_tag_grammar(self.structural_tag)
             return grammar.from_ebnf(self.grammar)
         except RuntimeError as exc:
             raise ValueError(f"{kind}: {_reason(exc)}") from None
+
+
+def _structural_tag_grammar(tag: dict[str, Any] | str):
+    """xgrammar's grammar for a structural tag, in either of the forms vLLM accepts."""
+    xgr = _xgrammar()
+    try:
+        spec = json.loads(tag) if isinstance(tag, str) else tag
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("structural_tag must be an object")
+    if "structures" not in spec:
+        return xgr.Grammar.from_structural_tag(spec)
+    structures, triggers = spec["structures"], spec.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise ValueError("structural_tag: structures and triggers must be non-empty lists")
+    items = []
+    for i, structure in enumerate(structures):
+        if not isinstance(structure, dict) or not {"begin", "end"} <= set(structure):
+            raise ValueError(f"structural_tag: structures[{i}] needs begin and end")
+        schema = structure.get("schema", {})
+        items.append(xgr.StructuralTagItem(begin=structure["begin"], end=structure["end"],
+                                           schema=schema if isinstance(schema, str) else json.dumps(schema)))
+    return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 class GrammarCompiler:

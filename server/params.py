@@ -86,7 +86,9 @@ def _response_format(value: dict) -> dict | None:
         if schema is None:
             raise ValueError("json_schema needs json_schema.schema")
         return {"json": schema}
-    raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+    if kind == "structural_tag":  # vLLM's extension: the object itself is the tag
+        return {"structural_tag": value}
+    raise ValueError(f"type must be text, json_object, json_schema or structural_tag, got {kind!r}")
 
 
 def structured_outputs(req: SamplingFields) -> StructuredOutputs | None:

@@ -53,6 +53,32 @@ def test_json_schema_output_parses_and_follows_the_schema(llm):
         assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and value["size"] in ("s", "m")
 
 
+CITY = {"type": "object", "properties": {"name": {"enum": ["Paris", "Lyon"]}}, "required": ["name"],
+        "additionalProperties": False}
+
+
+def test_a_structural_tag_holds_its_span_to_its_schema(llm):
+    """vLLM's structural_tag, in xgrammar's format: a required tag, so the whole output is the tag
+    around its content (the tiny model follows it at any temperature); a tag's JSON content, and
+    vLLM's older form (free text until a trigger starts a structure), accept only spans that match.
+    (xgrammar bounds no whitespace inside a tag's JSON, so the random model is not asked to write one.)"""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    required = {"type": "structural_tag", "format": {"type": "tag", "begin": "<city>", "end": "</city>",
+                                                      "content": {"type": "regex", "pattern": "(Paris|Lyon)"}}}
+    for tag in (required, json.dumps(required)):
+        for out in _generate(llm, StructuredOutputs(structural_tag=tag), n=2, temperature=1.0, max_tokens=60):
+            assert out.text in ("<city>Paris</city>", "<city>Lyon</city>") and out.finish_reason == "stop", out.text
+    as_json = {"type": "structural_tag", "format": {"type": "tag", "begin": "<city>", "end": "</city>",
+                                                     "content": {"type": "json_schema", "json_schema": CITY}}}
+    triggered = {"structures": [{"begin": "<city=", "schema": CITY, "end": "</city>"}], "triggers": ["<city="]}
+    for tag, good, bad in ((as_json, '<city>{"name": "Paris"}</city>', '<city>{"name": "Rome"}</city>'),
+                           (triggered, 'It is <city={"name": "Lyon"}</city>, I think.',
+                            'It is <city={"name": "Rome"}</city>.')):
+        grammar = StructuredOutputs(structural_tag=tag).to_grammar()
+        assert _is_grammar_accept_string(grammar, good) and not _is_grammar_accept_string(grammar, bad)
+
+
 def test_constrained_and_free_sequences_share_a_batch(llm):
     free_alone = _generate(llm, None)[0].token_ids
     constrained = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputs(choice=["ok"]))
@@ -72,6 +98,10 @@ def test_constrained_and_free_sequences_share_a_batch(llm):
     ({"grammar": "root ::= "}, "grammar: "),
     ({"choice": []}, "choice must be"),
     ({"regex": 5}, "regex must be a string"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}}, "structural_tag: .*nope"),
+    ({"structural_tag": "{oops"}, "structural_tag is not valid JSON"),
+    ({"structural_tag": {"structures": [{"begin": "<a>"}], "triggers": ["<a"]}}, r"structures\[0\] needs begin and end"),
+    ({"structural_tag": {"structures": [], "triggers": []}}, "non-empty lists"),
 ])
 def test_bad_constraints_are_refused_with_the_reason(kwargs, message):
     with pytest.raises(ValueError, match=message):

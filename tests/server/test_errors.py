@@ -47,6 +47,8 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "guided_grammar": "root ::= "}, "guided_grammar"),
     ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"prompt": "hi", "structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+    ({"prompt": "hi", "response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
+    ({"prompt": "hi", "structured_outputs": {"structural_tag": "{oops"}}, "structured_outputs"),
     ({"prompt": "hi", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "hi", "use_beam_search": True, "stop": ["x"]}, "stop"),
     ({"prompt": "hi", "use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),

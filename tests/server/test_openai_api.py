@@ -223,6 +223,11 @@ def test_structured_outputs_through_every_field(client):
     stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
                                        extra_body={"guided_regex": "[0-9]{4}"})
     assert re.fullmatch("[0-9]{4}", "".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<answer>", "end": "</answer>",
+                                                "content": {"type": "regex", "pattern": "(yes|no)"}}}
+    tagged = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=20, temperature=0,
+                                            response_format=tag)  # vLLM's extension of response_format
+    assert tagged.choices[0].message.content in ("<answer>yes</answer>", "<answer>no</answer>"), tagged.choices[0]
 
 
 def test_models_tokenize_detokenize_version(base_url):
