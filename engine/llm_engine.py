@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -457,4 +458,12 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            running_loras=_adapter_names(self.scheduler.running),
+            waiting_loras=_adapter_names(self.scheduler.waiting),
+            max_loras=0 if self.lora is None else self.lora.max_resident or len(self.lora.paths),
         )
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora for r in requests if r.lora is not None}))
+

@@ -58,6 +58,11 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_draft_tokens: int = 0  # ... and kept by the sampler
+    # LoRA adapters the running and the waiting requests name (vLLM's lora_requests_info, which
+    # LoRA-aware gateways read to send a request where its adapter is already loaded)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0  # adapters that may be in use at once (0: LoRA off)
     extra: dict[str, float] = field(default_factory=dict)
     cluster: ClusterStats | None = None  # set by a cluster: the counters above are its replicas' sums
 

@@ -7,6 +7,7 @@ apps in one process (tests) never share counters.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -51,8 +52,19 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if stats.max_loras:
+            yield _lora_info(stats)
         if stats.cluster is not None:
             yield from _cluster_metrics(stats.cluster)
+
+
+def _lora_info(stats: EngineStats) -> Metric:
+    """vLLM's lora_requests_info: the adapters in use as labels (comma-separated), the scrape time as
+    the value; LoRA-aware gateways (the Gateway API inference extension, llm-d) route by it."""
+    info = GaugeMetricFamily(PREFIX + "lora_requests_info", "LoRA adapters the running and waiting requests use.",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(stats.max_loras), ",".join(stats.running_loras), ",".join(stats.waiting_loras)], time.time())
+    return info
 
 
 def _cluster_metrics(cluster: ClusterStats) -> Iterator[Metric]:

@@ -50,7 +50,7 @@ from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-_SUMMED = tuple(f.name for f in dataclasses.fields(EngineStats) if f.type == "int")
+_SUMMED = tuple(f.name for f in dataclasses.fields(EngineStats) if f.type == "int" and f.name != "max_loras")
 
 
 async def _get(ref: ray.ObjectRef):
@@ -82,7 +82,11 @@ class _Flight:
 
 
 def _sum_stats(reports: list[EngineStats]) -> EngineStats:
-    return EngineStats(**{name: sum(getattr(s, name) for s in reports) for name in _SUMMED})
+    """The replicas' counters summed, and the adapters any of them runs or queues."""
+    adapters = {name: tuple(sorted({a for s in reports for a in getattr(s, name)}))
+                for name in ("running_loras", "waiting_loras")}
+    return EngineStats(**{name: sum(getattr(s, name) for s in reports) for name in _SUMMED}, **adapters,
+                       max_loras=max((s.max_loras for s in reports), default=0))
 
 
 def init_ray(address: str | None = None, num_replicas: int = 1) -> None:

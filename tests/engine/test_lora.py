@@ -159,6 +159,20 @@ def test_an_adapter_unloads_only_when_no_request_uses_it(adapters):
     assert engine.lora.adapters == {"a": 1}
 
 
+def test_stats_name_the_adapters_running_and_waiting(adapters):
+    """What vLLM's lora_requests_info reports: the adapters of the running batch and of the queue."""
+    base, folders = adapters
+    engine = LLM(str(base), dtype="float32", max_num_seqs=1,
+                 lora_modules={name: str(folder) for name, folder in folders.items()}).engine
+    assert (engine.stats().running_loras, engine.stats().max_loras) == ((), 2)
+    for i, lora in enumerate(("a", "b", None)):
+        engine.add_request(f"r{i}", PROMPTS[i], GREEDY, lora=lora)
+    engine.step()  # one sequence at a time: the first runs, the others wait
+    stats = engine.stats()
+    assert (stats.running_loras, stats.waiting_loras) == (("a",), ("b",))
+    assert LLM(str(base), dtype="float32").engine.stats().max_loras == 0  # LoRA off
+
+
 def test_an_adapter_loaded_again_under_its_name_gets_no_stale_prefix_hits(adapters):
     """Prefix hashes know adapters by name: unloading one drops the blocks cached under it, so
     another adapter loaded under the same name computes its own KV."""

@@ -62,6 +62,9 @@ def test_a_request_naming_the_adapter_is_served_by_it(lora_url, tiny_model_dir, 
     unknown = httpx.post(lora_url + "/v1/completions", json={"model": "nosql", "prompt": "hi"})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "model"
     assert "'sql'" in unknown.json()["error"]["message"]
+    info = [line for line in httpx.get(lora_url + "/metrics").text.splitlines()
+            if line.startswith("driftgate:lora_requests_info{")]  # vLLM's, for LoRA-aware gateways
+    assert len(info) == 1 and 'max_lora="1"' in info[0] and 'running_lora_adapters=""' in info[0], info
 
 
 def test_lora_modules_arguments_are_checked(tmp_path):
