@@ -443,7 +443,12 @@ class LLMEngine:
         return torch.cat(rows)
 
     def stats(self) -> EngineStats:
+        """A snapshot (AsyncEngine takes one after every step: keep it cheap)."""
         bm = self.block_manager
+        loras = {} if self.lora is None else {  # walks the queues: only where adapters are served
+            "running_loras": _adapter_names(self.scheduler.running),
+            "waiting_loras": _adapter_names(self.scheduler.waiting),
+            "max_loras": self.lora.max_resident or len(self.lora.paths)}
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -458,9 +463,7 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_draft_tokens=self.num_accepted_draft_tokens,
-            running_loras=_adapter_names(self.scheduler.running),
-            waiting_loras=_adapter_names(self.scheduler.waiting),
-            max_loras=0 if self.lora is None else self.lora.max_resident or len(self.lora.paths),
+            **loras,
         )
 
 

@@ -548,6 +548,11 @@ class Fp4Linear(WeightOnlyIntLinear):
 # ---------------------------------------------------------------- INT8 W8A8
 
 
+def _token_scales(x2d: torch.Tensor) -> torch.Tensor:
+    """[M, 1] per-token int8 scales, absmax / 127 (vLLM's dynamic int8 activations)."""
+    return (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)
+
+
 def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fbgemm's packed per-channel int8 weight (qweight int8 [out, in], scale fp32 [out])."""
     with warnings.catch_warnings():
@@ -622,7 +627,7 @@ class Int8Linear(_IntWeightLinear):
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.input_size).float()
-        s = (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)  # [M, 1]
+        s = _token_scales(x2d)
         xq = torch.round(x2d / s).clamp(-127, 127) * s
         weight = getattr(self, "weight_dense", None)
         y = F.linear(xq, self.dequantized_weight() if weight is None else weight)
@@ -639,7 +644,7 @@ class Int8Linear(_IntWeightLinear):
             return y.to(x.dtype)
         x2d = x.reshape(-1, self.input_size).float()
         if self.kernel == "int_mm":
-            s = (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)  # [M, 1]
+            s = _token_scales(x2d)
             xq = torch.round(x2d / s).clamp(-127, 127).to(torch.int8)
             m = xq.shape[0]
             if m <= 16:  # _int_mm on CUDA needs more than 16 rows

@@ -211,7 +211,7 @@ class FusedDecode:
     def _lora_runs(self) -> bool:
         """Whether every adapter of the step has its factors as CPU panels (or there is none)."""
         step = self._lora_step
-        if step is None:
+        if step is None or not step.groups:  # most steps: no walk over the wrappers
             return True
         indices = {index for index, _ in step.groups}
         return all(factors.packed for linears in self._lora_wrappers for w in linears if w is not None
