@@ -26,12 +26,13 @@ import torch
 from bench.datasets import find_data_dir, random_prompts, sharegpt
 from bench.output import save_result
 from engine import LLM, LoRARequest, SamplingParams
+from engine.config import KV_CACHE_DTYPES
 
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=64)

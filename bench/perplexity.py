@@ -9,7 +9,7 @@ which use other splits and budgets).
 
 Scoring goes through the engine's prompt logprobs (`DriftgateLM.score_sequences`, the same
 path the gate's lm-eval tasks use), so the figure measures what the engine serves: its
-quantized kernels and, with `--kv-cache-dtype fp8`, its FP8 KV cache.
+quantized kernels and, with `--kv-cache-dtype fp8` (or `fp8_e5m2`), its FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from bench.output import save_result
 from bench.schemes import size_on_disk
 from engine import LLM
-from engine.config import KV_SCALES
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, SCALED_KV_CACHE_DTYPES
 
 WIKITEXT_FILE = "wikitext/wiki.test.raw"
 
@@ -126,7 +126,7 @@ def measure(model_dir: Path, data_path: Path, *, max_tokens: int, context: int, 
     mean_nll = -total_logprob / scored
     return PerplexityResult(
         label=label or Path(model_dir).name, model=str(model_dir), kv_cache_dtype=kv_cache_dtype,
-        kv_scales=kv_scales if kv_cache_dtype != "auto" else None,
+        kv_scales=kv_scales if kv_cache_dtype in SCALED_KV_CACHE_DTYPES else None,
         ppl=math.exp(mean_nll), mean_nll=mean_nll, scored_tokens=scored, windows=len(windows),
         tokens_sha256=hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(), seconds=seconds,
         size_bytes=size_on_disk(Path(model_dir)), quantization=quantization_summary(model_dir))
@@ -141,7 +141,7 @@ def add_ppl_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=512, help="window length in tokens")
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: --context)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="applies to every model of this run")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="applies to every model of this run")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--labels", nargs="+", default=None, help="one name per model (default: folder names)")

@@ -11,7 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from engine.config import KV_SCALES
+from engine.config import KV_CACHE_DTYPES, KV_SCALES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 
 # name → (module, function adding its arguments, function running it, one-line help)
@@ -55,7 +55,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,

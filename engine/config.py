@@ -8,8 +8,10 @@ from engine.json_object import parse_json_object
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SpeculativeConfig
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")  # auto: the model dtype
+# auto: the model dtype; fp8 = fp8_e4m3 (scaled); fp8_e5m2 stores at unit scale, as vLLM does
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
+SCALED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # the ones kv_scales applies to
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C kernels on CPU
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -66,8 +68,9 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.kv_scales not in KV_SCALES:
             raise ValueError(f"kv_scales must be one of {', '.join(KV_SCALES)}, got {self.kv_scales!r}")
-        if self.kv_scales == "dynamic" and self.kv_cache_dtype in ("auto", "bfloat16"):
-            raise ValueError("kv_scales='dynamic' only applies to an fp8 KV cache (kv_cache_dtype='fp8')")
+        if self.kv_scales == "dynamic" and self.kv_cache_dtype not in SCALED_KV_CACHE_DTYPES:
+            raise ValueError("kv_scales='dynamic' only applies to an fp8 e4m3 KV cache (kv_cache_dtype='fp8'); "
+                             "fp8_e5m2 takes no scales")
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

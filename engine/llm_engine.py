@@ -127,6 +127,8 @@ class LLMEngine:
             return next(self.model.parameters()).dtype
         if self.config.kv_cache_dtype == "bfloat16":  # an fp32 model's KV at half the bytes (no scales)
             return torch.bfloat16
+        if self.config.kv_cache_dtype == "fp8_e5m2":  # e5m2's range holds K and V unscaled: no calibration
+            return torch.float8_e5m2
         if self.config.kv_scales == "dynamic":
             defer_kv_scales(self.model)
             return torch.float8_e4m3fn

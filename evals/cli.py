@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.config import KV_SCALES
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, SCALED_KV_CACHE_DTYPES
 
 EXIT_PASS, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 
@@ -30,7 +30,7 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="default", help="shipped policy name (default, quick) or a TOML path")
     parser.add_argument("--report-dir", default=None, help="where reports go (default: CANDIDATE/gate-report)")
     parser.add_argument("--data-dir", default=None, help="evaluation data (default: $DRIFTGATE_DATA, ../shared/data)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="candidate's KV-cache dtype (auto, bfloat16, fp8)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="candidate's KV-cache dtype")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
     parser.add_argument("--lora", default=None, metavar="DIR",
@@ -264,7 +264,7 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "candidate_weights_sha256": candidate_hashes,
         "candidate_config": json.loads((Path(args.candidate) / "config.json").read_text()).get("quantization_config"),
         "kv_cache_dtype": None if args.server else args.kv_cache_dtype,
-        "kv_scales": args.kv_scales if args.kv_cache_dtype != "auto" else None,
+        "kv_scales": args.kv_scales if args.kv_cache_dtype in SCALED_KV_CACHE_DTYPES else None,
         "data_sha256": data_hashes,
         "policy": asdict(policy),
         "seed": policy.seed,

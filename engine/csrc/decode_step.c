@@ -9,8 +9,8 @@
  *   hidden [rows, hidden] float32: in, the token embeddings; out, the final norm's output
  *   positions, slots int64 [rows]: each token's position and the flat KV slot it writes
  *   block_tables int32 [rows, max_blocks], context_lens int32 [rows]: as for paged_decode
- *   KV caches [slots, num_kv_heads, head_dim], float32, bfloat16 or fp8 e4m3 (kv_type: paged_decode.c's
- *   CACHE_F32 / CACHE_BF16 / CACHE_FP8; fp8 also needs each layer's K and V tables)
+ *   KV caches [slots, num_kv_heads, head_dim], float32, bfloat16, fp8 e4m3 or e5m2 (kv_type: paged_cache.h's
+ *   CACHE_F32 / CACHE_BF16 / CACHE_FP8 / CACHE_E5M2; fp8 also needs each layer's K and V tables)
  *
  * One translation unit with the kernels it calls (they stay separate libraries for the modules).
  */
@@ -94,20 +94,31 @@ static inline uint8_t e4m3_bits(float v) {
     return sign | (uint8_t)((((bits >> 23) & 0xFFu) - 120u) << 3) | (uint8_t)((bits >> 20) & 7u); /* bias 127 → 7 */
 }
 
+/* The e5m2 byte of v, a value round_to_e5m2 returned: its fp16's high byte. */
+static inline uint8_t e5m2_bits(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    if (fabsf(v) < 0x1p-14f) return sign | (uint8_t)(fabsf(v) * E5M2_SUBNORMAL_STEPS); /* exponent field 0 */
+    return sign | (uint8_t)((((bits >> 23) & 0xFFu) - 112u) << 2) | (uint8_t)((bits >> 21) & 3u); /* bias 127 → 15 */
+}
+
 /* n floats into the cache as they are; rounded to bfloat16 (nearest, ties to even: torch's cast);
- * or, for fp8, divided by the KV head's scale (its table's entry for 1.0), saturated to ±448 and
- * rounded to e4m3 (attention.py's _store). */
+ * or, for fp8, divided by the KV head's scale (its table's entry for 1.0), saturated to the
+ * format's range and rounded to e4m3 or e5m2 (attention.py's _store). */
 static inline void store_kv(void *cache, int64_t slot_offset, const float *x, int n, int kv_type,
                             const float *fp8_tables, int head_dim) {
     if (kv_type == CACHE_F32) {
         memcpy((float *)cache + slot_offset, x, sizeof(float) * n);
         return;
     }
-    if (kv_type == CACHE_FP8) {
+    if (is_fp8_cache(kv_type)) {
         uint8_t *dst = (uint8_t *)cache + slot_offset;
+        const int one = fp8_one(kv_type);
         for (int i = 0; i < n; i++) {
-            const float scaled = x[i] / fp8_tables[(size_t)(i / head_dim) * 256 + FP8_ONE];
-            dst[i] = e4m3_bits(round_to_e4m3(clamp_fp8(scaled)));
+            const float scaled = x[i] / fp8_tables[(size_t)(i / head_dim) * 256 + one];
+            dst[i] = kv_type == CACHE_E5M2 ? e5m2_bits(round_to_e5m2(clamp_e5m2(scaled)))
+                                           : e4m3_bits(round_to_e4m3(clamp_fp8(scaled)));
         }
         return;
     }

@@ -1,5 +1,5 @@
-/* Decoding fp8 e4m3 bytes in vector registers, shared by the panel matmul (fp8 weights) and
- * paged decode attention (fp8 KV caches). */
+/* Decoding fp8 bytes in vector registers, shared by the panel matmul (fp8 e4m3 weights) and
+ * paged decode attention (fp8 e4m3 or e5m2 KV caches), and rounding floats to them. */
 #ifndef DRIFTGATE_FP8_H
 #define DRIFTGATE_FP8_H
 
@@ -43,6 +43,28 @@ static inline __attribute__((always_inline)) fp8_vec widen_fp8(const int8_t *p) 
 #endif
 }
 
+/* 16 fp8 e5m2 bytes as floats: an e5m2 byte is the high byte of the fp16 of the same value (same
+ * exponent bias, two of fp16's ten mantissa bits), so shifting it up makes that fp16 exactly. */
+static inline __attribute__((always_inline)) fp8_vec widen_e5m2(const uint8_t *p) {
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
+    return (fp8_vec)_mm512_cvtph_ps(h);
+#elif defined(__AVX2__) && defined(__F16C__)
+    union { fp8_vec v; __m256 half[2]; } out;
+    for (int i = 0; i < 2; i++)
+        out.half[i] = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * i))), 8));
+    return out.v;
+#else
+    fp8_vec v;
+    for (int i = 0; i < 16; i++) {
+        int e = (p[i] >> 2) & 31, m = p[i] & 3;
+        float mag = e ? ldexpf(4 + m, e - 17) : ldexpf(m, -16); /* (1 + m/4)·2^(e-15), or m·2^-16 */
+        v[i] = p[i] & 0x80 ? -mag : mag;
+    }
+    return v;
+#endif
+}
+
 /* How an FP8 W8A8 Linear rounds its inputs (engine/layers/panel_matmul.py's ACT_*): not at all, or
  * through fp8 with a scale per token, one scale for the whole batch, or a fixed one. */
 enum { ACT_NONE = 0, ACT_FP8_TOKEN = 1, ACT_FP8_TENSOR = 2, ACT_FP8_STATIC = 3 };
@@ -59,6 +81,22 @@ static inline float round_to_e4m3(float v) {
     __builtin_memcpy(&bits, &v, sizeof bits);
     bits += 0x7FFFFu + ((bits >> 20) & 1u); /* keep 3 of 23 mantissa bits */
     bits &= 0xFFF00000u;
+    __builtin_memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+enum { E5M2_SUBNORMAL_STEPS = 65536 }; /* e5m2's subnormals are multiples of 2^-16, below 2^-14 */
+
+/* v saturated to e5m2's range (the KV store's clamp: torch's cast would overflow to infinity). */
+static inline float clamp_e5m2(float v) { return v < -57344.0f ? -57344.0f : v > 57344.0f ? 57344.0f : v; }
+
+/* v (|v| <= 57344) to the nearest e5m2 value, ties to even, as torch's cast does. */
+static inline float round_to_e5m2(float v) {
+    if (fabsf(v) < 0x1p-14f) return rintf(v * E5M2_SUBNORMAL_STEPS) / E5M2_SUBNORMAL_STEPS;
+    uint32_t bits;
+    __builtin_memcpy(&bits, &v, sizeof bits);
+    bits += 0xFFFFFu + ((bits >> 21) & 1u); /* keep 2 of 23 mantissa bits */
+    bits &= 0xFFE00000u;
     __builtin_memcpy(&v, &bits, sizeof v);
     return v;
 }

@@ -6,8 +6,9 @@ gather a sequence's slots through precomputed flat indices, then call SDPA; on C
 instead go to C kernels that read the blocks in place (engine/layers/cpu_attention.py), one for
 decode tokens and one for prompt chunks, and on CUDA every query goes to a Triton kernel that
 does (engine/layers/triton_attention.py).
-FP8 storage keeps `float8_e4m3fn` and a per-layer scale (x ≈ stored · scale); CPUs cannot do
-arithmetic on fp8, so values are upcast right after the gather.
+FP8 storage keeps `float8_e4m3fn` and a per-layer scale (x ≈ stored · scale), or `float8_e5m2`
+at unit scale (its range needs none); CPUs cannot do arithmetic on fp8, so values are upcast
+right after the gather.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from engine.layers import triton_attention, triton_fused
 from engine.layers.cpu_attention import paged_decode_attention, paged_prefill_attention
 
 FP8_MAX = 448.0
+# What each fp8 cache dtype saturates to (torch's casts overflow: e4m3 to NaN, e5m2 to infinity).
+FP8_KV_LIMITS = {torch.float8_e4m3fn: FP8_MAX, torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
 # Dynamic KV scales map the first batch's absmax to half the fp8 range: later tokens up to twice
 # as large still fit, and e4m3 keeps the same relative precision across its normal range, so the
 # headroom only pushes the very smallest values into subnormals.
@@ -114,7 +117,7 @@ class KVCache:
 
     @property
     def is_fp8(self) -> bool:
-        return self.dtype == torch.float8_e4m3fn
+        return self.dtype in FP8_KV_LIMITS
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -139,8 +142,9 @@ def attention_mask(query_positions: torch.Tensor, num_keys: int, sliding_window:
 
 
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None) -> None:
-    if cache.dtype == torch.float8_e4m3fn:
-        x = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(cache.dtype)  # saturate: fp8 casts overflow to NaN
+    limit = FP8_KV_LIMITS.get(cache.dtype)
+    if limit is not None:
+        x = (x.float() / scale).clamp_(-limit, limit).to(cache.dtype)  # saturate rather than overflow
         cache, x = cache.view(torch.uint8), x.view(torch.uint8)  # index_copy_ has no fp8 kernel on CPU
     cache.index_copy_(0, slots, x.to(cache.dtype))  # no host sync, so CUDA graphs can capture it
 
@@ -154,7 +158,7 @@ def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
 def _load(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     # index_select on flat slots is ~2x faster than advanced indexing with a 2-D index on CPU
     x = cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
-    if cache.dtype == torch.float8_e4m3fn:
+    if cache.dtype in FP8_KV_LIMITS:
         return x.to(torch.float32).mul_(scale).to(dtype)
     return x.to(dtype)  # a bfloat16 cache under an fp32 model
 

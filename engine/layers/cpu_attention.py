@@ -14,9 +14,10 @@ import torch
 
 from engine.layers import cpu_kernels
 
-CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
-# Every e4m3 bit pattern's value; times the layer scale it is the kernel's dequantization table.
-_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+# Every fp8 bit pattern's value; times the layer scale it is the kernel's dequantization table.
+_FP8_VALUES = {dtype: torch.arange(256, dtype=torch.uint8).view(dtype).float()
+               for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 PREFILL_HEAD_DIM_MULTIPLE = 8  # the prefill kernel's register blocks span 8 dimensions
 
@@ -40,10 +41,10 @@ def available(cache_dtype: torch.dtype, device: torch.device, kind: str = "decod
     return device.type == "cpu" and cache_dtype in CACHE_TYPES and _kernel(kind) is not None
 
 
-def fp8_table(scale: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[num_kv_heads, 256]: the e4m3 values times each KV head's scale (one scale for every head,
-    or one per head as [num_kv_heads, 1]), the kernel's decoding of an fp8 byte."""
-    return (_FP8_VALUES * scale.float().reshape(-1, 1)).expand(num_kv_heads, -1).contiguous()
+def fp8_table(scale: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_kv_heads, 256]: the fp8 `dtype`'s values times each KV head's scale (one scale for every
+    head, or one per head as [num_kv_heads, 1]), the kernel's decoding of an fp8 byte."""
+    return (_FP8_VALUES[dtype] * scale.float().reshape(-1, 1)).expand(num_kv_heads, -1).contiguous()
 
 
 def _call(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_args: list[torch.Tensor],
@@ -58,8 +59,9 @@ def _call(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_tables = seq_args[0]
     out = torch.empty_like(q)
     cache_type = CACHE_TYPES[k_cache.dtype]
-    k_table = fp8_table(k_scale, k_cache.shape[1]) if cache_type == 2 else None
-    v_table = fp8_table(v_scale, v_cache.shape[1]) if cache_type == 2 else None
+    fp8 = k_cache.dtype in _FP8_VALUES
+    k_table = fp8_table(k_scale, k_cache.shape[1], k_cache.dtype) if fp8 else None
+    v_table = fp8_table(v_scale, v_cache.shape[1], v_cache.dtype) if fp8 else None
     status = kernel(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *(t.data_ptr() for t in seq_args),
         block_tables.shape[0], block_tables.shape[1], num_heads, k_cache.shape[1], head_dim, block_size, scale,

@@ -257,7 +257,7 @@ class FusedDecode:
             self._model.kv_type = CACHE_TYPES[cache.dtype]
             self._cache_bound = cache
         if cache.is_fp8:
-            self._bind_fp8_scales(cache.k[0].shape[1])
+            self._bind_fp8_scales(cache.k[0].shape[1], cache.dtype)
         self._bind_lora(embeddings.shape[0])
         decode = meta.paged_decode
         hidden = embeddings.float().contiguous()  # a fresh lookup: the C call writes it in place
@@ -269,7 +269,7 @@ class FusedDecode:
             raise RuntimeError(f"fused decode step failed: {_STATUS.get(status, status)}")
         return hidden
 
-    def _bind_fp8_scales(self, num_kv_heads: int) -> None:
+    def _bind_fp8_scales(self, num_kv_heads: int, dtype: torch.dtype) -> None:
         """Each layer's K/V decode tables (which hold the scales the C step stores with), rebuilt
         whenever a layer's scale tensor is replaced (the loader's, or the first prefill's under
         dynamic scales)."""
@@ -279,7 +279,7 @@ class FusedDecode:
             return
         keep = []
         for c_layer, attn in zip(self._layers, self._attention, strict=True):
-            tables = [fp8_table(s, num_kv_heads) for s in (attn.k_scale, attn.v_scale)]
+            tables = [fp8_table(s, num_kv_heads, dtype) for s in (attn.k_scale, attn.v_scale)]
             c_layer.k_table, c_layer.v_table = (t.data_ptr() for t in tables)
             keep += tables
         self._fp8_keep = keep

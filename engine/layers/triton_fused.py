@@ -133,7 +133,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     """Write k, v [T, KV, D] (rows may be strided, head vectors contiguous) into the caches
     [slots, KV, D] at `slots` [T], bit for bit as attention._store does, in one kernel for both
     where torch takes one per tensor (five for fp8: divide, clamp, cast, ...). The scales are only
-    read for fp8 caches. Returns False, writing nothing, for a pair of dtypes it does not cover."""
+    read for fp8 caches. Returns False, writing nothing, for a pair of dtypes it does not cover
+    (fp8 e5m2 caches among them: torch writes those)."""
     if k_cache.dtype == k.dtype:
         store, k_view, v_view = 0, k_cache, v_cache
     elif k_cache.dtype == torch.bfloat16 and k.dtype == torch.float32:

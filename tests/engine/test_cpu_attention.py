@@ -1,4 +1,5 @@
-"""The C paged-attention kernels (decode, prefill) equal attention over the dequantized, gathered cache (fp32, bf16, fp8)."""
+"""The C paged-attention kernels (decode, prefill) equal attention over the dequantized, gathered cache
+(fp32, bf16, fp8 e4m3 and e5m2)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from hypothesis import strategies as st
 
 from engine.layers import cpu_attention, cpu_kernels
 from tests.helpers import cpu_kernels_off
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = [torch.float32, torch.bfloat16, *FP8]
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(torch.float32, torch.device("cpu")),
                                 reason="no C compiler for the attention kernels")
@@ -47,7 +51,7 @@ def _reference(q, k_cache, v_cache, tables, lens, block_size, k_scale, v_scale, 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    cache_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
+    cache_dtype=st.sampled_from(CACHE_DTYPES),
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 8]),
     head_dim=st.sampled_from([8, 24, 64, 128]), block_size=st.sampled_from([1, 4, 16]),
     lens=st.lists(st.integers(1, 300), min_size=1, max_size=5), seed=st.integers(0, 1000),
@@ -63,7 +67,7 @@ def test_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim
     _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size, lens, seed, per_head_scales, window)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, *FP8])
 @pytest.mark.parametrize("lens", [[1, 257], [300], [129, 64, 2], [4200]])
 def test_split_contexts_merge_to_the_reference(lens, cache_dtype):
     """Few sequences: each context's ranges are shared among tasks across threads (a 1-token one
@@ -80,9 +84,10 @@ def _random_cache(cache_dtype, kv_heads, head_dim, block_size, lens, g, per_head
     """Caches holding every sequence's tokens, scrambled padded block tables and the KV scales."""
     blocks_per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + 3
-    k_scale, v_scale = (torch.tensor(0.02), torch.tensor(0.05)) if cache_dtype == torch.float8_e4m3fn else (
+    # the kernels take scales for either fp8 format (the engine gives e5m2 unit ones)
+    k_scale, v_scale = (torch.tensor(0.02), torch.tensor(0.05)) if cache_dtype in FP8 else (
         torch.tensor(1.0), torch.tensor(1.0))
-    if per_head_scales and cache_dtype == torch.float8_e4m3fn:  # [KV, 1], as the loader hands them over
+    if per_head_scales and cache_dtype in FP8:  # [KV, 1], as the loader hands them over
         k_scale = k_scale * torch.arange(1, kv_heads + 1, dtype=torch.float32).reshape(kv_heads, 1)
         v_scale = v_scale * torch.arange(kv_heads, 0, -1, dtype=torch.float32).reshape(kv_heads, 1)
     shape = (num_blocks * block_size, kv_heads, head_dim)
@@ -110,7 +115,7 @@ def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size,
 
 @settings(max_examples=60, deadline=None)
 @given(
-    cache_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
+    cache_dtype=st.sampled_from(CACHE_DTYPES),
     kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4, 8]),
     head_dim=st.sampled_from([8, 24, 64, 128]), block_size=st.sampled_from([1, 4, 16]),
     spans=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 120)), min_size=1, max_size=4),
@@ -210,7 +215,7 @@ def test_block_size_must_be_a_power_of_two():
                                             torch.tensor([4], dtype=torch.int32), 3, 1.0, one, one)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_capped_scores_equal_the_formula(cache_dtype):
     """Gemma 2's softcap: each score becomes cap · tanh(score / cap) before the softmax, in the
     decode kernel (contexts over several ranges) and the prefill kernel (masked lanes stay -inf)."""
@@ -236,3 +241,24 @@ def test_capped_scores_equal_the_formula(cache_dtype):
             weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", weights, v.repeat_interleave(rep, 1)),
                                        atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_every_fp8_byte_decodes_as_torch(cache_dtype):
+    """A one-token context's output is its V row: with all 256 byte patterns in V (NaN and
+    infinity, never stored, as zero), both kernels decode each as torch does, subnormals and
+    the extremes included, in the vector lanes and the scalar tail (head_dim 136 = 8 × 16 + 8)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(cache_dtype).float()
+    codes[~values.isfinite()] = 0
+    v_cache = torch.cat([codes, codes[:16]]).reshape(2, 1, 136).view(cache_dtype)
+    k_cache = torch.zeros_like(v_cache)
+    tables, lens = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32)
+    scale = torch.tensor(0.5)
+    expected = v_cache.float() * scale  # [2, 1, 136]
+    q = torch.randn(2, 1, 136)
+    decoded = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1, 136**-0.5, scale, scale)
+    prefilled = cpu_attention.paged_prefill_attention(q, k_cache, v_cache, tables,
+                                                      torch.tensor([0, 1, 2], dtype=torch.int32), lens, 1,
+                                                      136**-0.5, scale, scale)
+    assert torch.equal(decoded, expected) and torch.equal(prefilled, expected)

@@ -101,6 +101,7 @@ CASES = [(name, {}) for name in MODELS] + [
     ("llama-gqa", {"kv_cache_dtype": "bfloat16"}),  # K/V rounded to bf16 in C exactly as torch's cast
     # K/V divided by the scales the first prefill set, saturated and rounded to e4m3 in C as torch's cast
     ("llama-gqa", {"kv_cache_dtype": "fp8", "kv_scales": "dynamic"}),
+    ("llama-gqa", {"kv_cache_dtype": "fp8_e5m2"}),  # K/V rounded to e5m2 in C as torch's cast, unscaled
 ]
 
 

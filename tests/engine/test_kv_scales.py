@@ -1,4 +1,5 @@
-"""FP8 KV cache without calibrated scales: only as the explicit `kv_scales="dynamic"` choice."""
+"""FP8 KV cache without calibrated scales: e4m3 only as the explicit `kv_scales="dynamic"` choice;
+e5m2, whose range needs none, at unit scale."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31, 8, 77, 150, 19]
 
 
 @pytest.mark.parametrize("kwargs,match", [({"kv_scales": "calibrated"}, "kv_scales must be one of"),
-                                          ({"kv_scales": "dynamic"}, "only applies to an fp8 KV cache")])
+                                          ({"kv_scales": "dynamic"}, "only applies to an fp8 e4m3 KV cache"),
+                                          ({"kv_scales": "dynamic", "kv_cache_dtype": "fp8_e5m2"}, "takes no scales"),
+                                          ({"kv_cache_dtype": "fp8_e3m4"}, "kv_cache_dtype must be one of")])
 def test_bad_kv_scales_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(model="m", **kwargs)
@@ -58,6 +61,33 @@ def test_dynamic_scales_come_from_the_first_batch(tiny_model_dir, tmp_path):
     # and stays near the unquantized cache (0.13 measured on this random model's peaked distributions)
     reference = LLM(str(tiny_model_dir)).score_full_logprobs(PROMPT)
     assert (ours - reference).abs().max().item() < 0.5
+
+
+@pytest.mark.parametrize("backend", ["torch", "c"])
+def test_e5m2_cache_is_unscaled_and_ignores_calibrated_scales(tiny_model_dir, tmp_path, backend):
+    """vLLM's fp8_e5m2: K and V rounded to e5m2 as they are, with no calibration, on the torch
+    path and the C kernels alike; a checkpoint's (e4m3) scales change nothing."""
+    llm = LLM(str(tiny_model_dir), kv_cache_dtype="fp8_e5m2", attention_backend=backend)
+    assert llm.engine.kv_cache.dtype == torch.float8_e5m2
+    ours = llm.score_full_logprobs(PROMPT)
+    reference = LLM(str(tiny_model_dir), attention_backend=backend).score_full_logprobs(PROMPT)
+    assert 0 < (ours - reference).abs().max().item() < 0.5  # rounded, and near the unquantized cache
+    # the same K and V rounded by hand: each layer's attention sees exactly e5m2's values
+    rounded = LLM(str(tiny_model_dir), attention_backend=backend)
+    for layer in rounded.engine.model.model.layers:
+        layer.self_attn.attn.register_forward_pre_hook(
+            lambda _, args: (args[0], args[1].to(torch.float8_e5m2).float(), args[2].to(torch.float8_e5m2).float(),
+                             args[3]))
+    torch.testing.assert_close(rounded.score_full_logprobs(PROMPT), ours, atol=1e-5, rtol=1e-5)
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tiny_model_dir, scaled)
+    tensors = load_file(str(scaled / "model.safetensors"))
+    for i in range(len(llm.engine.model.model.layers)):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([0.01])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.01])
+    save_file(tensors, str(scaled / "model.safetensors"))
+    again = LLM(str(scaled), kv_cache_dtype="fp8_e5m2", attention_backend=backend).score_full_logprobs(PROMPT)
+    assert torch.equal(again, ours)
 
 
 def test_generate_cli_says_when_scales_are_dynamic(tiny_model_dir, capsys):

@@ -40,7 +40,8 @@ def _run(device, dtype, cache_dtype, spans, *, kv_heads=2, group=3, head_dim=64,
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-ctx // page) for _, ctx in spans) + 2
     shape = (num_blocks * page, kv_heads, head_dim)
-    k_scale, v_scale = (torch.tensor(0.02), torch.tensor(0.03)) if cache_dtype == torch.float8_e4m3fn else (
+    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    k_scale, v_scale = (torch.tensor(0.02), torch.tensor(0.03)) if fp8 else (
         torch.tensor(1.0), torch.tensor(1.0))
     # the cache holds x / scale: draw values whose dequantized size is ~1
     k_cache = (torch.randn(shape, generator=g) / k_scale).to(cache_dtype)
@@ -76,6 +77,8 @@ MIXED = [(1, 37), (5, 20), (1, 130), (17, 17), (40, 90)]  # decodes, a prompt, c
     (torch.bfloat16, torch.bfloat16, 1e-2),
     (torch.bfloat16, torch.float8_e4m3fn, 1e-2),
     (torch.float32, torch.float8_e4m3fn, 1e-5),
+    (torch.float32, torch.float8_e5m2, 1e-5),
+    (torch.bfloat16, torch.float8_e5m2, 1e-2),
 ])
 def test_mixed_batch(device, dtype, cache_dtype, tol):
     assert _run(device, dtype, cache_dtype, MIXED) < tol
