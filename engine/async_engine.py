@@ -43,6 +43,7 @@ class AsyncEngine:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.max_logprobs = engine.max_logprobs
         self.eos_token_ids = engine.eos_token_ids
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -54,6 +54,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # keys laid over config.json (vLLM's hf_overrides): a dict, or its JSON
     hf_overrides: dict | str | None = None
+    # most logprobs / prompt_logprobs alternatives one request may ask for (vLLM's; -1: the whole vocabulary)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -73,6 +75,8 @@ class EngineConfig:
                              "fp8_e5m2 takes no scales")
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

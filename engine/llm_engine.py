@@ -86,6 +86,8 @@ class LLMEngine:
         args = self.model.args
         longest = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or longest, longest)
+        # most alternatives a request's logprobs may ask for (-1 in the config: every token)
+        self.max_logprobs = args.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         kv_dtype = self._kv_dtype()
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(kv_dtype)
         capacity = num_blocks * config.block_size
@@ -222,6 +224,7 @@ class LLMEngine:
             raise ValueError(f"the prompt needs {blocks_needed} KV blocks but the cache has "
                              f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes")
         params.check_vocabulary(self.model.args.vocab_size)
+        params.check_logprobs(self.max_logprobs)
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]

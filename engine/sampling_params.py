@@ -84,10 +84,10 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
-                raise ValueError(f"{name} must be in [0, 20], got {value}")
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be at least 0, got {value}")
         if self.logit_bias is not None:
             bad = next((v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0), None)
             if bad is not None:
@@ -119,6 +119,13 @@ class SamplingParams:
             bad = next((t for t in getattr(self, name) or () if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab_size})")
+
+    def check_logprobs(self, limit: int) -> None:
+        """At most `limit` alternatives per token (the engine's max_logprobs; ValueError naming the field)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None and value > limit:
+                raise ValueError(f"{name} must be at most {limit} here (serve --max-logprobs N raises it; -1: "
+                                 f"the whole vocabulary), got {value}")
 
     @property
     def is_greedy(self) -> bool:

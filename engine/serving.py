@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class ServingEngine(Protocol):
     tokenizer: Any  # a Hugging Face tokenizer
     max_model_len: int
+    max_logprobs: int  # most logprobs alternatives a request may ask for
     eos_token_ids: list[int]  # every id that ends a sequence
 
     @property

@@ -199,7 +199,8 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
     params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n,
                            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                            prompt_logprobs=body.prompt_logprobs, vocab_size=len(engine.tokenizer),
-                           defaults=config.sampling_defaults, tool_constraint=reader.constraint)
+                           max_logprobs=engine.max_logprobs, defaults=config.sampling_defaults,
+                           tool_constraint=reader.constraint)
     if config.reasoning_parser and isinstance(params, SamplingParams) and params.structured_outputs is not None:
         # the constraint holds the answer, from the token after </think> (as vLLM does): in the
         # prompt where thinking is turned off, else once the model has thought

@@ -128,7 +128,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="auto: the model dtype; bfloat16 halves an fp32 model's KV bytes; fp8 needs scales")
+                        help="auto: the model dtype; bfloat16 halves an fp32 model's KV bytes; fp8 (e4m3) needs "
+                             "scales; fp8_e5m2 takes none (less precise)")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -165,6 +166,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
     parser.add_argument("--request-timeout", type=float, default=None, help="seconds before 504")
     parser.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs / prompt_logprobs alternatives a request may ask for (-1: the vocabulary)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     parser.add_argument("--require-gate", action="store_true",
                         help="refuse to serve unless the checkpoint's verdict.json passes and matches its weights")
@@ -227,7 +230,7 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         scheduling_policy=args.scheduling_policy, enable_lora=args.enable_lora,
         lora_modules=lora_modules(args.lora_modules), max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides,
+        max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides, max_logprobs=args.max_logprobs,
     )
     if not is_cluster(args):
         return AsyncEngine(config)

@@ -134,7 +134,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         asked = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
         params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n, logprobs=body.logprobs,
                                prompt_logprobs=max(asked) if asked else None,
-                               vocab_size=len(engine.tokenizer), defaults=config.sampling_defaults)
+                               vocab_size=len(engine.tokenizer), max_logprobs=engine.max_logprobs,
+                               defaults=config.sampling_defaults)
         prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))
         engine_requests.append(EngineRequest(f"{request_id}-{i}", ids, params, body.priority, lora))
 

@@ -130,12 +130,14 @@ _NOT_WITH_BEAM_SEARCH = {
 
 
 def engine_params(req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None,
-                  prompt_logprobs: int | None, vocab_size: int, defaults: dict[str, float] | None = None,
+                  prompt_logprobs: int | None, vocab_size: int, max_logprobs: int,
+                  defaults: dict[str, float] | None = None,
                   tool_constraint: StructuredOutputs | None = None) -> SamplingParams | BeamSearchParams:
     """What the engine runs for the request: beam search when it asks for it, else sampling."""
     if not req.use_beam_search:
         return build_sampling_params(req, max_tokens=max_tokens, max_n=max_n, logprobs=logprobs,
-                                     prompt_logprobs=prompt_logprobs, vocab_size=vocab_size, defaults=defaults,
+                                     prompt_logprobs=prompt_logprobs, vocab_size=vocab_size,
+                                     max_logprobs=max_logprobs, defaults=defaults,
                                      tool_constraint=tool_constraint)
     _check_n(req, max_n)
     for name, neutral in _NOT_WITH_BEAM_SEARCH.items():
@@ -159,7 +161,8 @@ def _check_n(req: SamplingFields, max_n: int) -> None:
 
 def build_sampling_params(
     req: SamplingFields, *, max_tokens: int, max_n: int, logprobs: int | None, prompt_logprobs: int | None,
-    vocab_size: int, defaults: dict[str, float] | None = None, tool_constraint: StructuredOutputs | None = None,
+    vocab_size: int, max_logprobs: int, defaults: dict[str, float] | None = None,
+    tool_constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """Map OpenAI/vLLM fields onto `SamplingParams`; its own validation errors become 400s.
 
@@ -214,6 +217,7 @@ def build_sampling_params(
             cache_salt=req.cache_salt,
         )
         params.check_vocabulary(vocab_size)
+        params.check_logprobs(max_logprobs)
         return params
     except ValueError as exc:
         message = str(exc)

@@ -125,6 +125,7 @@ class ClusterEngine:
             state.prefix.mark_stale()  # replicas may hold blocks cached before this router existed
         self.tokenizer = tokenizer
         self.max_model_len = min(s.max_model_len for s in shapes)
+        self.max_logprobs = min(s.max_logprobs for s in shapes)
         self.eos_token_ids = shapes[0].eos_token_ids
         self.lora_names = frozenset(shapes[0].lora_names)
         self._runtime_loras: dict[str, LoRARequest] = {}  # loaded since start: a restarted replica gets them again

@@ -112,6 +112,30 @@ def test_score_full_logprobs_equals_hf(tiny_model_dir, kwargs):
     assert llm.stats().num_blocks_used == 0
 
 
+def test_max_logprobs_bounds_requests_and_minus_one_gives_every_token(tiny_model_dir):
+    """vLLM's max_logprobs: 20 by default (more is a ValueError naming the field); -1 lets a request
+    take the whole distribution, which is HF's log-softmax."""
+    prompt = _prompts()[0]
+    default = LLM(str(tiny_model_dir), dtype="float32")
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"^{field} must be at most 20 here"):
+            default.generate([prompt], SamplingParams(max_tokens=1, **{field: 21}), use_tqdm=False)
+    vocab = default.engine.model.args.vocab_size
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_logprobs=-1)
+    assert llm.engine.max_logprobs == vocab
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab, prompt_logprobs=vocab),
+                       use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    given = out.outputs[0].logprobs[0]
+    assert len(given) == vocab
+    torch.testing.assert_close(torch.tensor([given[t] for t in range(vocab)]), ref[-1], atol=1e-4, rtol=0)
+    assert len(out.prompt_logprobs[1]) == vocab
+    with pytest.raises(ValueError, match="max_logprobs must be -1"):
+        LLM(str(tiny_model_dir), max_logprobs=-2)
+
+
 def test_prompt_logprobs_start_reuses_prefix_cache(tiny_model_dir):
     """A continuation scored after a shared context hits the cache and keeps exact logprobs."""
     llm = LLM(str(tiny_model_dir), dtype="float32")

@@ -119,6 +119,9 @@ def test_prompt_logprobs_list_each_prompt_token_with_its_rank(client, base_url):
                        {"prompt_logprobs": 1, "use_beam_search": True, "n": 2}):
             refused = httpx.post(base_url + route, json={**extra, **fields}, timeout=10)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", fields
+    refused = httpx.post(base_url + "/v1/completions", json={"prompt": PROMPT, "logprobs": 21}, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+    assert "--max-logprobs" in refused.json()["error"]["message"]
 
 
 def test_return_token_ids_give_the_prompt_and_output_ids(client, base_url):
@@ -454,3 +457,4 @@ def test_cache_salt_keeps_tenants_out_of_each_others_prefix_cache(client, base_u
     assert [a.usage.prompt_tokens_details.cached_tokens >= 16 for a in answers] == [False, True]
     refused = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "cache_salt": ""})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
+

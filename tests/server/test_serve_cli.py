@@ -225,3 +225,30 @@ def test_vllm_spellings_of_flags_are_accepted():
     assert parser.parse_args(["m", "--no-prefix-caching"]).no_prefix_caching is True
     args = parser.parse_args(["m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert args.tool_call_parser == "hermes"
+
+
+def test_max_logprobs_flag_reaches_the_engine_and_bounds_requests(tiny_model_dir):
+    """--max-logprobs -1: a request may ask for every token's logprob; the default 20 is a 400
+    naming the field past it (tests/server/test_openai_api.py)."""
+    import argparse
+
+    import httpx
+
+    from server.app import build_app
+    from server.cli import add_serve_args, build_engine
+    from server.config import ServerConfig
+    from tests.server.live import serve_in_thread
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    engine = build_engine(parser.parse_args([str(tiny_model_dir), "--max-logprobs", "-1"]))
+    vocab = len(engine.tokenizer)
+    assert engine.max_logprobs >= vocab
+    engine.start()
+    try:
+        with serve_in_thread(build_app(engine, ServerConfig(served_model_name="m"))) as url:
+            body = {"prompt": "The quick", "max_tokens": 1, "logprobs": vocab, "temperature": 0}
+            out = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert out.status_code == 200 and len(out.json()["choices"][0]["logprobs"]["top_logprobs"][0]) > 20
+    finally:
+        engine.shutdown()
