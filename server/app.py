@@ -20,6 +20,7 @@ from server.completions import create_completion
 from server.config import ServerConfig
 from server.embeddings import create_embedding, create_pooling
 from server.errors import APIError, error_response, install_error_handlers
+from server.invocations import invocations
 from server.lora import load_lora_adapter, unload_lora_adapter
 from server.metrics import cluster_health
 from server.middleware import AccessLogMiddleware, AuthMiddleware
@@ -78,6 +79,10 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
             return JSONResponse({"status": "ok", **cluster_health(state.engine.stats())})
         reason = "engine loop is not running" if state.phase is Phase.READY else f"server is {state.phase.value}"
         return error_response(503, reason)
+
+    app.get("/ping")(health)  # SageMaker's health check (GET or POST), with its inference route
+    app.post("/ping")(health)
+    app.post("/invocations")(invocations)
 
     @app.get("/metrics")
     async def metrics() -> Response:

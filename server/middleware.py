@@ -17,7 +17,7 @@ from server.errors import error_body
 from server.state import RequestRecord, ServerState
 
 access_logger = logging.getLogger("driftgate.server.access")
-_PUBLIC_WHEN_METRICS_PUBLIC = frozenset({"/health", "/metrics"})
+_PUBLIC_WHEN_METRICS_PUBLIC = frozenset({"/health", "/ping", "/metrics"})
 
 
 async def _send_json(send: Send, status: int, body: dict, headers: list[tuple[bytes, bytes]]) -> None:

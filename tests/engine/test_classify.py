@@ -171,6 +171,12 @@ def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder,
                 assert ranked["usage"]["total_tokens"] == pair_tokens
             everything = httpx.post(url + "/rerank", json={"query": QUERY, "documents": DOCUMENTS}).json()
             assert len(everything["results"]) == 4
+            for body, route in (({"query": QUERY, "documents": DOCUMENTS}, "/rerank"),
+                                ({"text_1": QUERY, "text_2": DOCUMENTS}, "/score")):  # SageMaker's one route
+                invoked = httpx.post(url + "/invocations", json=body).json()
+                direct = httpx.post(url + route, json=body).json()
+                assert invoked["results" if route == "/rerank" else "data"] == direct[
+                    "results" if route == "/rerank" else "data"]
             one_class = httpx.post(url + "/classify", json={"input": DOCUMENTS[0]}).json()["data"][0]
             assert one_class["num_classes"] == 1 and one_class["label"] == "LABEL_0"
             for path, body, param in (
@@ -196,6 +202,8 @@ def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder,
             for item, reference in zip(reply["data"], expected, strict=True):
                 assert item["probs"] == pytest.approx(reference.probs, abs=1e-5) and item["num_classes"] == 3
             assert reply["usage"]["prompt_tokens"] == sum(len(e.prompt_token_ids) for e in expected)
+            invoked = httpx.post(url + "/invocations", json={"input": DOCUMENTS}).json()  # a classifier classifies
+            assert invoked["data"] == reply["data"]
             refused = httpx.post(url + "/score", json={"text_1": QUERY, "text_2": DOCUMENTS})
             assert refused.status_code == 400 and "one-class classifier" in refused.json()["error"]["message"]
             pooled = httpx.post(url + "/pooling", json={"input": DOCUMENTS}).json()  # classify: the default here

@@ -100,16 +100,16 @@ def test_api_key(engine):
         assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10), 401)
         wrong = {"Authorization": "Bearer sekriT"}
         assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=wrong), 401)
-        assert_openai_error(httpx.get(url + "/health", timeout=10), 401)
-        assert_openai_error(httpx.get(url + "/metrics", timeout=10), 401)
+        for path in ("/health", "/ping", "/metrics"):
+            assert_openai_error(httpx.get(url + path, timeout=10), 401)
         with openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0) as good:
             assert good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
         with openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as bad, \
                 pytest.raises(openai.AuthenticationError):
             bad.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
     with serve(engine, api_key="sekrit", metrics_public=True) as url:
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
-        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+        for path in ("/health", "/ping", "/metrics"):
+            assert httpx.get(url + path, timeout=10).status_code == 200
         assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10), 401)
 
 

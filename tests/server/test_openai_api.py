@@ -458,3 +458,27 @@ def test_cache_salt_keeps_tenants_out_of_each_others_prefix_cache(client, base_u
     refused = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "cache_salt": ""})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
 
+
+def test_sagemaker_invocations_answer_as_the_route_the_body_names(client, base_url):
+    """SageMaker's contract (vLLM serves it): /ping is the health check, /invocations routes a
+    body by its fields to chat, completions or embeddings and answers exactly as they do; a body
+    naming none, or not JSON, or invalid for its route, is a 400."""
+    for method in ("GET", "POST"):
+        assert httpx.request(method, base_url + "/ping", timeout=10).json()["status"] == "ok"
+    for route, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}),
+                        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5, "temperature": 0}),
+                        ("/v1/embeddings", {"input": PROMPT})):
+        invoked = httpx.post(base_url + "/invocations", json=body, timeout=30).json()
+        direct = httpx.post(base_url + route, json=body, timeout=30).json()
+        assert invoked["object"] == direct["object"]
+        assert invoked["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]  # the second hits the cache
+        if route == "/v1/embeddings":
+            assert invoked["data"] == direct["data"]
+        else:
+            assert invoked["choices"] == direct["choices"]
+    for body, param in (({"max_tokens": 5}, None), ({"messages": "hi"}, "messages"),
+                        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens")):
+        refused = httpx.post(base_url + "/invocations", json=body, timeout=10)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    refused = httpx.post(base_url + "/invocations", content=b"{not json", timeout=10)
+    assert refused.status_code == 400 and "JSON object" in refused.json()["error"]["message"]
