@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 from pathlib import Path
@@ -67,6 +68,22 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_tls(args: argparse.Namespace) -> None:
+    """--ssl-certfile and --ssl-keyfile load as a certificate and its key (ValueError saying why not),
+    here rather than as uvicorn's traceback once the model has loaded."""
+    if args.ssl_certfile is None and args.ssl_keyfile is None and args.ssl_ca_certs is None:
+        return
+    if args.ssl_certfile is None or args.ssl_keyfile is None:
+        raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the TLS certificate, key or CA certificates: {exc}") from None
+
+
 def _hf_overrides(value: str) -> dict:
     try:
         return hf_overrides_arg(value)
@@ -98,6 +115,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder (HF layout, bf16 or a driftgate/compressed-tensors checkpoint)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000, help="0: any free port (the log says which)")
+    parser.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    parser.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    parser.add_argument("--ssl-ca-certs", default=None,
+                        help="mutual TLS: clients must present a certificate these CA certificates sign")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="names clients may use, the first in responses (default: the folder name)")
     parser.add_argument("--chat-template", default=None,
@@ -312,6 +333,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve until a signal; 0 after a clean drain, 1 if the model failed to load, 2 on bad input."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        _check_tls(args)
         config = server_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -334,7 +356,10 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(None, config)
     state: ServerState = app.state.driftgate
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                            access_log=False, timeout_graceful_shutdown=args.drain_timeout),
+                                            access_log=False, timeout_graceful_shutdown=args.drain_timeout,
+                                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                                            ssl_ca_certs=args.ssl_ca_certs,
+                                            ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE),
                              state)
     failed: list[str] = []
     loader = threading.Thread(target=_load_engine, args=(args, state, server, failed), daemon=True)

@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -24,6 +25,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _wait_until_healthy(proc: subprocess.Popen, url: str, **client: object) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "server did not become healthy"
+        try:
+            if httpx.get(url + "/health", timeout=1, **client).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
 def test_sigterm_drains_in_flight_stream_and_exits_0(tiny_model_dir: Path):
     port = _free_port()
     proc = subprocess.Popen(
@@ -33,16 +47,7 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(tiny_model_dir: Path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        _wait_until_healthy(proc, url)
         body = {"prompt": SECRET_PROMPT, "max_tokens": 64, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -252,3 +257,71 @@ def test_max_logprobs_flag_reaches_the_engine_and_bounds_requests(tiny_model_dir
             assert out.status_code == 200 and len(out.json()["choices"][0]["logprobs"]["top_logprobs"][0]) > 20
     finally:
         engine.shutdown()
+
+
+def _self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def test_https_with_client_certificates(tiny_model_dir: Path, tmp_path: Path):
+    """--ssl-certfile/--ssl-keyfile serve HTTPS, and with --ssl-ca-certs only to clients presenting a
+    certificate those CAs signed (here the self-signed one, its own CA): such a client completes; one
+    without a certificate, one that does not trust the server's, and plain HTTP get no answer."""
+    cert, key = _self_signed_certificate(tmp_path)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", str(tiny_model_dir), "--port", str(port), "--served-model-name", "tiny",
+         "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-ca-certs", str(cert)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"https://127.0.0.1:{port}"
+    try:
+        client = ssl.create_default_context(cafile=str(cert))
+        client.load_cert_chain(cert, key)
+        _wait_until_healthy(proc, url, verify=client)
+        body = {"model": "tiny", "prompt": "The quick", "max_tokens": 3}
+        reply = httpx.post(url + "/v1/completions", json=body, verify=client, timeout=30)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx.TransportError):  # trusts the server but shows no certificate
+            httpx.get(url + "/health", verify=ssl.create_default_context(cafile=str(cert)), timeout=5)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust it refuses it
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_unloadable_tls_files_exit_2_before_anything_loads(tiny_model_dir: Path, tmp_path: Path, capsys):
+    from server.cli import main
+
+    cert, key = _self_signed_certificate(tmp_path)
+    for flags, message in ((["--ssl-certfile", str(cert)], "both --ssl-certfile and --ssl-keyfile"),
+                           (["--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "none.pem")],
+                            "cannot load the TLS certificate"),
+                           (["--ssl-certfile", str(key), "--ssl-keyfile", str(key)], "cannot load the TLS certificate")):
+        assert main([str(tiny_model_dir), "--port", "0", *flags]) == 2
+        assert message in capsys.readouterr().err
