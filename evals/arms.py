@@ -231,7 +231,7 @@ class BaselineCache:
 
     @staticmethod
     def key(baseline_hashes: dict[str, str], policy: GatePolicy, data_hashes: dict[str, str],
-            ids: dict[str, list[int]], variant: str) -> str:
+            ids: dict[str, list[int]], variant: str, tier2_prompts: list[list[int]]) -> str:
         task_files = {p.name: data.file_sha256(p) for p in sorted(TASKS_DIR.glob("*")) if p.is_file()}
         material = {
             "format": CACHE_FORMAT,
@@ -240,6 +240,7 @@ class BaselineCache:
             "task_files": task_files,  # YAMLs carry the task versions; any edit changes the key
             "data": data_hashes,
             "ids": ids,
+            "tier2_prompts": hashlib.sha256(json.dumps(tier2_prompts).encode()).hexdigest(),  # GSM8K's or --prompts
             "tasks": [asdict(t) for t in policy.tier1.tasks],
             "engine": asdict(policy.engine),
             "noise_floor": asdict(policy.noise_floor),

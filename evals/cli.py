@@ -35,6 +35,9 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
     parser.add_argument("--lora", default=None, metavar="DIR",
                         help="a PEFT LoRA adapter both arms answer through (gates the adapter over the quantized base)")
+    parser.add_argument("--prompts", default=None, metavar="FILE",
+                        help="your own traffic as Tier 2's prompts (and Tier 0's sequences) instead of GSM8K: JSONL "
+                             "of chat or completion request bodies, or OpenAI batch lines")
     parser.add_argument("--cache-dir", default=None, help="baseline result cache (default ~/.cache/driftgate)")
     parser.add_argument("--no-cache", action="store_true", help="always re-run the baseline arm")
     parser.add_argument("--server", default=None, metavar="URL",
@@ -102,8 +105,9 @@ def run_gate(args: argparse.Namespace) -> int:
         from evals.data import DataMissingError
         from evals.drift import PromptMismatchError
         from evals.policy import PolicyError
+        from evals.prompts import PromptFileError
 
-        known = (GateInputError, PolicyError, DataMissingError, PromptMismatchError)
+        known = (GateInputError, PolicyError, DataMissingError, PromptMismatchError, PromptFileError)
         prefix = "driftgate gate: cannot evaluate" if isinstance(exc, known) else "driftgate gate: crashed"
         print(f"{prefix}: {exc}", file=sys.stderr)
         if not isinstance(exc, known):
@@ -128,18 +132,19 @@ def _run(args: argparse.Namespace) -> int:
     baseline_hashes = check_model_dir(baseline_dir, "baseline")
     candidate_hashes = check_model_dir(candidate_dir, "candidate")
     lora_dir, lora_hashes = _lora(args)
+    own_prompts = _own_prompts(args, policy, candidate_dir)  # checked before anything loads
     ids = arms.selected_ids(policy, data_dir)
     cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
 
     served, cand_llm = None, None
     if args.server:
-        candidate, prompts, served = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir)
+        candidate, prompts, served = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir,
+                                                       own_prompts)
     else:
         candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
                                            kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
                                            lora=lora_dir)
-        prompts = arms.tier2_prompts(cand_llm.tokenizer, data_dir, policy.tier2.num_prompts) \
-            if policy.tier2.enabled else []
+        prompts = _tier2_prompts(arms, policy, cand_llm.tokenizer, data_dir, own_prompts)
         if prompts:
             print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
             candidate.generations = arms.greedy_generations(cand_llm, prompts, policy.tier2.max_new_tokens)
@@ -204,7 +209,26 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_PASS if result.passed else EXIT_DRIFT
 
 
-def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) -> tuple:
+def _own_prompts(args: argparse.Namespace, policy, candidate_dir: Path) -> list[list[int]] | None:
+    """--prompts as token ids (the candidate's tokenizer and chat template), or None."""
+    if args.prompts is None:
+        return None
+    if not policy.tier2.enabled:
+        raise GateInputError(f"--prompts feeds Tier 2, which policy {policy.name!r} turns off")
+    from engine.tokenizer import load_tokenizer
+    from evals.prompts import read_prompt_file
+
+    return read_prompt_file(Path(args.prompts), load_tokenizer(candidate_dir))
+
+
+def _tier2_prompts(arms, policy, tokenizer, data_dir: Path, own: list[list[int]] | None) -> list[list[int]]:
+    """Tier 2's prompts: the user's own, else the policy's GSM8K few-shot ones (none with Tier 2 off)."""
+    if own is not None:
+        return own
+    return arms.tier2_prompts(tokenizer, data_dir, policy.tier2.num_prompts) if policy.tier2.enabled else []
+
+
+def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, own_prompts) -> tuple:
     """The candidate arm from a live server: Tier 1 via lm-eval's HTTP client, Tier 2 via completions.
 
     Returns (the arm, its Tier 2 prompts, a `remote.ServedCandidate`).
@@ -228,7 +252,7 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) 
         prompts: list[list[int]] = []
         exact = True
         if policy.tier2.enabled:
-            prompts = arms.prompt_room(arms.tier2_prompts(tokenizer, data_dir, policy.tier2.num_prompts),
+            prompts = arms.prompt_room(_tier2_prompts(arms, policy, tokenizer, data_dir, own_prompts),
                                        policy.engine.max_model_len, policy.tier2.max_new_tokens)
             print(f"[gate] candidate @ {args.server}: {len(prompts)} greedy generations", flush=True)
             candidate.generations, exact = remote.greedy_generations(
@@ -241,7 +265,7 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir) 
 def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_dir, baseline_hashes, data_hashes,
                   *, variant, lora: Path | None):
     """The baseline (or its noise-floor rerun, through adapter `lora` if given) from cache, or run and stored."""
-    key = cache.key(baseline_hashes, policy, data_hashes, ids, variant)
+    key = cache.key(baseline_hashes, policy, data_hashes, ids, variant, prompts)
     if not args.no_cache and (hit := cache.load(key)) is not None:
         print(f"[gate] {variant}: cached ({key[:12]})", flush=True)
         return hit, None, True
@@ -250,6 +274,17 @@ def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_di
                             tier2_prompt_ids=prompts or None, lora=lora)
     cache.store(key, arm)
     return arm, llm, False
+
+
+def _prompts_source(args: argparse.Namespace, policy) -> dict | None:
+    """Where Tier 2's prompts came from: the user's file (with its hash) or GSM8K's few-shot set."""
+    from evals.data import file_sha256
+
+    if not policy.tier2.enabled:
+        return None
+    if args.prompts is None:
+        return {"source": "driftgate_gsm8k_cot (8-shot)"}
+    return {"source": str(Path(args.prompts).resolve()), "sha256": file_sha256(Path(args.prompts))}
 
 
 def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate, cached,
@@ -266,6 +301,7 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "kv_cache_dtype": None if args.server else args.kv_cache_dtype,
         "kv_scales": args.kv_scales if args.kv_cache_dtype in SCALED_KV_CACHE_DTYPES else None,
         "data_sha256": data_hashes,
+        "tier2_prompts": _prompts_source(args, policy),
         "policy": asdict(policy),
         "seed": policy.seed,
         "lm_eval_version": lm_eval.__version__,

@@ -104,7 +104,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += _layer_block(report)
     if report["tier2"]:
         a = report["tier2"]
-        out += ["## Tier 2: greedy long generations",
+        source = (report["manifest"].get("tier2_prompts") or {}).get("source")
+        out += ["## Tier 2: greedy long generations" + (f" (prompts: {source})" if source else ""),
                 f"{a['num_identical']}/{a['num_prompts']} identical; mean agreed prefix {a['mean_agreed_prefix']:.1f} "
                 f"tokens (min {a['min_agreed_prefix']}); divergence positions: {list(a['divergence_positions'])}", ""]
     for task, buckets in report.get("tier2_accuracy_by_length", {}).items():

@@ -54,11 +54,13 @@ def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypat
     monkeypatch.setattr(arms, "ENGINE_SOURCES", [code])
     policy = load_policy("quick")
 
-    def key() -> str:
-        return arms.BaselineCache.key({"model.safetensors": "abc"}, policy, {}, {}, "baseline")
+    def key(prompts=((1, 2, 3),)) -> str:
+        return arms.BaselineCache.key({"model.safetensors": "abc"}, policy, {}, {}, "baseline",
+                                      [list(p) for p in prompts])
 
     before = key()
     assert key() == before
+    assert key(((1, 2, 4),)) != before  # other Tier 2 prompts (gate --prompts): another baseline
     (code / "NOTES.md").write_text("edited, still not code\n")
     assert key() == before
     (code / "csrc" / "kernel.c").write_text("int kernel = 1;\n")

@@ -133,6 +133,31 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     assert "baseline: cached" in capsys.readouterr().out
 
 
+def test_own_prompts_drive_tier2_and_a_bad_line_stops_the_gate_at_once(setup, capsys):
+    """--prompts: the user's request bodies are Tier 2's prompts (and, with the baseline's
+    generations, Tier 0's sequences); the report says so; the baseline cache keys on them; a bad
+    line is exit 2 naming it, before either model runs."""
+    root, baseline, policy = setup
+    traffic = root / "traffic.jsonl"
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick"}]}
+    traffic.write_text("\n".join(json.dumps(line) for line in (chat, {"prompt": "brown fox"},
+                                                                {"custom_id": "1", "body": {"prompt": "jumps"}})))
+    candidate = root / "copy-prompts"
+    shutil.copytree(baseline, candidate)
+    assert _gate(baseline, candidate, policy, root, "--prompts", str(traffic)) == EXIT_PASS
+    report = json.loads((root / "report" / "report.json").read_text())
+    assert report["tier2"]["num_prompts"] == 3 and report["tier2"]["num_identical"] == 3  # GSM8K gives 1 here
+    assert report["manifest"]["tier2_prompts"] == {"source": str(traffic.resolve()),
+                                                   "sha256": data.file_sha256(traffic)}
+    assert f"(prompts: {traffic.resolve()})" in (root / "report" / "report.md").read_text()
+    assert "baseline: cached" not in capsys.readouterr().out  # not GSM8K's cached baseline
+    bad = root / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"messages": "not a list"}\n')
+    assert _gate(baseline, candidate, policy, root, "--prompts", str(bad)) == EXIT_ERROR
+    err = capsys.readouterr()
+    assert "bad.jsonl:2: messages" in err.err and "[gate] candidate" not in err.out
+
+
 @pytest.mark.slow
 def test_damaged_checkpoint_fails_with_a_failing_verdict(setup):
     root, baseline, policy = setup

@@ -1,0 +1,58 @@
+"""`gate --prompts`: request bodies become the token ids the server would build for them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine.tokenizer import load_tokenizer
+from evals.prompts import PromptFileError, read_prompt_file
+from tests.helpers import write_tiny_tokenizer
+
+MESSAGES = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "the quick brown fox"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+def _write(path, lines) -> None:
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+
+
+def test_chat_completion_and_batch_lines_become_the_servers_prompts(tokenizer, tmp_path):
+    chat = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+    path = tmp_path / "traffic.jsonl"
+    _write(path, [{"messages": MESSAGES, "temperature": 0.7}, "",
+                  {"prompt": "a b c"}, {"prompt": [5, 6, 7]},
+                  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": MESSAGES}}])
+    assert read_prompt_file(path, tokenizer) == [chat, tokenizer.encode("a b c"), [5, 6, 7], chat]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", ":2: not valid JSON"),
+    ({"messages": "hello"}, ":2: messages: "),
+    ({"messages": [{"content": "hi"}]}, ":2: messages.0"),
+    ({"prompt": ""}, ':2: "prompt" must be non-empty text'),
+    ({"prompt": [1, 10**6]}, ":2: \"prompt\" must be non-empty text or a list of token ids below"),
+    ({"input": "x"}, ':2: no "messages" or "prompt" among [\'input\']'),
+])
+def test_a_bad_line_is_named_by_its_number(tokenizer, tmp_path, line, message):
+    path = tmp_path / "traffic.jsonl"
+    _write(path, [{"prompt": "fine"}, line])
+    with pytest.raises(PromptFileError, match=re.escape("traffic.jsonl" + message)):
+        read_prompt_file(path, tokenizer)
+
+
+def test_missing_or_empty_files_say_so(tokenizer, tmp_path):
+    with pytest.raises(PromptFileError, match="not found"):
+        read_prompt_file(tmp_path / "none.jsonl", tokenizer)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(PromptFileError, match="no prompts"):
+        read_prompt_file(tmp_path / "empty.jsonl", tokenizer)
