@@ -22,6 +22,7 @@ from server.embeddings import create_embedding, create_pooling
 from server.errors import APIError, error_response, install_error_handlers
 from server.invocations import invocations
 from server.lora import load_lora_adapter, unload_lora_adapter
+from server.messages import count_message_tokens, create_message
 from server.metrics import cluster_health
 from server.middleware import AccessLogMiddleware, AuthMiddleware
 from server.params import requested_adapter
@@ -62,6 +63,8 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     app.get("/v1/responses/{response_id}")(retrieve_response)
     app.delete("/v1/responses/{response_id}")(delete_response)
     app.post("/v1/responses/{response_id}/cancel")(cancel_response)
+    app.post("/v1/messages")(create_message)
+    app.post("/v1/messages/count_tokens")(count_message_tokens)
     app.post("/v1/load_lora_adapter")(load_lora_adapter)
     app.post("/v1/unload_lora_adapter")(unload_lora_adapter)
 

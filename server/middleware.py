@@ -29,7 +29,8 @@ async def _send_json(send: Send, status: int, body: dict, headers: list[tuple[by
 
 
 class AuthMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches (when the server has a key)."""
+    """401 unless `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) matches, when
+    the server has a key."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -41,11 +42,12 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         if config.metrics_public and scope["path"] in _PUBLIC_WHEN_METRICS_PUBLIC:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        expected = config.api_key.encode()
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = headers.get(b"x-api-key", b"")
         # compare_digest runs in time independent of where the strings differ
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected):
+        if token and hmac.compare_digest(token.strip(), config.api_key.encode()):
             return await self.app(scope, receive, send)
         await _send_json(send, 401, error_body(401, "missing or invalid API key"),
                          [(b"www-authenticate", b"Bearer")])

@@ -35,13 +35,15 @@ async def stream_response(
     render: Render,
     finish: Callable[[], list[BaseModel]],
     typed_events: bool = False,
+    error_payload: Callable[[int, str, str | None], dict] = error_body,
 ) -> StreamingResponse:
     """Start streaming once the first output exists; `generation` is closed however it ends.
 
     Args:
         render: the chunks for one new output (may be empty when nothing visible changed).
         finish: the chunks after the last output (the usage chunk, when asked for).
-        typed_events: the Responses API's stream: each event named by its `type`, no `[DONE]`.
+        typed_events: the Responses and Messages APIs' streams: each event named by its `type`, no `[DONE]`.
+        error_payload: the body of an error event (OpenAI's shape unless the API has its own).
     """
     def send(chunk: BaseModel | dict) -> str:
         return sse(chunk, chunk["type"] if typed_events else None)
@@ -63,7 +65,7 @@ async def stream_response(
             for chunk in finish():
                 yield send(chunk)
         except APIError as exc:
-            yield sse(error_body(exc.status, exc.message, exc.param), "error" if typed_events else None)
+            yield sse(error_payload(exc.status, exc.message, exc.param), "error" if typed_events else None)
         finally:
             await generation.aclose()
         if not typed_events:

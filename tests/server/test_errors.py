@@ -107,6 +107,9 @@ def test_api_key(engine):
         with openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as bad, \
                 pytest.raises(openai.AuthenticationError):
             bad.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+        # Anthropic's clients send the key as x-api-key
+        assert httpx.get(url + "/v1/models", headers={"x-api-key": "sekrit"}, timeout=10).status_code == 200
+        assert_openai_error(httpx.get(url + "/v1/models", headers={"x-api-key": "sekriT"}, timeout=10), 401)
     with serve(engine, api_key="sekrit", metrics_public=True) as url:
         for path in ("/health", "/ping", "/metrics"):
             assert httpx.get(url + path, timeout=10).status_code == 200
