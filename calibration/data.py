@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.json_object import parse_json_object
+from engine.json_object import numbered_lines, parse_json_object
 
 
 class CalibrationDataError(ValueError):
@@ -117,13 +117,7 @@ def _parse_line(raw: str, path: Path, line_no: int) -> CalibrationRecord:
 def read_records(path: Path) -> list[CalibrationRecord]:
     """Validate every line of ``path``; blank lines are skipped, anything else malformed raises."""
     path = Path(path)
-    if not path.is_file():
-        raise CalibrationDataError(f"{path}: calibration file not found")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise CalibrationDataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    records = [_parse_line(raw, path, i) for i, raw in enumerate(lines, start=1) if raw.strip()]
+    records = [_parse_line(raw, path, i) for i, raw in numbered_lines(path, "calibration file", CalibrationDataError)]
     if not records:
         raise CalibrationDataError(f"{path}: no calibration samples (the file is empty)")
     return records

@@ -1,13 +1,27 @@
 """One JSON object from text, with the error a user can act on: where the JSON breaks, or what it is instead.
 
-Calibration files, batch files and --speculative-config all take JSON objects from users; each
-caller prefixes the message with where the text came from (a file and line, a flag).
+Calibration files, batch files, gate prompt files and --speculative-config all take JSON objects
+from users; each caller prefixes the message with where the text came from (a file and line, a flag).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
+
+
+def numbered_lines(path: Path, what: str, error: type[Exception] = ValueError) -> list[tuple[int, str]]:
+    """A JSONL file's non-blank lines with their 1-based numbers; `error` says which file is missing
+    or not UTF-8 (`what` names its role, e.g. "calibration file")."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: {what} not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
 
 
 def parse_json_object(text: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine.json_object import parse_json_object
+from engine.json_object import numbered_lines, parse_json_object
 from server.chat import render_chat
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
@@ -35,16 +35,8 @@ class PromptFileError(ValueError):
 def read_prompt_file(path: Path, tokenizer) -> list[list[int]]:
     """Every line's prompt as token ids, in file order (blank lines skipped)."""
     path = Path(path)
-    if not path.is_file():
-        raise PromptFileError(f"{path}: prompt file not found")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise PromptFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     prompts = []
-    for line_no, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
+    for line_no, raw in numbered_lines(path, "prompt file", PromptFileError):
         try:
             prompts.append(_prompt_ids(parse_json_object(raw), tokenizer))
         except ValidationError as exc:

@@ -23,7 +23,7 @@ import httpx
 from fastapi import FastAPI
 from tqdm import tqdm
 
-from engine.json_object import parse_json_object
+from engine.json_object import numbered_lines, parse_json_object
 from server.app import build_app
 from server.cli import add_serve_args, build_engine, is_cluster, server_config
 
@@ -101,8 +101,8 @@ def run_batch(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request says nothing the output does not
     try:
         config = server_config(args)
-        lines = [(n, line) for n, line in enumerate(args.input_file.read_text().splitlines(), 1) if line.strip()]
-    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        lines = numbered_lines(args.input_file, "batch input file")
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if is_cluster(args):

@@ -85,22 +85,15 @@ static void scale_rows(float *x, size_t n, float s) {
 
 enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_BLOCK_SIZE = -2, STEP_BAD_LINEAR = -3 };
 
-/* The e4m3 byte of v, a value round_to_e4m3 returned. */
-static inline uint8_t e4m3_bits(float v) {
+/* The byte of v in format f, v a value round_to_fp8 returned: sign, biased exponent, the kept
+ * mantissa bits (a subnormal: exponent field 0, v in steps of its smallest value). */
+static inline uint8_t fp8_byte(float v, Fp8Format f) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof bits);
     const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
-    if (fabsf(v) < 0x1p-6f) return sign | (uint8_t)(fabsf(v) * FP8_SUBNORMAL_STEPS); /* exponent field 0 */
-    return sign | (uint8_t)((((bits >> 23) & 0xFFu) - 120u) << 3) | (uint8_t)((bits >> 20) & 7u); /* bias 127 → 7 */
-}
-
-/* The e5m2 byte of v, a value round_to_e5m2 returned: its fp16's high byte. */
-static inline uint8_t e5m2_bits(float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
-    if (fabsf(v) < 0x1p-14f) return sign | (uint8_t)(fabsf(v) * E5M2_SUBNORMAL_STEPS); /* exponent field 0 */
-    return sign | (uint8_t)((((bits >> 23) & 0xFFu) - 112u) << 2) | (uint8_t)((bits >> 21) & 3u); /* bias 127 → 15 */
+    if (fabsf(v) < pow2f(1 - f.bias)) return sign | (uint8_t)(fabsf(v) / pow2f(1 - f.bias - f.mantissa));
+    const uint32_t exponent = ((bits >> 23) & 0xFFu) - (uint32_t)(127 - f.bias);
+    return sign | (uint8_t)(exponent << f.mantissa) | (uint8_t)((bits >> (23 - f.mantissa)) & ((1u << f.mantissa) - 1));
 }
 
 /* n floats into the cache as they are; rounded to bfloat16 (nearest, ties to even: torch's cast);
@@ -115,10 +108,10 @@ static inline void store_kv(void *cache, int64_t slot_offset, const float *x, in
     if (is_fp8_cache(kv_type)) {
         uint8_t *dst = (uint8_t *)cache + slot_offset;
         const int one = fp8_one(kv_type);
+        const Fp8Format f = kv_type == CACHE_E5M2 ? E5M2 : E4M3;
         for (int i = 0; i < n; i++) {
             const float scaled = x[i] / fp8_tables[(size_t)(i / head_dim) * 256 + one];
-            dst[i] = kv_type == CACHE_E5M2 ? e5m2_bits(round_to_e5m2(clamp_e5m2(scaled)))
-                                           : e4m3_bits(round_to_e4m3(clamp_fp8(scaled)));
+            dst[i] = fp8_byte(round_to_fp8(clamp_to(scaled, f.max), f), f);
         }
         return;
     }

@@ -71,35 +71,40 @@ enum { ACT_NONE = 0, ACT_FP8_TOKEN = 1, ACT_FP8_TENSOR = 2, ACT_FP8_STATIC = 3 }
 
 enum { FP8_SUBNORMAL_STEPS = 512 }; /* e4m3's subnormals are multiples of 2^-9, below 2^-6 */
 
-/* v saturated to e4m3's range (comparisons, not fmaxf/fminf: those stay libm calls at -O3). */
-static inline float clamp_fp8(float v) { return v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v; }
+/* An fp8 format: its mantissa bits, exponent bias and largest finite value. The functions taking
+ * one are always inlined with a constant format, so they compile to that format's own constants. */
+typedef struct { int mantissa, bias; float max; } Fp8Format;
+static const Fp8Format E4M3 = {3, 7, 448.0f}, E5M2 = {2, 15, 57344.0f};
 
-/* v (|v| <= 448) to the nearest e4m3 value, ties to even, as torch's cast does. */
-static inline float round_to_e4m3(float v) {
-    if (fabsf(v) < 0x1p-6f) return rintf(v * FP8_SUBNORMAL_STEPS) / FP8_SUBNORMAL_STEPS;
-    uint32_t bits;
-    __builtin_memcpy(&bits, &v, sizeof bits);
-    bits += 0x7FFFFu + ((bits >> 20) & 1u); /* keep 3 of 23 mantissa bits */
-    bits &= 0xFFF00000u;
+/* 2^e as a float, for -126 <= e <= 127. */
+static inline __attribute__((always_inline)) float pow2f(int e) {
+    const uint32_t bits = (uint32_t)(127 + e) << 23;
+    float v;
     __builtin_memcpy(&v, &bits, sizeof v);
     return v;
 }
 
-enum { E5M2_SUBNORMAL_STEPS = 65536 }; /* e5m2's subnormals are multiples of 2^-16, below 2^-14 */
+/* v saturated to ±max (comparisons, not fmaxf/fminf: those stay libm calls at -O3); torch's casts
+ * would overflow instead (e4m3 to NaN, e5m2 to infinity). */
+static inline float clamp_to(float v, float max) { return v < -max ? -max : v > max ? max : v; }
 
-/* v saturated to e5m2's range (the KV store's clamp: torch's cast would overflow to infinity). */
-static inline float clamp_e5m2(float v) { return v < -57344.0f ? -57344.0f : v > 57344.0f ? 57344.0f : v; }
+static inline float clamp_fp8(float v) { return clamp_to(v, E4M3.max); }
 
-/* v (|v| <= 57344) to the nearest e5m2 value, ties to even, as torch's cast does. */
-static inline float round_to_e5m2(float v) {
-    if (fabsf(v) < 0x1p-14f) return rintf(v * E5M2_SUBNORMAL_STEPS) / E5M2_SUBNORMAL_STEPS;
+/* v (within the format's range) to the nearest value of format f, ties to even, as torch's casts
+ * do: below the smallest normal, 2^(1 - bias), the values are multiples of 2^(1 - bias - mantissa). */
+static inline __attribute__((always_inline)) float round_to_fp8(float v, Fp8Format f) {
+    const float step = pow2f(1 - f.bias - f.mantissa);
+    if (fabsf(v) < pow2f(1 - f.bias)) return rintf(v / step) * step;
+    const int dropped = 23 - f.mantissa; /* of float32's mantissa bits */
     uint32_t bits;
     __builtin_memcpy(&bits, &v, sizeof bits);
-    bits += 0xFFFFFu + ((bits >> 21) & 1u); /* keep 2 of 23 mantissa bits */
-    bits &= 0xFFE00000u;
+    bits += ((1u << (dropped - 1)) - 1) + ((bits >> dropped) & 1u);
+    bits &= ~((1u << dropped) - 1);
     __builtin_memcpy(&v, &bits, sizeof v);
     return v;
 }
+
+static inline float round_to_e4m3(float v) { return round_to_fp8(v, E4M3); }
 
 /* quant.fp8.fp8_scale's: absmax / 448, never below float32's epsilon (an all-zero row must not divide by 0). */
 static inline float fp8_scale_of(float absmax) { return fmaxf(absmax / 448.0f, FLT_EPSILON); }

@@ -75,7 +75,11 @@ def test_each_line_gets_what_serve_answers_and_bad_lines_say_why(tmp_path, tiny_
 def test_a_missing_input_or_model_is_one_line_and_exit_2(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "out.jsonl"
     assert main(["run-batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(out), str(tiny_model_dir)]) == 2
-    assert "missing.jsonl" in capsys.readouterr().err
+    assert "missing.jsonl: batch input file not found" in capsys.readouterr().err
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"custom_id": "caf\xe9"}\n')
+    assert main(["run-batch", "-i", str(latin), "-o", str(out), str(tiny_model_dir)]) == 2
+    assert "latin.jsonl: not UTF-8 text" in capsys.readouterr().err
     source = tmp_path / "in.jsonl"
     source.write_text(_line("x", "/v1/completions", COMPLETION) + "\n")
     assert main(["run-batch", "-i", str(source), "-o", str(out), str(tmp_path / "no-model")]) == 2
