@@ -13,13 +13,16 @@ followed by a JSON list of calls (v0.3 models) or by `name[ARGS]{...}` (tokenize
 as Mistral Small 3.2), read with special tokens kept in the text and given the 9-character ids
 Mistral's chat templates require of calls sent back; `pythonic` the Llama 3.2 / Llama 4 reply
 that is a Python list of calls, `[get_weather(city="Paris")]`; `granite` Granite 3's
-`<|tool_call|>` before a JSON list of calls; `phi4_mini_json` Phi-4-mini's `functools[...]`.
+`<|tool_call|>` before a JSON list of calls; `phi4_mini_json` Phi-4-mini's `functools[...]`;
+`qwen3_coder` Qwen3-Coder's XML, `<tool_call><function=NAME><parameter=ARG>value</parameter>
+</function></tool_call>`, each value typed by its tool's parameters schema.
 Without a parser `"auto"` is a 400 saying what works instead. `"none"` answers in text; the tools are then not shown to the chat template.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import re
@@ -275,14 +278,61 @@ def phi4_mini_json_streamable(text: str) -> str:
     return _streamable_before(_PHI4_CALLS, text)
 
 
+_QWEN3_CODER_OPEN = "<tool_call>"
+_QWEN3_CODER_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_QWEN3_CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _typed(value: str, schema: dict | None) -> object:
+    """A parameter's text as its schema's type: text for strings (or no type), JSON otherwise
+    (`true`, `3`, `[1, 2]`), the text itself where it is not JSON."""
+    kinds = (schema or {}).get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds or ())
+    if not kinds or "string" in kinds:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        if "boolean" in kinds and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        return value
+
+
+def parse_qwen3_coder(text: str, tools: list[Tool] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """Qwen3-Coder's XML calls, `<tool_call><function=NAME><parameter=ARG>value</parameter>...
+    </function></tool_call>` → (the text around them, or None; the calls). Values are written as
+    text; each becomes the type the tool's schema gives its parameter."""
+    properties = {t.function.name: (t.function.parameters or {}).get("properties") or {} for t in tools or []}
+    calls, kept, start = [], [], 0
+    for match in _QWEN3_CODER_CALL.finditer(text):
+        name = match.group(1).strip()
+        schema = properties.get(name, {})
+        arguments = {}
+        for parameter in _QWEN3_CODER_PARAMETER.finditer(match.group(2)):
+            key = parameter.group(1).strip()
+            value = parameter.group(2).removeprefix("\n").removesuffix("\n")  # the template's own line breaks
+            arguments[key] = _typed(value, schema.get(key))
+        kept.append(text[start:match.start()])
+        start = match.end()
+        calls.append(_call(name, arguments))
+    content = "".join(kept) + text[start:]
+    return (content if content.strip() else None), calls
+
+
+def qwen3_coder_streamable(text: str) -> str:
+    return _streamable_before(_QWEN3_CODER_OPEN, text)
+
+
 TOOL_CALL_PARSERS = {"hermes": (parse_hermes, hermes_streamable),
                      "llama3_json": (parse_llama3_json, llama3_json_streamable),
                      "mistral": (parse_mistral, mistral_streamable),
                      "pythonic": (parse_pythonic, pythonic_streamable),
                      "granite": (parse_granite, granite_streamable),
-                     "phi4_mini_json": (parse_phi4_mini_json, phi4_mini_json_streamable)}
+                     "phi4_mini_json": (parse_phi4_mini_json, phi4_mini_json_streamable),
+                     "qwen3_coder": (parse_qwen3_coder, qwen3_coder_streamable)}
 # [TOOL_CALLS] and [ARGS] (Mistral), <|tool_call|> (Granite) are special tokens
 _READ_WITH_SPECIAL_TOKENS = {"mistral", "granite"}
+_READ_WITH_SCHEMAS = {"qwen3_coder"}  # its calls' values are text, typed by the tools' schemas
 
 
 class ToolCallReader:
@@ -294,6 +344,8 @@ class ToolCallReader:
         self._named = _named(body)
         auto = bool(body.tools) and body.tool_choice in (None, "auto")
         self._parse, self._streamable = TOOL_CALL_PARSERS[parser] if parser and auto else (None, None)
+        if parser in _READ_WITH_SCHEMAS and self._parse is not None:
+            self._parse = functools.partial(self._parse, tools=body.tools)
         self.keeps_special_tokens = auto and parser in _READ_WITH_SPECIAL_TOKENS  # the output must show them
 
     def streamable(self, text: str) -> str:

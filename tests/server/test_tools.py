@@ -193,7 +193,31 @@ def test_phi4_mini_calls_are_a_functools_list():
     assert phi4_mini_json_streamable("Sure. functo") == "Sure. "
 
 
-# what a Hermes / Llama 3.1 / Mistral / Llama 3.2 / Granite / Phi-4-mini model writes to call
+def test_qwen3_coder_calls_are_xml_with_values_typed_by_the_schema():
+    from server.protocol import Tool
+    from server.tools import parse_qwen3_coder, qwen3_coder_streamable
+
+    tools = [Tool(**t) for t in (FLAG, PICK, {"type": "function", "function": {"name": "write", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "integer"},
+                                         "tags": {"type": "array"}, "mode": {"type": ["integer", "null"]}}}}})]
+    text = ("I will write it.\n<tool_call>\n<function=write>\n<parameter=path>\n007.txt\n</parameter>\n"
+            "<parameter=lines>\n12\n</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n"
+            "<parameter=mode>\nnull\n</parameter>\n<parameter=note>\n  two\nlines\n</parameter>\n</function>\n"
+            "</tool_call>\n<tool_call>\n<function=set_flag>\n<parameter=on>\nTrue\n</parameter>\n</function>\n"
+            "</tool_call>")
+    content, calls = parse_qwen3_coder(text, tools)
+    assert content == "I will write it.\n\n"
+    # a string stays text ("007", not 7), typed values parse, a parameter the schema lacks stays text
+    assert _named_args(calls) == [("write", {"path": "007.txt", "lines": 12, "tags": ["a", "b"], "mode": None,
+                                             "note": "  two\nlines"}), ("set_flag", {"on": True})]
+    unknown = parse_qwen3_coder("<tool_call><function=pick><parameter=size>m</parameter></function></tool_call>")
+    assert unknown[0] is None and _named_args(unknown[1]) == [("pick", {"size": "m"})]  # no tools: all text
+    for plain in ("no calls", "<tool_call><function=pick>unclosed"):
+        assert parse_qwen3_coder(plain, tools) == (plain, [])
+    assert qwen3_coder_streamable("Sure.\n<tool_") == "Sure.\n" and qwen3_coder_streamable("a < b") == "a < b"
+
+
+# what a Hermes / Llama 3.1 / Mistral / Llama 3.2 / Granite / Phi-4-mini / Qwen3-Coder model writes to call
 # set_flag, and the text the client should see
 CALLS_AS_WRITTEN = {
     "hermes": ('Sure. <tool_call>{"name": "set_flag", "arguments": {"on": true}}</tool_call>', "Sure. "),
@@ -202,6 +226,8 @@ CALLS_AS_WRITTEN = {
     "pythonic": ("[set_flag(on=True)]", None),
     "granite": ('<|tool_call|>[{"name": "set_flag", "arguments": {"on": true}}]', None),
     "phi4_mini_json": ('Sure. functools[{"name": "set_flag", "arguments": {"on": true}}]', "Sure. "),
+    "qwen3_coder": ("Sure.\n<tool_call>\n<function=set_flag>\n<parameter=on>\ntrue\n</parameter>\n</function>\n"
+                    "</tool_call>", "Sure.\n"),
 }
 
 
@@ -211,8 +237,9 @@ def test_auto_tool_choice_with_a_parser(engine, parser):
 
     said, content = CALLS_AS_WRITTEN[parser]
     # the tiny model cannot decide to call a tool; a regex makes it write the call, as such a model would
-    body = {"messages": MESSAGES, "tools": [FLAG, PICK], "max_tokens": 80, "temperature": 0,
-            "guided_regex": "".join(f"\\{ch}" if ch in "[]" else f"[{ch}]" for ch in said)}  # each character, literally
+    body = {"messages": MESSAGES, "tools": [FLAG, PICK], "max_tokens": 160, "temperature": 0,
+            "guided_regex": "".join(f"\\{ch}" if ch in "[]" else "\\n" if ch == "\n" else f"[{ch}]"
+                                    for ch in said)}  # each character, literally
     with serve(engine, tool_call_parser=parser) as url:
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
         assert r["finish_reason"] == "tool_calls" and r["message"]["content"] == content
@@ -233,5 +260,5 @@ def test_an_unknown_parser_is_refused():
     from server.config import ServerConfig
 
     with pytest.raises(ValueError, match="unknown tool-call parser 'xml'; known: hermes, llama3_json, mistral, "
-                                         "pythonic, granite, phi4_mini_json"):
+                                         "pythonic, granite, phi4_mini_json, qwen3_coder"):
         ServerConfig(served_model_name="x", tool_call_parser="xml")
