@@ -90,6 +90,7 @@ class MessagesRequest(_Request):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    seed: int | None = None  # as on the chat route (not Anthropic's)
     stream: bool = False
     tools: list[ToolSpec] | None = None
     tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "none" | "tool", "name", ...}
@@ -159,7 +160,7 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
              for t in body.tools or []] or None
     choice, parallel = _tool_choice(body.tool_choice)
     return ChatCompletionRequest(model=body.model, messages=conversation, max_tokens=body.max_tokens,
-                                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                  stop=body.stop_sequences, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
                                  response_format=_response_format(body.output_config))
 

@@ -72,12 +72,12 @@ def test_a_stop_sequence_ends_the_message_and_is_named(claude):
 
 
 def test_a_forced_tool_is_a_tool_use_block_and_its_result_goes_back(claude):
-    message = claude.messages.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=100, tools=[PICK],
-                                     tool_choice={"type": "tool", "name": "pick"})
+    forced = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=400, tools=[PICK],
+                  tool_choice={"type": "tool", "name": "pick"}, extra_body={"seed": 0})
+    message = claude.messages.create(**forced)
     (call,) = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and call.name == "pick" and call.input["size"] in ("s", "m")
-    with claude.messages.stream(model=MODEL_NAME, messages=MESSAGES, max_tokens=100, tools=[PICK],
-                                tool_choice={"type": "tool", "name": "pick"}) as stream:
+    with claude.messages.stream(**forced) as stream:
         streamed = stream.get_final_message()
     assert [b.type for b in streamed.content] == ["tool_use"] and streamed.content[0].input["size"] in ("s", "m")
     follow_up = [*MESSAGES, {"role": "assistant", "content": [call.model_dump()]},
@@ -89,9 +89,12 @@ def test_a_forced_tool_is_a_tool_use_block_and_its_result_goes_back(claude):
 
 
 def test_an_output_format_holds_the_answer_to_its_schema(claude):
-    message = claude.messages.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=60,
-                                     output_config={"format": {"type": "json_schema", "schema": PICK["input_schema"]}})
-    assert json.loads(message.content[0].text)["size"] in ("s", "m")
+    for seed in range(3):  # sampled: a few different answers, each held to the schema
+        message = claude.messages.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=400,
+                                         output_config={"format": {"type": "json_schema",
+                                                                   "schema": PICK["input_schema"]}},
+                                         extra_body={"seed": seed})
+        assert message.stop_reason == "end_turn" and json.loads(message.content[0].text)["size"] in ("s", "m")
 
 
 def test_count_tokens_counts_the_rendered_prompt(claude, base_url):
