@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from engine.json_object import numbered_lines, parse_json_object
 from server.chat import render_chat
-from server.errors import APIError
+from server.errors import APIError, invalid_body
 from server.protocol import ChatCompletionRequest
 
 _EXPECTED = ('a chat request ("messages"), a completion request ("prompt": text or token ids) or a batch line '
@@ -40,9 +40,7 @@ def read_prompt_file(path: Path, tokenizer) -> list[list[int]]:
         try:
             prompts.append(_prompt_ids(parse_json_object(raw), tokenizer))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise PromptFileError(f"{path}:{line_no}: {where}: {first['msg']}") from None
+            raise PromptFileError(f"{path}:{line_no}: {invalid_body(exc).message}") from None
         except APIError as exc:  # the chat template refused the conversation
             raise PromptFileError(f"{path}:{line_no}: {exc.message}") from None
         except ValueError as exc:

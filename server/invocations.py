@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 
 from fastapi import Request, Response
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.embeddings import create_embedding
-from server.errors import APIError
+from server.errors import APIError, invalid_body
 from server.pooling import create_classification, create_rerank, create_score
 from server.protocol import (
     ChatCompletionRequest,
@@ -59,4 +58,4 @@ def _validated(model: type[BaseModel], body: dict) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        raise invalid_body(exc) from None

@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError
 
 from engine.outputs import RequestOutput
 from server.chat import prepare_chat, render_chat
-from server.errors import APIError
+from server.errors import APIError, invalid_body
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
 from server.reasoning import split_reasoning
@@ -277,9 +277,7 @@ async def _body(request: Request) -> MessagesRequest:
     try:
         return MessagesRequest.model_validate_json(await request.body())
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+        raise invalid_body(exc) from None
 
 
 def _anthropic_errors(handler):
