@@ -29,7 +29,7 @@ import torch
 from bench.output import save_result
 from bench.schemes import size_on_disk
 from engine import LLM
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, SCALED_KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, kv_cache_setting
 
 WIKITEXT_FILE = "wikitext/wiki.test.raw"
 
@@ -126,7 +126,7 @@ def measure(model_dir: Path, data_path: Path, *, max_tokens: int, context: int, 
     mean_nll = -total_logprob / scored
     return PerplexityResult(
         label=label or Path(model_dir).name, model=str(model_dir), kv_cache_dtype=kv_cache_dtype,
-        kv_scales=kv_scales if kv_cache_dtype in SCALED_KV_CACHE_DTYPES else None,
+        kv_scales=kv_cache_setting(kv_cache_dtype, kv_scales)["kv_scales"],
         ppl=math.exp(mean_nll), mean_nll=mean_nll, scored_tokens=scored, windows=len(windows),
         tokens_sha256=hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(), seconds=seconds,
         size_bytes=size_on_disk(Path(model_dir)), quantization=quantization_summary(model_dir))

@@ -16,6 +16,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, t
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
+
+def kv_cache_setting(kv_cache_dtype: str, kv_scales: str) -> dict[str, str | None]:
+    """What decides a KV cache's numbers, spelt one way (fp8_e4m3 is fp8; scales only where they
+    apply): recorded by the gate's verdict and report, compared by `serve --require-gate`."""
+    dtype = "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype
+    return {"kv_cache_dtype": dtype, "kv_scales": kv_scales if dtype in SCALED_KV_CACHE_DTYPES else None}
+
 @dataclass(slots=True)
 class EngineConfig:
     """What LLM / AsyncEngine take; names follow vLLM's engine arguments."""

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, SCALED_KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, kv_cache_setting
 
 EXIT_PASS, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 
@@ -202,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     metrics = {"checks": full["checks"], "tier1_pooled": full["tier1"]["pooled"], "tier0": full["tier0"],
                "tier2": full["tier2"]}
     verdict.write_verdict(candidate_dir, passed=result.passed, policy=asdict(policy), metrics=metrics,
-                          baseline_hashes=baseline_hashes, candidate_hashes=candidate_hashes)
+                          baseline_hashes=baseline_hashes, candidate_hashes=candidate_hashes,
+                          serving=None if args.server else kv_cache_setting(args.kv_cache_dtype, args.kv_scales))
     print(report.render_markdown(full).split("\n## Worst")[0])
     print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}; reports in {paths['md'].parent}; "
           f"{time.perf_counter() - started:.0f}s", flush=True)
@@ -298,8 +299,8 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "baseline_weights_sha256": baseline_hashes,
         "candidate_weights_sha256": candidate_hashes,
         "candidate_config": json.loads((Path(args.candidate) / "config.json").read_text()).get("quantization_config"),
-        "kv_cache_dtype": None if args.server else args.kv_cache_dtype,
-        "kv_scales": args.kv_scales if args.kv_cache_dtype in SCALED_KV_CACHE_DTYPES else None,
+        **({"kv_cache_dtype": None, "kv_scales": None} if args.server
+           else kv_cache_setting(args.kv_cache_dtype, args.kv_scales)),
         "data_sha256": data_hashes,
         "tier2_prompts": _prompts_source(args, policy),
         "policy": asdict(policy),

@@ -1,7 +1,9 @@
-"""verdict.json: the gate's decision bound to the exact weight files it judged.
+"""verdict.json: the gate's decision bound to the exact weight files it judged, and to the KV
+cache they ran with.
 
 The server's `--require-gate` calls `check_verdict`; any edit to a weight file after the
-gate ran changes its sha256 and voids the verdict.
+gate ran changes its sha256 and voids the verdict, and serving with another KV cache than the
+gate judged (an fp8_e5m2 cache on a checkpoint gated with its calibrated fp8 one, say) is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from evals.data import file_sha256
 
 VERDICT_FILE = "verdict.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: records `serving`, the KV cache setting the candidate was judged with
 
 
 class VerdictError(RuntimeError):
@@ -42,14 +44,17 @@ def write_verdict(
     metrics: dict[str, Any],
     baseline_hashes: dict[str, str],
     candidate_hashes: dict[str, str] | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> Path:
-    """Write CANDIDATE/verdict.json and return its path."""
+    """Write CANDIDATE/verdict.json and return its path. `serving` is engine.config.kv_cache_setting
+    of the candidate arm; None when the gate judged a live server (as it ran, which it cannot see)."""
     candidate_dir = Path(candidate_dir)
     body = {
         "format_version": FORMAT_VERSION,
         "verdict": "pass" if passed else "fail",
         "weights_sha256": candidate_hashes if candidate_hashes is not None else weight_hashes(candidate_dir),
         "baseline_weights_sha256": baseline_hashes,
+        "serving": serving,
         "policy": policy,
         "metrics": metrics,
     }
@@ -58,8 +63,9 @@ def write_verdict(
     return path
 
 
-def check_verdict(model_dir: str | Path) -> None:
-    """Raise VerdictError unless a passing verdict matches every current weight file."""
+def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None) -> None:
+    """Raise VerdictError unless a passing verdict matches every current weight file and, given
+    `serving` (engine.config.kv_cache_setting), the KV cache setting the gate judged."""
     model_dir = Path(model_dir)
     path = model_dir / VERDICT_FILE
     if not path.is_file():
@@ -82,3 +88,22 @@ def check_verdict(model_dir: str | Path) -> None:
     changed = sorted(name for name in current if current[name] != recorded[name])
     if changed:
         raise VerdictError(f"weights changed since the gate ran (sha256 mismatch: {', '.join(changed)})")
+    if serving is not None:
+        _check_serving(body, serving, path)
+
+
+def _check_serving(body: dict[str, Any], serving: dict[str, Any], path: Path) -> None:
+    if body.get("format_version", 1) < 2:
+        raise VerdictError(f"{path} predates verdicts that record the KV cache they judged; re-run the gate")
+    judged = body.get("serving")
+    if judged is None:  # gated as a live server: the deployment as it ran
+        return
+    if judged != serving:
+        raise VerdictError(f"the gate judged this checkpoint with {_described(judged)}, not {_described(serving)}; "
+                           f"gate it so (driftgate gate ... --kv-cache-dtype {serving['kv_cache_dtype']}) before "
+                           "serving it so")
+
+
+def _described(setting: dict[str, Any]) -> str:
+    scales = f" ({setting['kv_scales']} scales)" if setting.get("kv_scales") else ""
+    return f"KV cache {setting['kv_cache_dtype']}{scales}"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, hf_overrides_arg
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, hf_overrides_arg, kv_cache_setting
 from engine.generation_config import sampling_defaults
 from engine.loader import model_config
 from engine.pooling import classifier_config, pooling_config
@@ -203,14 +203,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          choices=["round-robin", "least-loaded", "coordinated"])
 
 
-def _check_gate(model_dir: str) -> str | None:
-    """None when the verdict passes; otherwise why the server must not start."""
+def _check_gate(args: argparse.Namespace) -> str | None:
+    """None when the verdict passes for these weights and this KV cache; otherwise why the server must not start."""
     try:
         from evals.verdict import check_verdict
     except ImportError:
         return "--require-gate needs evals.verdict.check_verdict, which this install does not have"
     try:
-        check_verdict(model_dir)
+        check_verdict(args.model, kv_cache_setting(args.kv_cache_dtype, args.kv_scales))
     except Exception as exc:  # any failure to prove the verdict is a refusal
         return f"--require-gate: {exc}"
     return None
@@ -300,7 +300,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The serve arguments checked and turned into the app's config; ValueError says what is wrong."""
     if not Path(args.model).is_dir():
         raise ValueError(f"model folder not found: {args.model}")
-    if args.require_gate and (reason := _check_gate(args.model)) is not None:
+    if args.require_gate and (reason := _check_gate(args)) is not None:
         raise ValueError(reason)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")

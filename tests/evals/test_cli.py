@@ -114,6 +114,8 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     shutil.copytree(baseline, candidate)
     assert _gate(baseline, candidate, policy, root) == EXIT_PASS
     verdict.check_verdict(candidate)
+    judged = json.loads((candidate / "verdict.json").read_text())["serving"]
+    assert judged == {"kv_cache_dtype": "auto", "kv_scales": None}  # what serve --require-gate compares
     report = json.loads((root / "report" / "report.json").read_text())
     assert report["verdict"] == "pass"
     assert report["tier1"]["pooled"]["right_to_wrong"] == 0 and report["tier1"]["pooled"]["wrong_to_right"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -135,6 +136,30 @@ def test_verdict_round_trip_and_tamper_detection(tmp_path):
     (tmp_path / "verdict.json").write_text("{not json")
     with pytest.raises(verdict.VerdictError, match="unreadable"):
         verdict.check_verdict(tmp_path)
+
+
+def test_verdict_binds_the_kv_cache_it_judged(tmp_path):
+    """A checkpoint gated with one KV cache is refused for another (e5m2 for the calibrated fp8
+    it passed with); fp8_e4m3 is fp8; a verdict from a live server's gate binds only the weights;
+    a verdict older than the record is refused where the KV cache is asked about."""
+    from engine.config import kv_cache_setting
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    fp8 = kv_cache_setting("fp8", "checkpoint")
+    verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=fp8)
+    verdict.check_verdict(tmp_path, kv_cache_setting("fp8_e4m3", "checkpoint"))
+    verdict.check_verdict(tmp_path)  # the weights alone
+    for other, named in ((("fp8_e5m2", "checkpoint"), "not KV cache fp8_e5m2"),
+                         (("fp8", "dynamic"), "not KV cache fp8 (dynamic scales)"), (("auto", "checkpoint"), "auto")):
+        with pytest.raises(verdict.VerdictError, match=re.escape(named)):
+            verdict.check_verdict(tmp_path, kv_cache_setting(*other))
+    verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=None)
+    verdict.check_verdict(tmp_path, kv_cache_setting("fp8_e5m2", "checkpoint"))
+    old = json.loads((tmp_path / "verdict.json").read_text()) | {"format_version": 1}
+    del old["serving"]
+    (tmp_path / "verdict.json").write_text(json.dumps(old))
+    with pytest.raises(verdict.VerdictError, match="predates"):
+        verdict.check_verdict(tmp_path, kv_cache_setting("auto", "checkpoint"))
 
 
 def test_verdict_notices_added_weight_files(tmp_path):

@@ -325,3 +325,22 @@ def test_unloadable_tls_files_exit_2_before_anything_loads(tiny_model_dir: Path,
                            (["--ssl-certfile", str(key), "--ssl-keyfile", str(key)], "cannot load the TLS certificate")):
         assert main([str(tiny_model_dir), "--port", "0", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_require_gate_refuses_a_kv_cache_the_gate_did_not_judge(tiny_model_dir: Path, tmp_path: Path, capsys):
+    """--require-gate: the verdict must pass for these weights and the KV cache served; serving a
+    checkpoint gated with the model's own KV cache with fp8_e5m2 is exit 2, naming both."""
+    import shutil
+
+    from engine.config import kv_cache_setting
+    from evals import verdict
+    from server.cli import main
+
+    model = tmp_path / "gated"
+    shutil.copytree(tiny_model_dir, model)
+    assert main([str(model), "--port", "0", "--require-gate"]) == 2
+    assert "no verdict.json" in capsys.readouterr().err
+    verdict.write_verdict(model, passed=True, policy={}, metrics={}, baseline_hashes={},
+                          serving=kv_cache_setting("auto", "checkpoint"))
+    assert main([str(model), "--port", "0", "--require-gate", "--kv-cache-dtype", "fp8_e5m2"]) == 2
+    assert "judged this checkpoint with KV cache auto, not KV cache fp8_e5m2" in capsys.readouterr().err
