@@ -201,8 +201,11 @@ def _run(args: argparse.Namespace) -> int:
     paths = report.write_reports(full, report_dir)
     metrics = {"checks": full["checks"], "tier1_pooled": full["tier1"]["pooled"], "tier0": full["tier0"],
                "tier2": full["tier2"]}
-    verdict.write_verdict(candidate_dir, passed=result.passed, policy=asdict(policy), metrics=metrics,
-                          baseline_hashes=baseline_hashes, candidate_hashes=candidate_hashes,
+    # an adapter's verdict goes to its own folder, bound to the checkpoint it ran over
+    verdict.write_verdict(candidate_dir if lora_dir is None else lora_dir, passed=result.passed,
+                          policy=asdict(policy), metrics=metrics, baseline_hashes=baseline_hashes,
+                          candidate_hashes=None if lora_dir is not None else candidate_hashes,
+                          base_hashes=candidate_hashes if lora_dir is not None else None,
                           serving=None if args.server else kv_cache_setting(args.kv_cache_dtype, args.kv_scales))
     print(report.render_markdown(full).split("\n## Worst")[0])
     print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}; reports in {paths['md'].parent}; "

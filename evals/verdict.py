@@ -4,6 +4,8 @@ cache they ran with.
 The server's `--require-gate` calls `check_verdict`; any edit to a weight file after the
 gate ran changes its sha256 and voids the verdict, and serving with another KV cache than the
 gate judged (an fp8_e5m2 cache on a checkpoint gated with its calibrated fp8 one, say) is refused.
+A LoRA adapter gated over a checkpoint (`gate --lora`) gets its own verdict, in the adapter's
+folder, bound to its weights and to the checkpoint's.
 """
 
 from __future__ import annotations
@@ -45,14 +47,17 @@ def write_verdict(
     baseline_hashes: dict[str, str],
     candidate_hashes: dict[str, str] | None = None,
     serving: dict[str, Any] | None = None,
+    base_hashes: dict[str, str] | None = None,
 ) -> Path:
     """Write CANDIDATE/verdict.json and return its path. `serving` is engine.config.kv_cache_setting
-    of the candidate arm; None when the gate judged a live server (as it ran, which it cannot see)."""
+    of the candidate arm; None when the gate judged a live server (as it ran, which it cannot see).
+    For an adapter, `candidate_dir` is its folder and `base_hashes` the checkpoint it ran over."""
     candidate_dir = Path(candidate_dir)
     body = {
         "format_version": FORMAT_VERSION,
         "verdict": "pass" if passed else "fail",
         "weights_sha256": candidate_hashes if candidate_hashes is not None else weight_hashes(candidate_dir),
+        "base_weights_sha256": base_hashes,
         "baseline_weights_sha256": baseline_hashes,
         "serving": serving,
         "policy": policy,
@@ -63,9 +68,10 @@ def write_verdict(
     return path
 
 
-def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None) -> None:
+def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None, base: str | Path | None = None) -> None:
     """Raise VerdictError unless a passing verdict matches every current weight file and, given
-    `serving` (engine.config.kv_cache_setting), the KV cache setting the gate judged."""
+    `serving` (engine.config.kv_cache_setting), the KV cache setting the gate judged; for an
+    adapter's folder, `base` is the checkpoint it is served over, which must be the one gated."""
     model_dir = Path(model_dir)
     path = model_dir / VERDICT_FILE
     if not path.is_file():
@@ -90,6 +96,17 @@ def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None) 
         raise VerdictError(f"weights changed since the gate ran (sha256 mismatch: {', '.join(changed)})")
     if serving is not None:
         _check_serving(body, serving, path)
+    judged_base = body.get("base_weights_sha256")
+    if base is not None and (judged_base is None or judged_base != _hashes_or_none(Path(base))):
+        raise VerdictError(f"{path} judged this adapter over another checkpoint than {base} (or as a checkpoint "
+                           f"of its own); gate it with `driftgate gate --candidate {base} --lora {model_dir}`")
+
+
+def _hashes_or_none(model_dir: Path) -> dict[str, str] | None:
+    try:
+        return weight_hashes(model_dir)
+    except FileNotFoundError:
+        return None
 
 
 def _check_serving(body: dict[str, Any], serving: dict[str, Any], path: Path) -> None:

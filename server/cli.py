@@ -204,15 +204,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_gate(args: argparse.Namespace) -> str | None:
-    """None when the verdict passes for these weights and this KV cache; otherwise why the server must not start."""
+    """None when the checkpoint's verdict, and each --lora-modules adapter's, passes for these
+    weights and this KV cache; otherwise why the server must not start."""
     try:
         from evals.verdict import check_verdict
     except ImportError:
         return "--require-gate needs evals.verdict.check_verdict, which this install does not have"
-    try:
-        check_verdict(args.model, kv_cache_setting(args.kv_cache_dtype, args.kv_scales))
-    except Exception as exc:  # any failure to prove the verdict is a refusal
-        return f"--require-gate: {exc}"
+    if args.allow_runtime_lora_updating:
+        return ("--require-gate: adapters loaded at run time would bypass the gate; gate each adapter "
+                "(driftgate gate --lora DIR) and serve it with --lora-modules")
+    serving = kv_cache_setting(args.kv_cache_dtype, args.kv_scales)
+    gated = [("", args.model, None)] + [(f"adapter {name}: ", folder, args.model)
+                                        for name, folder in lora_modules(args.lora_modules).items()]
+    for label, folder, base in gated:
+        try:
+            check_verdict(folder, serving, base=base)
+        except Exception as exc:  # any failure to prove a verdict is a refusal
+            return f"--require-gate: {label}{exc}"
     return None
 
 

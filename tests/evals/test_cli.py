@@ -277,6 +277,11 @@ def test_an_adapter_is_gated_over_both_arms(setup, tmp_path, capsys):
     manifest = json.loads((root / "report" / "report.json").read_text())["manifest"]
     assert manifest["lora"]["dir"] == str(adapter.resolve())
     assert set(manifest["lora"]["sha256"]) == {"adapter_config.json", "adapter_model.safetensors"}
+    # the adapter's verdict is its own, bound to the checkpoint it ran over; the checkpoint's is not touched
+    assert not (candidate / "verdict.json").exists()
+    verdict.check_verdict(adapter, base=candidate)
+    with pytest.raises(verdict.VerdictError, match="over another checkpoint"):
+        verdict.check_verdict(adapter, base=make_tiny_model_dir(tmp_path / "other-base", seed=1))
     from engine import SamplingParams
     from evals import arms
     from evals.policy import load_policy

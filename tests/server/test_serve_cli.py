@@ -344,3 +344,37 @@ def test_require_gate_refuses_a_kv_cache_the_gate_did_not_judge(tiny_model_dir: 
                           serving=kv_cache_setting("auto", "checkpoint"))
     assert main([str(model), "--port", "0", "--require-gate", "--kv-cache-dtype", "fp8_e5m2"]) == 2
     assert "judged this checkpoint with KV cache auto, not KV cache fp8_e5m2" in capsys.readouterr().err
+
+
+def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path: Path):
+    """With --lora-modules every adapter needs its own passing verdict over this checkpoint (gate
+    --lora writes it into the adapter's folder); adapters loaded at run time would bypass the
+    gate, so --require-gate refuses --allow-runtime-lora-updating."""
+    import argparse
+    import shutil
+
+    pytest.importorskip("peft")
+    from engine.config import kv_cache_setting
+    from evals import verdict
+    from server.cli import add_serve_args, server_config
+    from tests.helpers import write_lora_adapter
+
+    model = tmp_path / "gated"
+    shutil.copytree(tiny_model_dir, model)
+    adapter = write_lora_adapter(model, tmp_path / "sql", ["q_proj"], seed=1)
+    auto = kv_cache_setting("auto", "checkpoint")
+    verdict.write_verdict(model, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=auto)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+
+    def refusal(*flags: str) -> str:
+        with pytest.raises(ValueError) as info:
+            server_config(parser.parse_args([str(model), "--require-gate", *flags]))
+        return str(info.value)
+
+    assert server_config(parser.parse_args([str(model), "--require-gate"])).model_names
+    assert "adapter sql: " in refusal("--lora-modules", f"sql={adapter}")
+    verdict.write_verdict(adapter, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=auto,
+                          base_hashes=verdict.weight_hashes(model))
+    assert server_config(parser.parse_args([str(model), "--require-gate", "--lora-modules", f"sql={adapter}"]))
+    assert "bypass the gate" in refusal("--enable-lora", "--allow-runtime-lora-updating")
