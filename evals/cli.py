@@ -175,10 +175,12 @@ def _run(args: argparse.Namespace) -> int:
             sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
             print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
             parity = drift.logit_parity(sequences, base_fn, cand_fn)
-    agreement = None
+    agreement, divergences = None, []
     if prompts and baseline.generations:
         base_generations = served.comparable(baseline.generations) if served else baseline.generations
         agreement = drift.generation_agreement(base_generations, candidate.generations)
+        tokenizer = served.tokenizer if served else cand_llm.tokenizer
+        divergences = drift.earliest_divergences(prompts, base_generations, candidate.generations, tokenizer.decode)
 
     checks = gate.decide(policy, comparisons, pooled, noise_pooled=noise_pooled, parity=parity,
                          parity_skip_reason=skip_reason, agreement=agreement)
@@ -187,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
                        if items and next(iter(items.values())).choice_scores is None}  # generative tasks
     result = gate.outcome(checks, comparisons=comparisons, pooled=pooled, noise_floor=noise_cmp,
                           noise_pooled=noise_pooled, parity=parity, agreement=agreement,
-                          length_accuracy=length_accuracy)
+                          length_accuracy=length_accuracy, divergences=divergences)
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
                          cached, time.perf_counter() - started, noise)

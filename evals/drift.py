@@ -459,6 +459,32 @@ def generation_agreement(
 
 
 @dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where one prompt's greedy generations part, as text a reviewer can read."""
+
+    prompt_index: int
+    position: int  # generated tokens both arms agree on before they part
+    prompt_tail: str  # the prompt's end
+    agreed: str  # the end of what both wrote
+    baseline_next: str  # what each wrote from there
+    candidate_next: str
+
+
+def earliest_divergences(prompts: Sequence[Sequence[int]], baseline: Sequence[Sequence[int]],
+                         candidate: Sequence[Sequence[int]], decode: Callable[[Sequence[int]], str], *,
+                         limit: int = 3, context: int = 24, after: int = 12) -> list[Divergence]:
+    """The `limit` prompts whose generations part first, with `context` tokens before the split
+    (of the generation, else of the prompt) and `after` tokens of each arm's continuation."""
+    parted = sorted((where, i) for i, (b, c) in enumerate(zip(baseline, candidate, strict=True))
+                    if (where := first_divergence(b, c)) is not None)
+    return [Divergence(prompt_index=i, position=where, prompt_tail=decode(prompts[i][-context:]),
+                       agreed=decode(baseline[i][max(0, where - context):where]),
+                       baseline_next=decode(baseline[i][where:where + after]),
+                       candidate_next=decode(candidate[i][where:where + after]))
+            for where, i in parted[:limit]]
+
+
+@dataclass(frozen=True, slots=True)
 class LengthBucket:
     """Paired accuracy of the items whose baseline generation length falls in [min_chars, max_chars]."""
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from evals import stats
 from evals.drift import (
+    Divergence,
     GenerationAgreement,
     ItemResult,
     LengthBucket,
@@ -50,6 +51,7 @@ class GateOutcome:
     parity: LogitParity | None = None
     agreement: GenerationAgreement | None = None
     length_accuracy: dict[str, list[LengthBucket]] = field(default_factory=dict)  # generative tasks only
+    divergences: list[Divergence] = field(default_factory=list)  # Tier 2's earliest partings, as text
 
     @property
     def failed_checks(self) -> list[Check]:

@@ -51,6 +51,7 @@ def build_report(outcome: GateOutcome, manifest: dict[str, Any], items: dict[str
         },
         "tier0": asdict(outcome.parity) if outcome.parity else None,
         "tier2": asdict(outcome.agreement) if outcome.agreement else None,
+        "tier2_divergences": [asdict(d) for d in outcome.divergences],
         "tier2_accuracy_by_length": {task: [asdict(b) for b in buckets]
                                      for task, buckets in outcome.length_accuracy.items()},
         "items": items,
@@ -108,6 +109,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += ["## Tier 2: greedy long generations" + (f" (prompts: {source})" if source else ""),
                 f"{a['num_identical']}/{a['num_prompts']} identical; mean agreed prefix {a['mean_agreed_prefix']:.1f} "
                 f"tokens (min {a['min_agreed_prefix']}); divergence positions: {list(a['divergence_positions'])}", ""]
+        for d in report.get("tier2_divergences", []):
+            out.append(f"- prompt {d['prompt_index']} (...{d['prompt_tail']!r}) parts after {d['position']} tokens, "
+                       f"at ...{d['agreed']!r}: baseline {d['baseline_next']!r}, candidate {d['candidate_next']!r}")
+        out += [""] if report.get("tier2_divergences") else []
     for task, buckets in report.get("tier2_accuracy_by_length", {}).items():
         out += [f"### {task}: accuracy by the baseline's generation length (characters)",
                 _table(["length", "items", "baseline", "candidate", "delta"], [

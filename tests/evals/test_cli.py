@@ -175,6 +175,8 @@ def test_damaged_checkpoint_fails_with_a_failing_verdict(setup):
     report = json.loads((root / "report" / "report.json").read_text())
     failed = {c["name"] for c in report["checks"] if c["status"] in ("fail", "inconclusive")}
     assert failed & {"tier1.pooled_drop", "tier1.flip_rate_above_floor", "tier2.mean_agreed_prefix"}
+    (parted,) = report["tier2_divergences"]  # the one Tier 2 prompt, shown where the arms part
+    assert f"parts after {parted['position']} tokens" in (root / "report" / "report.md").read_text()
     with pytest.raises(verdict.VerdictError, match="failing"):
         verdict.check_verdict(damaged)
 

@@ -195,3 +195,19 @@ def test_accuracy_by_generation_length_pairs_items_in_equal_buckets():
     assert [b.candidate_accuracy for b in buckets] == [1.0, 1.0, 0.0, 0.0]
     assert len(accuracy_by_generation_length(baseline, {0: candidate[0]})) == 1
     assert accuracy_by_generation_length({}, candidate) == []
+
+
+def test_earliest_divergences_show_where_generations_part_as_text():
+    def decode(ids):
+        return " ".join(map(str, ids))
+
+    prompts = [[1, 2, 3], [4, 5], [6], [7]]
+    baseline = [[10, 11, 12, 13], [20, 21], [30, 31, 32], [40]]
+    candidate = [[10, 11, 99, 98], [20, 21], [77], [40, 41]]  # part at 2; identical; at 0; a prefix, parts at 1
+    found = drift.earliest_divergences(prompts, baseline, candidate, decode, limit=2, context=2, after=3)
+    assert [(d.prompt_index, d.position) for d in found] == [(2, 0), (3, 1)]
+    assert found[0] == drift.Divergence(2, 0, "6", "", "30 31 32", "77")
+    (at_two,) = drift.earliest_divergences(prompts, baseline, candidate, decode, limit=3, context=2, after=3)[2:]
+    assert (at_two.prompt_tail, at_two.agreed, at_two.baseline_next, at_two.candidate_next) == (
+        "2 3", "10 11", "12 13", "99 98")
+    assert drift.earliest_divergences(prompts, baseline, baseline, decode) == []
