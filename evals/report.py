@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 from evals.drift import LayerDrift, TaskComparison
 from evals.gate import GateOutcome
@@ -236,12 +237,35 @@ def render_html(report: dict[str, Any], markdown: str) -> str:
             f"<h1>Gate verdict: {report['verdict'].upper()}</h1>{body}<pre>{html.escape(markdown)}</pre></body></html>")
 
 
+def render_junit(report: dict[str, Any]) -> str:
+    """The checks as a JUnit XML test suite, the report CI systems (GitLab, Jenkins, GitHub
+    Actions' test reporters) display: a failing or inconclusive check is a failure, a skipped
+    one skipped, the rest pass (a warning's detail goes to its output)."""
+    checks = report["checks"]
+    failing = [c for c in checks if c["status"] in ("fail", "inconclusive")]
+    suite = ElementTree.Element("testsuite", name="driftgate.gate", tests=str(len(checks)),
+                                failures=str(len(failing)),
+                                skipped=str(sum(c["status"] == "skipped" for c in checks)))
+    for check in checks:
+        case = ElementTree.SubElement(suite, "testcase", classname="driftgate.gate", name=check["name"])
+        if check in failing:
+            failure = ElementTree.SubElement(case, "failure", message=f"{check['status']}: {check['detail']}")
+            failure.text = f"value {check['value']} against threshold {check['threshold']}"
+        elif check["status"] == "skipped":
+            ElementTree.SubElement(case, "skipped", message=check["detail"])
+        else:
+            ElementTree.SubElement(case, "system-out").text = f"{check['status']}: {check['detail']}"
+    return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
 def write_reports(report: dict[str, Any], report_dir: Path) -> dict[str, Path]:
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(report)
-    paths = {"json": report_dir / "report.json", "md": report_dir / "report.md", "html": report_dir / "report.html"}
+    paths = {"json": report_dir / "report.json", "md": report_dir / "report.md", "html": report_dir / "report.html",
+             "junit": report_dir / "report.junit.xml"}
     paths["json"].write_text(json.dumps(report, indent=1, default=str))
     paths["md"].write_text(markdown)
     paths["html"].write_text(render_html(report, markdown))
+    paths["junit"].write_text(render_junit(report))
     return paths

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -121,6 +122,7 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     assert report["tier1"]["pooled"]["right_to_wrong"] == 0 and report["tier1"]["pooled"]["wrong_to_right"] == 0
     assert (root / "report" / "report.md").read_text().startswith("# Gate verdict: **PASS**")
     assert "data:image/png;base64" in (root / "report" / "report.html").read_text()
+    assert ElementTree.parse(root / "report" / "report.junit.xml").getroot().get("failures") == "0"
     assert not report["manifest"]["baseline_cached"]
     prefix = report["manifest"]["prefix_cache"]
     assert set(prefix) == {"baseline", "noise_floor", "candidate"}
@@ -177,6 +179,9 @@ def test_damaged_checkpoint_fails_with_a_failing_verdict(setup):
     assert failed & {"tier1.pooled_drop", "tier1.flip_rate_above_floor", "tier2.mean_agreed_prefix"}
     (parted,) = report["tier2_divergences"]  # the one Tier 2 prompt, shown where the arms part
     assert f"parts after {parted['position']} tokens" in (root / "report" / "report.md").read_text()
+    suite = ElementTree.parse(root / "report" / "report.junit.xml").getroot()  # for CI test reporters
+    assert int(suite.get("tests")) == len(report["checks"])
+    assert {case.get("name") for case in suite if case.find("failure") is not None} == failed
     with pytest.raises(verdict.VerdictError, match="failing"):
         verdict.check_verdict(damaged)
 
