@@ -1,7 +1,8 @@
 """Schema-based fuzzing: bodies drawn from the request models' JSON schemas, and arbitrary JSON.
 
 Whatever arrives, the server answers without a 5xx (504 aside: a fuzzed request may ask for
-a lot of work, and the fuzz server times out fast), within a bound, in OpenAI's error shape.
+a lot of work, and the fuzz server times out fast), within a bound, in OpenAI's error shape
+(Anthropic's on its Messages route).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from server.messages import MessagesRequest
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tests.server.conftest import serve, wait_until_idle
 from tests.server.schema_strategy import ANY_JSON, from_model_schema
@@ -19,7 +21,9 @@ ROUTES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/messages": MessagesRequest,
 }
+ANY_BODY_ROUTES = [*ROUTES, "/invocations"]  # SageMaker's: any body, routed by its fields
 _SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                             HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
@@ -43,9 +47,15 @@ def fuzz_url(engine):
 def _check(http: httpx.Client, route: str, body) -> None:
     r = http.post(route, json=body)
     assert r.status_code < 500 or r.status_code == 504, (route, body, r.status_code, r.text)
-    if r.status_code != 200:
+    if r.status_code != 200 and route == "/v1/messages":
+        reply = r.json()
+        assert reply["type"] == "error" and set(reply["error"]) == {"type", "message"}
+    elif r.status_code != 200:
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == r.status_code
+    elif route == "/v1/messages" and body.get("stream") is not True:
+        usage = r.json()["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 0
     elif route.startswith("/v1") and body.get("stream") is not True:
         assert r.json()["usage"]["total_tokens"] > 0
 
@@ -62,7 +72,7 @@ def test_schema_bodies_never_5xx(fuzz_url, engine, route):
     wait_until_idle(engine)
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("route", ANY_BODY_ROUTES)
 def test_arbitrary_json_never_5xx(fuzz_url, route):
     @_SETTINGS
     @given(ANY_JSON)
