@@ -40,6 +40,14 @@ def eos_token_ids(config: dict) -> list[int]:
     return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
 
 
+def sequence_end_ids(hf_config: dict, model_dir: str | Path, tokenizer) -> list[int]:
+    """Every id that ends a sequence: config.json's, generation_config.json's and the tokenizer's."""
+    ids = set(eos_token_ids(hf_config)) | set(eos_token_ids(read_generation_config(model_dir)))
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 def sampling_defaults(model_dir: str | Path) -> dict[str, float]:
     """The sampling fields the model's generation config sets, checked as `SamplingParams` checks them."""
     path = Path(model_dir) / FILE

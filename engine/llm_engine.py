@@ -13,7 +13,7 @@ from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, check_priority
 from engine.cuda_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop
-from engine.generation_config import eos_token_ids, read_generation_config
+from engine.generation_config import sequence_end_ids
 from engine.layers.attention import KVCache
 from engine.loader import apply_kv_scales, defer_kv_scales, load_model
 from engine.lora import LoRALayers, LoRARequest
@@ -113,7 +113,7 @@ class LLMEngine:
         if use_graphs and self.runner.backend == "triton":
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, config.max_num_seqs,
                                               self.max_model_len, pad_slot=capacity)
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = sequence_end_ids(self.hf_config, config.model, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[str, _RequestState] = {}  # sequence id → its request
@@ -157,13 +157,6 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold one block of {self.config.block_size} tokens")
         return int(num_blocks)
-
-    def _eos_token_ids(self) -> list[int]:
-        """Every id that ends a sequence: config.json's, generation_config.json's and the tokenizer's."""
-        ids = set(eos_token_ids(self.hf_config)) | set(eos_token_ids(read_generation_config(self.config.model)))
-        if isinstance(self.tokenizer.eos_token_id, int):
-            ids.add(self.tokenizer.eos_token_id)
-        return sorted(ids)
 
     # ---- requests in -------------------------------------------------------------------
 

@@ -175,21 +175,24 @@ def _run(args: argparse.Namespace) -> int:
             sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
             print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
             parity = drift.logit_parity(sequences, base_fn, cand_fn)
-    agreement, divergences = None, []
+    agreement, divergences, answers = None, [], None
     if prompts and baseline.generations:
         base_generations = served.comparable(baseline.generations) if served else baseline.generations
         agreement = drift.generation_agreement(base_generations, candidate.generations)
         tokenizer = served.tokenizer if served else cand_llm.tokenizer
         divergences = drift.earliest_divergences(prompts, base_generations, candidate.generations, tokenizer.decode)
+        if own_prompts and any(p.expected for p in own_prompts):
+            answers = _answers(policy, own_prompts, base_generations, candidate.generations, tokenizer,
+                               cand_llm.engine.eos_token_ids if cand_llm else None, candidate_dir)
 
     checks = gate.decide(policy, comparisons, pooled, noise_pooled=noise_pooled, parity=parity,
-                         parity_skip_reason=skip_reason, agreement=agreement)
+                         parity_skip_reason=skip_reason, agreement=agreement, answers=answers)
     length_accuracy = {task: drift.accuracy_by_generation_length(baseline.items[task], candidate.items[task])
                        for task, items in baseline.items.items()
                        if items and next(iter(items.values())).choice_scores is None}  # generative tasks
     result = gate.outcome(checks, comparisons=comparisons, pooled=pooled, noise_floor=noise_cmp,
                           noise_pooled=noise_pooled, parity=parity, agreement=agreement,
-                          length_accuracy=length_accuracy, divergences=divergences)
+                          length_accuracy=length_accuracy, divergences=divergences, answers=answers)
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
                          cached, time.perf_counter() - started, noise)
@@ -215,8 +218,8 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_PASS if result.passed else EXIT_DRIFT
 
 
-def _own_prompts(args: argparse.Namespace, policy, candidate_dir: Path) -> list[list[int]] | None:
-    """--prompts as token ids (the candidate's tokenizer and chat template), or None."""
+def _own_prompts(args: argparse.Namespace, policy, candidate_dir: Path) -> list | None:
+    """--prompts as `evals.prompts.OwnPrompt`s (the candidate's tokenizer and chat template), or None."""
     if args.prompts is None:
         return None
     if not policy.tier2.enabled:
@@ -227,10 +230,24 @@ def _own_prompts(args: argparse.Namespace, policy, candidate_dir: Path) -> list[
     return read_prompt_file(Path(args.prompts), load_tokenizer(candidate_dir))
 
 
-def _tier2_prompts(arms, policy, tokenizer, data_dir: Path, own: list[list[int]] | None) -> list[list[int]]:
+def _answers(policy, own: list, baseline: list[list[int]], candidate: list[list[int]], tokenizer,
+             end_ids: list[int] | None, candidate_dir: Path):
+    """Both arms' answers to the prompts that say what they expect, compared (gate.compare_answers).
+    A served candidate's end-of-sequence ids come from its folder, as its engine reads them."""
+    from engine.generation_config import sequence_end_ids
+    from evals.gate import compare_answers
+    from evals.prompts import answer_items
+
+    if end_ids is None:
+        end_ids = sequence_end_ids(json.loads((candidate_dir / "config.json").read_text()), candidate_dir, tokenizer)
+    return compare_answers(policy, *(answer_items(own, generations, tokenizer.decode, end_ids)
+                                     for generations in (baseline, candidate)))
+
+
+def _tier2_prompts(arms, policy, tokenizer, data_dir: Path, own: list | None) -> list[list[int]]:
     """Tier 2's prompts: the user's own, else the policy's GSM8K few-shot ones (none with Tier 2 off)."""
     if own is not None:
-        return own
+        return [prompt.token_ids for prompt in own]
     return arms.tier2_prompts(tokenizer, data_dir, policy.tier2.num_prompts) if policy.tier2.enabled else []
 
 

@@ -52,6 +52,7 @@ class GateOutcome:
     agreement: GenerationAgreement | None = None
     length_accuracy: dict[str, list[LengthBucket]] = field(default_factory=dict)  # generative tasks only
     divergences: list[Divergence] = field(default_factory=list)  # Tier 2's earliest partings, as text
+    answers: TaskComparison | None = None  # the user's prompts with expected answers (gate --prompts)
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -77,8 +78,7 @@ def compare_arms(
     candidate: dict[str, dict[int, ItemResult]],
 ) -> tuple[dict[str, TaskComparison], TaskComparison | None]:
     """Per-task comparisons plus the pooled endpoint over the tasks marked `pooled`."""
-    kwargs = {"confidence": policy.confidence, "confident_margin": policy.tier1.confident_margin,
-              "num_resamples": policy.bootstrap_resamples, "seed": policy.seed}
+    kwargs = _comparison_settings(policy)
     per_task = {spec.name: compare_items(spec.name, spec.metric, baseline[spec.name], candidate[spec.name], **kwargs)
                 for spec in policy.tier1.tasks}
     pooled_names = [s.name for s in policy.tier1.tasks if s.endpoint == "pooled"]
@@ -90,6 +90,21 @@ def compare_arms(
     return per_task, pooled
 
 
+def _comparison_settings(policy: GatePolicy) -> dict:
+    return {"confidence": policy.confidence, "confident_margin": policy.tier1.confident_margin,
+            "num_resamples": policy.bootstrap_resamples, "seed": policy.seed}
+
+
+EXPECTED_ANSWERS = "tier2.expected_answers"
+
+
+def compare_answers(policy: GatePolicy, baseline: dict[int, ItemResult],
+                    candidate: dict[int, ItemResult]) -> TaskComparison:
+    """The arms' right and wrong answers to the user's own prompts (gate --prompts with
+    "expected"), paired as a task's items are."""
+    return compare_items(EXPECTED_ANSWERS, "contains expected", baseline, candidate, **_comparison_settings(policy))
+
+
 def decide(
     policy: GatePolicy,
     comparisons: dict[str, TaskComparison],
@@ -99,8 +114,10 @@ def decide(
     parity: LogitParity | None = None,
     parity_skip_reason: str | None = None,
     agreement: GenerationAgreement | None = None,
+    answers: TaskComparison | None = None,
 ) -> list[Check]:
-    """Apply every rule of the policy; the verdict is pass only if no check fails."""
+    """Apply every rule of the policy; the verdict is pass only if no check fails. `answers` are
+    the arms' answers to the user's own prompts, judged with Tier 1's pooled margin."""
     t1 = policy.tier1
     checks: list[Check] = []
     inconclusive_status = FAIL if policy.inconclusive == "fail" else PASS
@@ -159,6 +176,8 @@ def decide(
                             f"{agreement.num_identical}/{agreement.num_prompts} generations identical; "
                             f"mean tokens before divergence {agreement.mean_agreed_prefix:.1f}",
                             agreement.mean_agreed_prefix, policy.tier2.min_mean_agreed_prefix))
+    if answers is not None:
+        endpoint(EXPECTED_ANSWERS, answers, t1.max_pooled_drop)
     return checks
 
 

@@ -10,16 +10,25 @@ build for it:
 - a completion request (`{"prompt": "..."}`, or a list of token ids);
 - an OpenAI batch line (`{"custom_id": ..., "body": {...}}`, as `run-batch` reads), by its body.
 
+A line may also say what a right answer contains (`"expected": "Paris"`, or a list of accepted
+answers): each arm's greedy answer (up to its end of sequence) is then right when it contains one,
+case and spacing aside, and the two arms' right and wrong answers are compared as Tier 1's items are.
+
 Every line is checked before either model loads, and a bad one is named by its line number.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from engine.json_object import numbered_lines, parse_json_object
+from evals.drift import ItemResult
 from server.chat import render_chat
 from server.errors import APIError, invalid_body
 from server.protocol import ChatCompletionRequest
@@ -32,22 +41,61 @@ class PromptFileError(ValueError):
     """The prompt file cannot be used; the message names the file and, where it applies, the line."""
 
 
-def read_prompt_file(path: Path, tokenizer) -> list[list[int]]:
-    """Every line's prompt as token ids, in file order (blank lines skipped)."""
+@dataclass(frozen=True, slots=True)
+class OwnPrompt:
+    token_ids: list[int]
+    expected: tuple[str, ...] = ()  # what a right answer contains (any one of them); empty: not said
+
+
+def read_prompt_file(path: Path, tokenizer) -> list[OwnPrompt]:
+    """Every line's prompt as token ids, with its expected answers, in file order (blank lines skipped)."""
     path = Path(path)
     prompts = []
     for line_no, raw in numbered_lines(path, "prompt file", PromptFileError):
         try:
-            prompts.append(_prompt_ids(parse_json_object(raw), tokenizer))
+            line = parse_json_object(raw)
+            ids = _prompt_ids(line, tokenizer)
         except ValidationError as exc:
             raise PromptFileError(f"{path}:{line_no}: {invalid_body(exc).message}") from None
         except APIError as exc:  # the chat template refused the conversation
             raise PromptFileError(f"{path}:{line_no}: {exc.message}") from None
         except ValueError as exc:
             raise PromptFileError(f"{path}:{line_no}: {exc}; expected {_EXPECTED}") from None
+        try:
+            prompts.append(OwnPrompt(ids, _expected(line)))
+        except ValueError as exc:
+            raise PromptFileError(f"{path}:{line_no}: {exc}") from None
     if not prompts:
         raise PromptFileError(f"{path}: no prompts (the file is empty)")
     return prompts
+
+
+def _expected(line: dict) -> tuple[str, ...]:
+    value = line.get("expected", [])
+    answers = [value] if isinstance(value, str) else value
+    if not isinstance(answers, list) or not all(isinstance(a, str) and a.strip() for a in answers):
+        raise ValueError('"expected" must be a non-empty string or a list of them')
+    return tuple(answers)
+
+
+def _normalized(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().casefold()
+
+
+def answer_items(prompts: Sequence[OwnPrompt], generations: Sequence[Sequence[int]],
+                 decode: Callable[[Sequence[int]], str], end_ids: Sequence[int]) -> dict[int, ItemResult]:
+    """One arm's right or wrong answer to each prompt that says what it expects (by prompt index):
+    its generation up to the first end-of-sequence id, right when it contains an expected answer."""
+    items = {}
+    for index, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
+        if not prompt.expected:
+            continue
+        ends = [i for i, token in enumerate(generation) if token in end_ids]
+        answer = decode(generation[:ends[0]] if ends else generation)
+        right = any(_normalized(expected) in _normalized(answer) for expected in prompt.expected)
+        items[index] = ItemResult(doc_id=index, prompt_hash=hashlib.sha256(str(prompt.token_ids).encode()).hexdigest(),
+                                  correct=right, response=answer, hit_max_tokens=not ends)
+    return items
 
 
 def _prompt_ids(line: dict, tokenizer) -> list[int]:

@@ -53,6 +53,7 @@ def build_report(outcome: GateOutcome, manifest: dict[str, Any], items: dict[str
         "tier0": asdict(outcome.parity) if outcome.parity else None,
         "tier2": asdict(outcome.agreement) if outcome.agreement else None,
         "tier2_divergences": [asdict(d) for d in outcome.divergences],
+        "tier2_expected_answers": comparison_row(outcome.answers, None) if outcome.answers else None,
         "tier2_accuracy_by_length": {task: [asdict(b) for b in buckets]
                                      for task, buckets in outcome.length_accuracy.items()},
         "items": items,
@@ -114,6 +115,12 @@ def render_markdown(report: dict[str, Any]) -> str:
             out.append(f"- prompt {d['prompt_index']} (...{d['prompt_tail']!r}) parts after {d['position']} tokens, "
                        f"at ...{d['agreed']!r}: baseline {d['baseline_next']!r}, candidate {d['candidate_next']!r}")
         out += [""] if report.get("tier2_divergences") else []
+    if answers := report.get("tier2_expected_answers"):
+        out += ["### Expected answers on your prompts",
+                f"{answers['n']} prompts say what a right answer contains: baseline right on "
+                f"{100 * answers['baseline_acc']:.1f}%, candidate {100 * answers['candidate_acc']:.1f}% "
+                f"({answers['right_to_wrong']} right -> wrong, {answers['wrong_to_right']} wrong -> right); "
+                f"upper bound of the drop {100 * answers['drop_upper_bound']:.2f} pts", ""]
     for task, buckets in report.get("tier2_accuracy_by_length", {}).items():
         out += [f"### {task}: accuracy by the baseline's generation length (characters)",
                 _table(["length", "items", "baseline", "candidate", "delta"], [

@@ -139,21 +139,29 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
 
 def test_own_prompts_drive_tier2_and_a_bad_line_stops_the_gate_at_once(setup, capsys):
     """--prompts: the user's request bodies are Tier 2's prompts (and, with the baseline's
-    generations, Tier 0's sequences); the report says so; the baseline cache keys on them; a bad
-    line is exit 2 naming it, before either model runs."""
+    generations, Tier 0's sequences); those that say what they expect are judged right or wrong in
+    both arms and paired; the report says so; the baseline cache keys on them; a bad line is exit
+    2 naming it, before either model runs."""
     root, baseline, policy = setup
     traffic = root / "traffic.jsonl"
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick"}]}
-    traffic.write_text("\n".join(json.dumps(line) for line in (chat, {"prompt": "brown fox"},
-                                                                {"custom_id": "1", "body": {"prompt": "jumps"}})))
+    traffic.write_text("\n".join(json.dumps(line) for line in (chat, {"prompt": "brown fox", "expected": "the"},
+                                                                {"custom_id": "1", "body": {"prompt": "jumps"},
+                                                                 "expected": ["over", "a"]})))
     candidate = root / "copy-prompts"
     shutil.copytree(baseline, candidate)
-    assert _gate(baseline, candidate, policy, root, "--prompts", str(traffic)) == EXIT_PASS
+    # two labelled prompts cannot bound a drop below the margin: inconclusive, and the policy fails closed
+    assert _gate(baseline, candidate, policy, root, "--prompts", str(traffic)) == EXIT_DRIFT
     report = json.loads((root / "report" / "report.json").read_text())
+    assert [(c["name"], c["status"]) for c in report["checks"] if c["status"] != "pass"] == [
+        ("tier2.expected_answers", "inconclusive")]
     assert report["tier2"]["num_prompts"] == 3 and report["tier2"]["num_identical"] == 3  # GSM8K gives 1 here
     assert report["manifest"]["tier2_prompts"] == {"source": str(traffic.resolve()),
                                                    "sha256": data.file_sha256(traffic)}
     assert f"(prompts: {traffic.resolve()})" in (root / "report" / "report.md").read_text()
+    answers = report["tier2_expected_answers"]  # the two lines that say what they expect, paired
+    assert answers["n"] == 2 and answers["right_to_wrong"] == answers["wrong_to_right"] == 0
+    assert "tier2.expected_answers" in {c["name"] for c in report["checks"]}
     assert "baseline: cached" not in capsys.readouterr().out  # not GSM8K's cached baseline
     bad = root / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"messages": "not a list"}\n')

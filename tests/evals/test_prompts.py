@@ -8,7 +8,7 @@ import re
 import pytest
 
 from engine.tokenizer import load_tokenizer
-from evals.prompts import PromptFileError, read_prompt_file
+from evals.prompts import OwnPrompt, PromptFileError, answer_items, read_prompt_file
 from tests.helpers import write_tiny_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "the quick brown fox"}]
@@ -32,7 +32,7 @@ def test_chat_completion_and_batch_lines_become_the_servers_prompts(tokenizer, t
     _write(path, [{"messages": MESSAGES, "temperature": 0.7}, "",
                   {"prompt": "a b c"}, {"prompt": [5, 6, 7]},
                   {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": MESSAGES}}])
-    assert read_prompt_file(path, tokenizer) == [chat, tokenizer.encode("a b c"), [5, 6, 7], chat]
+    assert [p.token_ids for p in read_prompt_file(path, tokenizer)] == [chat, tokenizer.encode("a b c"), [5, 6, 7], chat]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -42,6 +42,8 @@ def test_chat_completion_and_batch_lines_become_the_servers_prompts(tokenizer, t
     ({"prompt": ""}, ':2: "prompt" must be non-empty text'),
     ({"prompt": [1, 10**6]}, ":2: \"prompt\" must be non-empty text or a list of token ids below"),
     ({"input": "x"}, ':2: no "messages" or "prompt" among [\'input\']'),
+    ({"prompt": "x", "expected": ""}, ':2: "expected" must be a non-empty string or a list of them'),
+    ({"prompt": "x", "expected": ["a", 3]}, ':2: "expected" must be a non-empty string or a list of them'),
 ])
 def test_a_bad_line_is_named_by_its_number(tokenizer, tmp_path, line, message):
     path = tmp_path / "traffic.jsonl"
@@ -56,3 +58,21 @@ def test_missing_or_empty_files_say_so(tokenizer, tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(PromptFileError, match="no prompts"):
         read_prompt_file(tmp_path / "empty.jsonl", tokenizer)
+
+
+def test_expected_answers_are_read_and_judged_up_to_the_end_of_sequence(tokenizer, tmp_path):
+    path = tmp_path / "labelled.jsonl"
+    _write(path, [{"prompt": "capital of France?", "expected": "Paris"},
+                  {"prompt": "2+2?", "expected": ["4", "four"]}, {"prompt": "no label"}])
+    prompts = read_prompt_file(path, tokenizer)
+    assert [p.expected for p in prompts] == [("Paris",), ("4", "four")] + [()]
+    words = {1: "It is", 2: " PARIS.", 3: "<eos>", 4: " Four", 5: " five"}
+
+    def decode(ids):
+        return "".join(words[i] for i in ids)
+
+    items = answer_items(prompts, [[1, 2, 3, 4], [1, 5, 3, 4], [1]], decode, end_ids=[3])
+    assert sorted(items) == [0, 1]  # the unlabelled prompt is not judged
+    assert items[0].correct and items[0].response == "It is PARIS." and not items[0].hit_max_tokens
+    assert not items[1].correct  # " Four" comes after the end of sequence: not part of the answer
+    assert answer_items([OwnPrompt([7], ("four",))], [[1, 4]], decode, [3])[0].correct  # case aside, no end
