@@ -28,7 +28,6 @@ from server.chat import prepare_chat, render_chat
 from server.errors import APIError, invalid_body
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
-from server.reasoning import split_reasoning
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
@@ -180,12 +179,6 @@ class _Renderer:
         self.blocks: list[str] = []  # kinds of the content blocks opened so far ("thinking", "text")
         self.sent = {"thinking": "", "text": ""}
 
-    def _final(self, out: RequestOutput) -> tuple[str | None, str | None, list[ToolCall]]:
-        completion = out.outputs[0]
-        thinking, answer = split_reasoning(completion.text, self.reasoning_parser, final=True)
-        text, calls, _ = self.reader.finish(answer, completion.finish_reason)
-        return thinking, text if text or not calls else None, calls
-
     def _stop(self, out: RequestOutput, calls: list[ToolCall]) -> tuple[str, str | None]:
         completion = out.outputs[0]
         if calls:
@@ -211,7 +204,7 @@ class _Renderer:
         """The message object: empty before the output (message_start), or the finished answer."""
         content, stop_reason, stop_sequence = [], None, None
         if out is not None:
-            thinking, text, calls = self._final(out)
+            thinking, text, calls = self.reader.parts(out.outputs[0], self.reasoning_parser)
             if thinking is not None:
                 content.append({"type": "thinking", "thinking": thinking, "signature": ""})
             if text is not None:
@@ -245,11 +238,7 @@ class _Renderer:
             self.started = True
             events.append({"type": "message_start", "message": self.message(None)})
         completion = out.outputs[0]
-        if completion.finished:
-            thinking, text, calls = self._final(out)
-        else:
-            thinking, answer = split_reasoning(completion.text, self.reasoning_parser, final=False)
-            text, calls = self.reader.streamable(answer), []
+        thinking, text, calls = self.reader.parts(completion, self.reasoning_parser)
         if thinking and "text" not in self.blocks:
             events += self._send("thinking", thinking)
         if text:

@@ -34,7 +34,6 @@ from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, chat_logprobs, token_namer
 from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
-from server.reasoning import split_reasoning
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
@@ -230,19 +229,12 @@ class _Renderer:
         return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.function.name,
                 "arguments": call.function.arguments, "status": "completed"}
 
-    def _final(self, out: RequestOutput) -> tuple[str | None, str | None, list[ToolCall]]:
-        """The finished output's (thinking, text or None when it is only tool calls, calls)."""
-        completion = out.outputs[0]
-        reasoning, answer = split_reasoning(completion.text, self.reasoning_parser, final=True)
-        content, calls, _ = self.reader.finish(answer, completion.finish_reason)
-        return reasoning, content if content or not calls else None, calls
-
     def response(self, out: RequestOutput | None) -> dict[str, Any]:
         """The response object: in progress (no output yet), or finished from the final output."""
         output, status, incomplete, output_tokens = [], "in_progress", None, 0
         if out is not None:
             completion = out.outputs[0]
-            reasoning, content, calls = self._final(out)
+            reasoning, content, calls = self.reader.parts(completion, self.reasoning_parser)
             if reasoning is not None:
                 output.append(self._item("reasoning", reasoning, "completed"))
             if content is not None:
@@ -314,11 +306,7 @@ class _Renderer:
             events += [self._event("response.created", response=self.response(None)),
                        self._event("response.in_progress", response=self.response(None))]
         completion = out.outputs[0]
-        if completion.finished:
-            reasoning, text, calls = self._final(out)
-        else:
-            reasoning, answer = split_reasoning(completion.text, self.reasoning_parser, final=False)
-            text, calls = self.reader.streamable(answer), []
+        reasoning, text, calls = self.reader.parts(completion, self.reasoning_parser)
         if reasoning and "message" not in self.opened:
             events += self._send("reasoning", reasoning, completion)
         if text or (completion.finished and text is not None):  # an empty answer is still an item
@@ -347,7 +335,7 @@ class _Renderer:
 
     def answer_turn(self, out: RequestOutput) -> ChatMessage:
         """The finished output as the conversation's assistant turn (the thinking left out)."""
-        _, content, calls = self._final(out)
+        _, content, calls = self.reader.parts(out.outputs[0], self.reasoning_parser)
         return ChatMessage(role="assistant", content=content, tool_calls=[c.model_dump() for c in calls] or None)
 
 

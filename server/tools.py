@@ -29,10 +29,11 @@ import re
 import string
 import uuid
 
+from engine.outputs import CompletionOutput
 from engine.structured_output import StructuredOutputs
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall
-from server.reasoning import partial_tag_at_end
+from server.reasoning import partial_tag_at_end, split_reasoning
 
 
 def _named(body: ChatCompletionRequest) -> Tool | None:
@@ -353,6 +354,18 @@ class ToolCallReader:
         if self.constraint is not None:
             return ""  # a call's JSON goes out whole, at the end
         return self._streamable(text) if self._streamable else text
+
+    def parts(self, completion: CompletionOutput, reasoning_parser: str | None,
+              ) -> tuple[str | None, str | None, list[ToolCall]]:
+        """A choice's (thinking, text, calls) for the Responses and Messages APIs: once finished,
+        its thinking, its text (None when the answer is only calls) and its calls; while it runs,
+        what may be streamed of the thinking and the text (no calls yet)."""
+        if not completion.finished:
+            thinking, answer = split_reasoning(completion.text, reasoning_parser, final=False)
+            return thinking, self.streamable(answer), []
+        thinking, answer = split_reasoning(completion.text, reasoning_parser, final=True)
+        text, calls, _ = self.finish(answer, completion.finish_reason)
+        return thinking, text if text or not calls else None, calls
 
     def finish(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
         """A finished output's (text, calls, finish reason)."""
