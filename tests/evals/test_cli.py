@@ -286,6 +286,7 @@ def test_an_adapter_is_gated_over_both_arms(setup, tmp_path, capsys):
     adapter = write_lora_adapter(baseline, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=2)
     candidate = root / "copy-for-lora"
     shutil.copytree(baseline, candidate, dirs_exist_ok=True)
+    (candidate / "verdict.json").unlink(missing_ok=True)  # the baseline folder may hold one from an earlier gate
     capsys.readouterr()
     assert _gate(baseline, candidate, policy, root, "--lora", str(adapter)) == EXIT_PASS
     assert "baseline: cached" not in capsys.readouterr().out  # not the plain baseline's entry
