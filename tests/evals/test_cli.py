@@ -237,6 +237,24 @@ def test_gating_a_live_server_scores_what_it_serves(setup, served_baseline):
     assert report["tier2"]["num_identical"] == report["tier2"]["num_prompts"] == 1
 
 
+@pytest.mark.slow
+def test_gating_a_live_server_on_own_prompts(setup, served_baseline, tmp_path):
+    """--prompts with --server: the served arm generates from the user's prompts and its answers
+    are judged against the expected ones (end-of-sequence ids read from the candidate's folder)."""
+    root, baseline, policy = setup
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join(json.dumps(line) for line in (
+        {"messages": [{"role": "user", "content": "the quick"}], "expected": "the"}, {"prompt": "brown fox"})))
+    loose = tmp_path / "loose.toml"  # one labelled prompt: let the undecided endpoint warn, not fail
+    loose.write_text("inconclusive = \"pass\"\n" + TINY_POLICY)
+    assert _gate(baseline, baseline, loose, root, "--server", served_baseline, "--prompts", str(traffic)) == EXIT_PASS
+    report = json.loads((root / "report" / "report.json").read_text())
+    assert report["tier2"]["num_identical"] == report["tier2"]["num_prompts"] == 2
+    answers = report["tier2_expected_answers"]
+    assert answers["n"] == 1 and answers["baseline_acc"] == answers["candidate_acc"]
+    assert {c["name"]: c["status"] for c in report["checks"]}["tier2.expected_answers"] == "warn"
+
+
 def test_servers_without_token_ids_fall_back_to_text():
     from evals import remote
 
