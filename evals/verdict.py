@@ -68,10 +68,12 @@ def write_verdict(
     return path
 
 
-def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None, base: str | Path | None = None) -> None:
+def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None,
+                  base_hashes: dict[str, str] | None = None) -> dict[str, str]:
     """Raise VerdictError unless a passing verdict matches every current weight file and, given
     `serving` (engine.config.kv_cache_setting), the KV cache setting the gate judged; for an
-    adapter's folder, `base` is the checkpoint it is served over, which must be the one gated."""
+    adapter's folder, `base_hashes` are those of the checkpoint it is served over, which must be
+    the one gated. Returns the folder's weight hashes (an adapter's check takes its checkpoint's)."""
     model_dir = Path(model_dir)
     path = model_dir / VERDICT_FILE
     if not path.is_file():
@@ -97,16 +99,11 @@ def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None, 
     if serving is not None:
         _check_serving(body, serving, path)
     judged_base = body.get("base_weights_sha256")
-    if base is not None and (judged_base is None or judged_base != _hashes_or_none(Path(base))):
-        raise VerdictError(f"{path} judged this adapter over another checkpoint than {base} (or as a checkpoint "
-                           f"of its own); gate it with `driftgate gate --candidate {base} --lora {model_dir}`")
-
-
-def _hashes_or_none(model_dir: Path) -> dict[str, str] | None:
-    try:
-        return weight_hashes(model_dir)
-    except FileNotFoundError:
-        return None
+    if base_hashes is not None and (judged_base is None or judged_base != base_hashes):
+        raise VerdictError(f"{path} judged this adapter over another checkpoint than the one served (or as a "
+                           f"checkpoint of its own); gate it with `driftgate gate --candidate CHECKPOINT --lora "
+                           f"{model_dir}`")
+    return current
 
 
 def _check_serving(body: dict[str, Any], serving: dict[str, Any], path: Path) -> None:

@@ -214,13 +214,15 @@ def _check_gate(args: argparse.Namespace) -> str | None:
         return ("--require-gate: adapters loaded at run time would bypass the gate; gate each adapter "
                 "(driftgate gate --lora DIR) and serve it with --lora-modules")
     serving = kv_cache_setting(args.kv_cache_dtype, args.kv_scales)
-    gated = [("", args.model, None)] + [(f"adapter {name}: ", folder, args.model)
-                                        for name, folder in lora_modules(args.lora_modules).items()]
-    for label, folder, base in gated:
+    try:  # any failure to prove a verdict is a refusal
+        base = check_verdict(args.model, serving)  # the checkpoint's hashes, read once for every adapter
+    except Exception as exc:
+        return f"--require-gate: {exc}"
+    for name, folder in lora_modules(args.lora_modules).items():
         try:
-            check_verdict(folder, serving, base=base)
-        except Exception as exc:  # any failure to prove a verdict is a refusal
-            return f"--require-gate: {label}{exc}"
+            check_verdict(folder, serving, base_hashes=base)
+        except Exception as exc:
+            return f"--require-gate: adapter {name}: {exc}"
     return None
 
 

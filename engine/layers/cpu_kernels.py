@@ -69,17 +69,22 @@ def _build(compiler: str, source: Path) -> Path:
     return target
 
 
+def compiler() -> str | None:
+    """The C compiler kernels are built with ($CC, else cc), or None."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
 @functools.cache
 def kernel(source: str, symbol: str, argtypes: tuple, restype: type | None) -> ctypes._CFuncPtr | None:
     """Function `symbol` of the compiled engine/csrc/<source>.c, or None (logged) where it cannot be built."""
     if os.environ.get("DRIFTGATE_CPU_KERNELS", "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.warning("no C compiler found: %s uses the slower torch path", source)
         return None
     try:
-        fn = getattr(ctypes.CDLL(str(_build(compiler, SOURCES / f"{source}.c"))), symbol)
+        fn = getattr(ctypes.CDLL(str(_build(cc, SOURCES / f"{source}.c"))), symbol)
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building the %s kernel failed, using the torch path: %s", source, detail)

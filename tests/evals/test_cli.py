@@ -313,9 +313,10 @@ def test_an_adapter_is_gated_over_both_arms(setup, tmp_path, capsys):
     assert set(manifest["lora"]["sha256"]) == {"adapter_config.json", "adapter_model.safetensors"}
     # the adapter's verdict is its own, bound to the checkpoint it ran over; the checkpoint's is not touched
     assert not (candidate / "verdict.json").exists()
-    verdict.check_verdict(adapter, base=candidate)
+    verdict.check_verdict(adapter, base_hashes=verdict.weight_hashes(candidate))
     with pytest.raises(verdict.VerdictError, match="over another checkpoint"):
-        verdict.check_verdict(adapter, base=make_tiny_model_dir(tmp_path / "other-base", seed=1))
+        verdict.check_verdict(adapter, base_hashes=verdict.weight_hashes(make_tiny_model_dir(tmp_path / "other-base",
+                                                                                              seed=1)))
     from engine import SamplingParams
     from evals import arms
     from evals.policy import load_policy
