@@ -1,8 +1,10 @@
-"""verdict.json: the gate's decision bound to the exact weight files it judged, and to the KV
-cache they ran with.
+"""verdict.json: the gate's decision bound to the exact weight files it judged, the files beside
+them that decide what those weights output (config, tokenizer, chat template, generation and
+adapter settings), and the KV cache they ran with.
 
-The server's `--require-gate` calls `check_verdict`; any edit to a weight file after the
-gate ran changes its sha256 and voids the verdict, and serving with another KV cache than the
+The server's `--require-gate` calls `check_verdict`; any edit to one of those files after the
+gate ran changes its sha256 and voids the verdict (a new chat template or lora_alpha changes the
+answers as surely as new weights), and serving with another KV cache than the
 gate judged (an fp8_e5m2 cache on a checkpoint gated with its calibrated fp8 one, say) is refused.
 A LoRA adapter gated over a checkpoint (`gate --lora`) gets its own verdict, in the adapter's
 folder, bound to its weights and to the checkpoint's.
@@ -18,7 +20,12 @@ from evals.data import file_sha256
 
 VERDICT_FILE = "verdict.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-FORMAT_VERSION = 2  # 2: records `serving`, the KV cache setting the candidate was judged with
+# besides the weights, what decides a checkpoint's (or an adapter's) outputs for a request
+BEHAVIOUR_FILES = ("config.json", "generation_config.json", "adapter_config.json", "tokenizer.json",
+                   "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+# 2: records `serving`, the KV cache setting the candidate was judged with; 3: `config_sha256`
+FORMAT_VERSION = 3
 
 
 class VerdictError(RuntimeError):
@@ -36,6 +43,11 @@ def weight_hashes(model_dir: Path) -> dict[str, str]:
     if not files:
         raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {model_dir}")
     return {p.name: file_sha256(p) for p in files}
+
+
+def config_hashes(model_dir: Path) -> dict[str, str]:
+    """{file name: sha256} for the BEHAVIOUR_FILES the folder has."""
+    return {name: file_sha256(Path(model_dir) / name) for name in BEHAVIOUR_FILES if (Path(model_dir) / name).is_file()}
 
 
 def write_verdict(
@@ -57,6 +69,7 @@ def write_verdict(
         "format_version": FORMAT_VERSION,
         "verdict": "pass" if passed else "fail",
         "weights_sha256": candidate_hashes if candidate_hashes is not None else weight_hashes(candidate_dir),
+        "config_sha256": config_hashes(candidate_dir),
         "base_weights_sha256": base_hashes,
         "baseline_weights_sha256": baseline_hashes,
         "serving": serving,
@@ -90,12 +103,10 @@ def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None,
         current = weight_hashes(model_dir)
     except FileNotFoundError as exc:
         raise VerdictError(str(exc)) from exc
-    if current.keys() != recorded.keys():
-        raise VerdictError(
-            f"weight files changed since the gate ran: now {sorted(current)}, verdict covers {sorted(recorded)}")
-    changed = sorted(name for name in current if current[name] != recorded[name])
-    if changed:
-        raise VerdictError(f"weights changed since the gate ran (sha256 mismatch: {', '.join(changed)})")
+    _check_unchanged("weight", current, recorded)
+    if body.get("format_version", 1) < 3:
+        raise VerdictError(f"{path} predates verdicts that bind the config, tokenizer and chat template; re-run the gate")
+    _check_unchanged("configuration", config_hashes(model_dir), body.get("config_sha256", {}))
     if serving is not None:
         _check_serving(body, serving, path)
     judged_base = body.get("base_weights_sha256")
@@ -106,9 +117,16 @@ def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None,
     return current
 
 
+def _check_unchanged(kind: str, current: dict[str, str], recorded: dict[str, str]) -> None:
+    if current.keys() != recorded.keys():
+        raise VerdictError(
+            f"{kind} files changed since the gate ran: now {sorted(current)}, verdict covers {sorted(recorded)}")
+    changed = sorted(name for name in current if current[name] != recorded[name])
+    if changed:
+        raise VerdictError(f"{kind} files changed since the gate ran (sha256 mismatch: {', '.join(changed)})")
+
+
 def _check_serving(body: dict[str, Any], serving: dict[str, Any], path: Path) -> None:
-    if body.get("format_version", 1) < 2:
-        raise VerdictError(f"{path} predates verdicts that record the KV cache they judged; re-run the gate")
     judged = body.get("serving")
     if judged is None:  # gated as a live server: the deployment as it ran
         return

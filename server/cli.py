@@ -213,6 +213,11 @@ def _check_gate(args: argparse.Namespace) -> str | None:
     if args.allow_runtime_lora_updating:
         return ("--require-gate: adapters loaded at run time would bypass the gate; gate each adapter "
                 "(driftgate gate --lora DIR) and serve it with --lora-modules")
+    overrides = [flag for flag, value in (("--chat-template", args.chat_template), ("--hf-overrides", args.hf_overrides))
+                 if value is not None]
+    if overrides:  # the verdict binds the folder's own config and template, which these replace
+        return (f"--require-gate: {' and '.join(overrides)} would serve another model than the gate judged; "
+                "make the change in the checkpoint's folder (chat_template.jinja, config.json) and gate it there")
     serving = kv_cache_setting(args.kv_cache_dtype, args.kv_scales)
     try:  # any failure to prove a verdict is a refusal
         base = check_verdict(args.model, serving)  # the checkpoint's hashes, read once for every adapter

@@ -141,7 +141,7 @@ def test_verdict_round_trip_and_tamper_detection(tmp_path):
 def test_verdict_binds_the_kv_cache_it_judged(tmp_path):
     """A checkpoint gated with one KV cache is refused for another (e5m2 for the calibrated fp8
     it passed with); fp8_e4m3 is fp8; a verdict from a live server's gate binds only the weights;
-    a verdict older than the record is refused where the KV cache is asked about."""
+    a verdict older than the record is refused."""
     from engine.config import kv_cache_setting
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
@@ -160,6 +160,50 @@ def test_verdict_binds_the_kv_cache_it_judged(tmp_path):
     (tmp_path / "verdict.json").write_text(json.dumps(old))
     with pytest.raises(verdict.VerdictError, match="predates"):
         verdict.check_verdict(tmp_path, kv_cache_setting("auto", "checkpoint"))
+
+
+def test_verdict_binds_config_tokenizer_chat_template_and_adapter_settings(tmp_path):
+    """What decides the outputs besides the weights: an edited, added or removed file voids the
+    verdict, naming it; a verdict from before this binding is refused."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text('{"rope_theta": 10000}')
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    (tmp_path / "notes.txt").write_text("anything else in the folder is not bound")
+    verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={}, baseline_hashes={})
+    assert set(json.loads((tmp_path / "verdict.json").read_text())["config_sha256"]) == {
+        "config.json", "tokenizer_config.json"}
+    (tmp_path / "notes.txt").write_text("edited")
+    verdict.check_verdict(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages | reverse }}"}')
+    with pytest.raises(verdict.VerdictError, match=re.escape("sha256 mismatch: tokenizer_config.json")):
+        verdict.check_verdict(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    verdict.check_verdict(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")  # overrides tokenizer_config's
+    with pytest.raises(verdict.VerdictError, match="configuration files changed.*chat_template.jinja"):
+        verdict.check_verdict(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(verdict.VerdictError, match="configuration files changed"):
+        verdict.check_verdict(tmp_path)
+    (tmp_path / "config.json").write_text('{"rope_theta": 10000}')
+    verdict.check_verdict(tmp_path)
+    older = json.loads((tmp_path / "verdict.json").read_text()) | {"format_version": 2}
+    del older["config_sha256"]
+    (tmp_path / "verdict.json").write_text(json.dumps(older))
+    with pytest.raises(verdict.VerdictError, match="predates verdicts that bind the config"):
+        verdict.check_verdict(tmp_path)
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"lora")
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    base = verdict.weight_hashes(tmp_path)
+    verdict.write_verdict(adapter, passed=True, policy={}, metrics={}, baseline_hashes={}, base_hashes=base)
+    verdict.check_verdict(adapter, base_hashes=base)
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 32}')  # twice the adapter's weight
+    with pytest.raises(verdict.VerdictError, match="adapter_config.json"):
+        verdict.check_verdict(adapter, base_hashes=base)
 
 
 def test_verdict_notices_added_weight_files(tmp_path):

@@ -344,6 +344,13 @@ def test_require_gate_refuses_a_kv_cache_the_gate_did_not_judge(tiny_model_dir: 
                           serving=kv_cache_setting("auto", "checkpoint"))
     assert main([str(model), "--port", "0", "--require-gate", "--kv-cache-dtype", "fp8_e5m2"]) == 2
     assert "judged this checkpoint with KV cache auto, not KV cache fp8_e5m2" in capsys.readouterr().err
+    # nor another chat template or config than the folder's, which the verdict binds
+    for flags in (["--chat-template", "{{ messages[0].content }}"], ["--hf-overrides", '{"rope_theta": 5000}']):
+        assert main([str(model), "--port", "0", "--require-gate", *flags]) == 2
+        assert f"--require-gate: {flags[0]} would serve another model than the gate judged" in capsys.readouterr().err
+    (model / "tokenizer_config.json").write_text((model / "tokenizer_config.json").read_text().replace("{", "{ ", 1))
+    assert main([str(model), "--port", "0", "--require-gate"]) == 2
+    assert "sha256 mismatch: tokenizer_config.json" in capsys.readouterr().err
 
 
 def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path: Path):
