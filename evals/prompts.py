@@ -11,8 +11,9 @@ build for it:
 - an OpenAI batch line (`{"custom_id": ..., "body": {...}}`, as `run-batch` reads), by its body.
 
 A line may also say what a right answer contains (`"expected": "Paris"`, or a list of accepted
-answers): each arm's greedy answer (up to its end of sequence) is then right when it contains one,
-case and spacing aside, and the two arms' right and wrong answers are compared as Tier 1's items are.
+answers): each arm's greedy answer (up to its end of sequence) is then right when it contains one
+as a whole word, case and spacing aside ("42" is not found in "142", nor "Paris" in "Parisian"),
+and the two arms' right and wrong answers are compared as Tier 1's items are.
 
 Every line is checked before either model loads, and a bad one is named by its line number.
 """
@@ -82,17 +83,22 @@ def _normalized(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().casefold()
 
 
+def _contains_answer(answer: str, expected: str) -> bool:
+    """`expected` in `answer` with no letter or digit run on either side: a drifted "142" is not "42"."""
+    return re.search(rf"(?<!\w){re.escape(_normalized(expected))}(?!\w)", _normalized(answer)) is not None
+
+
 def answer_items(prompts: Sequence[OwnPrompt], generations: Sequence[Sequence[int]],
                  decode: Callable[[Sequence[int]], str], end_ids: Sequence[int]) -> dict[int, ItemResult]:
     """One arm's right or wrong answer to each prompt that says what it expects (by prompt index):
-    its generation up to the first end-of-sequence id, right when it contains an expected answer."""
+    its generation up to the first end-of-sequence id, right when it holds an expected answer."""
     items = {}
     for index, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
         if not prompt.expected:
             continue
         ends = [i for i, token in enumerate(generation) if token in end_ids]
         answer = decode(generation[:ends[0]] if ends else generation)
-        right = any(_normalized(expected) in _normalized(answer) for expected in prompt.expected)
+        right = any(_contains_answer(answer, expected) for expected in prompt.expected)
         items[index] = ItemResult(doc_id=index, prompt_hash=hashlib.sha256(str(prompt.token_ids).encode()).hexdigest(),
                                   correct=right, response=answer, hit_max_tokens=not ends)
     return items

@@ -76,3 +76,14 @@ def test_expected_answers_are_read_and_judged_up_to_the_end_of_sequence(tokenize
     assert items[0].correct and items[0].response == "It is PARIS." and not items[0].hit_max_tokens
     assert not items[1].correct  # " Four" comes after the end of sequence: not part of the answer
     assert answer_items([OwnPrompt([7], ("four",))], [[1, 4]], decode, [3])[0].correct  # case aside, no end
+
+
+def test_expected_answers_match_whole_words_only():
+    """A drifted number or a longer word that merely contains the expected text is wrong."""
+    cases = [("The answer is 42.", "42", True), ("The answer is 142.", "42", False), ("4200 apples", "42", False),
+             ("Parisian food", "Paris", False), ("it's Paris, France", "paris, france", True),
+             ("costs $5 today", "$5", True), ("costs $50", "$5", False), ("x = 3.14", "3.14", True),
+             ("New\n  York", "new york", True)]
+    for answer, expected, right in cases:
+        items = answer_items([OwnPrompt([7], (expected,))], [[0]], lambda ids, a=answer: a, end_ids=[])
+        assert items[0].correct is right, (answer, expected)
