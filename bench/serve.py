@@ -27,6 +27,7 @@ import numpy as np
 
 from bench import datasets
 from bench.datasets import Sample
+from engine.slo import meets_slo, parse_slo, time_per_output_token
 
 PERCENTILES = (50, 90, 99)
 _METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -46,23 +47,7 @@ class RequestResult:
 
     @property
     def tpot(self) -> float:
-        """Time per output token after the first; a single-token output counts as 0."""
-        return (self.latency - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
-
-
-def parse_slo(text: str | None) -> dict[str, float]:
-    """`ttft:500,tpot:50` (milliseconds) → {"ttft": 0.5, "tpot": 0.05}."""
-    if not text:
-        return {}
-    slo = {}
-    for part in text.replace(" ", ",").split(","):
-        if not part:
-            continue
-        name, _, value = part.partition(":")
-        if name not in ("ttft", "tpot", "e2el") or not value:
-            raise ValueError(f"bad --slo entry {part!r}; use ttft:MS, tpot:MS, e2el:MS")
-        slo[name] = float(value) / 1000.0
-    return slo
+        return time_per_output_token(self.ttft, self.latency, self.output_len)
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -79,10 +64,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slo: dict[s
     done = [r for r in results if r.error is None]
     total_out = sum(r.output_len for r in done)
     total_in = sum(r.prompt_len for r in done)
-    good = sum(
-        all({"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}[name] <= limit for name, limit in slo.items())
-        for r in done
-    )
+    good = sum(meets_slo(slo, ttft=r.ttft, e2el=r.latency, output_len=r.output_len) for r in done)
     return {
         "duration_s": duration_s,
         "completed": len(done),

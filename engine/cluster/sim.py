@@ -27,6 +27,11 @@ tokens per second in its saturated window (from the first completion, when the s
 start is over, to the first moment some node has nothing left to queue, when the drain
 begins), divided by the mean output length. Requests ÷ makespan would count the drain, when
 nodes run half-empty batches, and put "load 0.9" near 0.75 of what the cluster sustains.
+
+`--slo ttft:MS,tpot:MS` adds DistServe's goodput: the highest load at which `--slo-attainment`
+(0.9) of requests meet every objective, found per policy by bisection over one arrival trace,
+time-scaled. A finite trace lets a load a little over 1 pass (the backlog builds only towards
+its end); more requests make it stationary.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import json
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
@@ -49,6 +54,7 @@ from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteR
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request
+from engine.slo import meets_slo, parse_slo, time_per_output_token
 
 WORKLOADS = ("published", "uniform", "shared-prefix")
 VOCAB = 32000
@@ -202,6 +208,8 @@ class RunResult:
     """Raw per-run measurements; `summarize` turns them into a result row."""
 
     ttft_s: list[float]
+    e2el_s: list[float]  # per request, in ttft_s's order: arrival to its last token
+    output_lens: list[int]  # per request, in ttft_s's order
     itl_s: list[float]  # every gap between two tokens of a request
     tpot_s: list[float]  # per request: its mean gap (vLLM's TPOT), for requests with 2+ tokens
     num_output_tokens: int
@@ -303,6 +311,7 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
     if unfinished or router.queue:
         raise RuntimeError(f"simulation ended with {len(unfinished)} unfinished requests")
     ttft = [times[0] - requests[rid].arrival_time for rid, times in token_times.items()]
+    e2el = [times[-1] - requests[rid].arrival_time for rid, times in token_times.items()]
     itl = [float(d) for times in token_times.values() for d in np.diff(times)]
     end = max(times[-1] for times in token_times.values())
     # the saturated window: from the first completion (the synchronized start is over) to the
@@ -315,9 +324,10 @@ def simulate(items: list[WorkItem], arrivals_s: list[float], policy: Policy, num
         saturated = in_window / (window_end - window_start)
     else:  # too few requests to saturate past the start: fall back to the whole run
         saturated = num_output_tokens / (end - min(arrivals_s))
-    tpot = [(times[-1] - times[0]) / (len(times) - 1) for times in token_times.values() if len(times) > 1]
+    output_lens = [len(times) for times in token_times.values()]
+    tpot = [time_per_output_token(first, last, n) for first, last, n in zip(ttft, e2el, output_lens, strict=True) if n > 1]
     return RunResult(
-        ttft_s=ttft, itl_s=itl, tpot_s=tpot, num_output_tokens=num_output_tokens,
+        ttft_s=ttft, e2el_s=e2el, output_lens=output_lens, itl_s=itl, tpot_s=tpot, num_output_tokens=num_output_tokens,
         makespan_s=end - min(arrivals_s), num_preemptions=sum(n.scheduler.num_preemptions for n in nodes),
         num_prefix_hit_tokens=sum(n.scheduler.prefix_hits for n in nodes),
         num_prefix_query_tokens=sum(n.scheduler.prefix_queries for n in nodes),
@@ -355,9 +365,42 @@ def summarize(result: RunResult, num_nodes: int) -> dict:
     }
 
 
+def slo_attainment(result: RunResult, slo: dict[str, float]) -> float:
+    """Fraction of the run's requests within every objective."""
+    met = sum(meets_slo(slo, ttft=ttft, e2el=e2el, output_len=n)
+              for ttft, e2el, n in zip(result.ttft_s, result.e2el_s, result.output_lens, strict=True))
+    return met / len(result.ttft_s)
+
+
+@dataclass(slots=True)
+class Goodput:
+    """What `--slo` asks: the highest offered load a policy serves with enough requests in SLO."""
+
+    slo: dict[str, float]  # seconds, as parse_slo gives them
+    attainment: float = 0.9  # DistServe's goodput counts a rate as served when 90% of requests meet the SLO
+    resolution: float = 0.01  # of load
+    max_load: float = 4.0
+
+    def highest_load(self, within: Callable[[float], float]) -> float:
+        """Bisection on load; `within(load)` is the attainment of a run at that load (0 if even
+        the lowest load tried misses). Every load replays one arrival trace, time-scaled, so
+        attainment falls with load up to noise, and policies are compared on the same requests."""
+        lo, hi = 0.0, 1.0
+        while within(hi) >= self.attainment:
+            lo, hi = hi, hi * 2
+            if hi > self.max_load:
+                return lo
+        while hi - lo > self.resolution:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if within(mid) >= self.attainment else (lo, mid)
+        return lo
+
+
 def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[Policy], num_requests: int,
-              node_config: NodeConfig, cost: CostModel, seed: int = 0, max_tokens: int = 0) -> list[dict]:
-    """Peak of every policy (all requests at t = 0), then each policy at each load level."""
+              node_config: NodeConfig, cost: CostModel, seed: int = 0, max_tokens: int = 0,
+              goodput: Goodput | None = None) -> list[dict]:
+    """Peak of every policy (all requests at t = 0), then each policy at each load level, and with
+    `goodput` each policy's highest load within the SLO."""
     items = make_workload(workload, num_requests, random.Random(seed))
     if max_tokens:
         items = with_max_tokens(items, max_tokens)
@@ -365,11 +408,17 @@ def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[
     peaks = {p: simulate(items, burst, p, num_nodes, node_config, cost, seed) for p in set(policies) | {Policy.LEAST_LOADED}}
     mean_output = sum(w.num_output_tokens for w in items) / len(items)
     peak_rate = peaks[Policy.LEAST_LOADED].saturated_tok_s / mean_output
+
+    def run(policy: Policy, load: float) -> RunResult:
+        arrivals = poisson_arrivals(num_requests, load * peak_rate, random.Random(seed + 1))
+        return simulate(items, arrivals, policy, num_nodes, node_config, cost, seed)
+
+    goodput_loads = {p: goodput.highest_load(lambda load, p=p: slo_attainment(run(p, load), goodput.slo))
+                     for p in policies} if goodput else {}
     rows = []
     for load in loads:
-        arrivals = poisson_arrivals(num_requests, load * peak_rate, random.Random(seed + 1))
         for policy in policies:
-            result = simulate(items, arrivals, policy, num_nodes, node_config, cost, seed)
+            result = run(policy, load)
             rows.append({
                 "workload": workload, "nodes": num_nodes, "policy": policy.value, "load": load,
                 "offered_req_s": load * peak_rate, "num_requests": num_requests, "max_tokens": max_tokens or None,
@@ -380,6 +429,13 @@ def run_sweep(workload: str, num_nodes: int, loads: list[float], policies: list[
                 "peak_preemptions": peaks[policy].num_preemptions,
                 "peak_prefix_hit_rate": summarize(peaks[policy], num_nodes)["prefix_hit_rate"],
                 "peak_migrated": peaks[policy].num_migrated,
+                **({"slo_ms": {k: v * 1000.0 for k, v in goodput.slo.items()},
+                    "slo_attainment": slo_attainment(result, goodput.slo),
+                    "goodput_target": goodput.attainment,
+                    # the highest load (same trace, time-scaled) where goodput_target of requests meet the SLO
+                    "goodput_load": goodput_loads[policy],
+                    "goodput_req_s": goodput_loads[policy] * peak_rate,
+                    "goodput_tok_s": goodput_loads[policy] * peak_rate * mean_output} if goodput else {}),
                 "node": asdict(node_config), "cost_model": asdict(cost),
             })
     return rows
@@ -439,6 +495,10 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-c-ms", type=float, default=cost.c_ms_per_decode_seq, help="ms per decoding sequence")
     parser.add_argument("--calibrate-from", type=Path, default=None,
                         help="fit a, b, c to the step times in this `bench steps` result (overrides --step-*)")
+    parser.add_argument("--slo", default=None,
+                        help="also find each policy's goodput: the highest load at which --slo-attainment of requests "
+                             "meet every objective, e.g. ttft:500,tpot:50 (ms; ttft, tpot, e2el)")
+    parser.add_argument("--slo-attainment", type=float, default=0.9, help="fraction of requests within --slo")
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
 
@@ -453,6 +513,9 @@ def run_sim(args: argparse.Namespace) -> int:
             raise ValueError("--nodes and every --load must be positive")
         if args.max_tokens < 0:
             raise ValueError("--max-tokens must be positive (or 0: each request's output length)")
+        if not 0 < args.slo_attainment <= 1:
+            raise ValueError("--slo-attainment must be in (0, 1]")
+        goodput = Goodput(parse_slo(args.slo), args.slo_attainment) if args.slo else None
         if args.calibrate_from is not None:
             cost = CostModel.from_file(args.calibrate_from)
         else:
@@ -465,7 +528,7 @@ def run_sim(args: argparse.Namespace) -> int:
     print(f"cost model: a = {cost.a_ms:.3f} ms, b = {cost.b_ms_per_token:.4f} ms/token, "
           f"c = {cost.c_ms_per_decode_seq:.4f} ms/decode seq ({cost.calibration})")
     rows = run_sweep(args.workload, args.nodes, loads, policies, args.num_requests or 200 * args.nodes,
-                     node, cost, args.seed, args.max_tokens)
+                     node, cost, args.seed, args.max_tokens, goodput)
     print(f"{'policy':<14}{'load':>6}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
           f"{'p99/p50':>8}{'TPOT p99/p50':>13}{'preempt':>8}{'hit':>6}{'migr':>6}")
     for r in rows:
@@ -477,6 +540,16 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"peak {policy.value}: {r['peak_throughput_tok_s']:.0f} tok/s saturated, "
               f"{r['peak_preemptions']} preemptions, prefix hit rate {r['peak_prefix_hit_rate']:.2f}, "
               f"{r['peak_migrated']} migrated")
+    if goodput:
+        by_policy = {r["policy"]: r for r in rows}
+        baseline = max(r["goodput_load"] for p, r in by_policy.items() if p != Policy.COORDINATED.value) \
+            if len(by_policy) > 1 else 0.0
+        for policy, r in by_policy.items():
+            ratio = f", {r['goodput_load'] / baseline:.2f}× the best other policy" \
+                if policy == Policy.COORDINATED.value and baseline else ""
+            print(f"goodput {policy}: load {r['goodput_load']:.2f} ({r['goodput_req_s']:.2f} req/s, "
+                  f"{r['goodput_tok_s']:.0f} output tok/s) with {goodput.attainment:.0%} of requests within {args.slo}"
+                  f"{ratio}")
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(rows, indent=2))

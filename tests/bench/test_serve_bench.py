@@ -17,10 +17,10 @@ from bench.serve import (
     arrival_gaps,
     compute_metrics,
     parse_counters,
-    parse_slo,
     run_bench_serve,
     server_side,
 )
+from engine.slo import parse_slo
 
 
 def test_tpot_excludes_first_token_and_goodput_needs_every_slo():
@@ -40,10 +40,11 @@ def test_tpot_excludes_first_token_and_goodput_needs_every_slo():
     assert compute_metrics([fast], 1.0, {})["goodput"] is None
 
 
-def test_parse_slo_rejects_unknown_metrics():
+def test_parse_slo_rejects_unknown_metrics_and_bad_limits():
     assert parse_slo("ttft:2000, tpot:50") == {"ttft": 2.0, "tpot": 0.05}
-    with pytest.raises(ValueError):
-        parse_slo("latency:5")
+    for bad in ("latency:5", "ttft:", "ttft:abc", "tpot:-5", "e2el:0"):
+        with pytest.raises(ValueError, match="bad SLO entry"):
+            parse_slo(bad)
 
 
 def test_arrivals_are_gamma_with_the_requested_rate():

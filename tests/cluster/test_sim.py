@@ -13,15 +13,18 @@ from engine.cluster.router import Policy
 from engine.cluster.sim import (
     GPU_ESTIMATE,
     CostModel,
+    Goodput,
     NodeConfig,
     WorkItem,
     make_workload,
     poisson_arrivals,
     run_sim,
     simulate,
+    slo_attainment,
     summarize,
     with_max_tokens,
 )
+from engine.slo import parse_slo
 
 TINY = NodeConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
 
@@ -209,3 +212,55 @@ def test_cli_calibrates_from_a_steps_file(tmp_path, capsys):
     assert GPU_ESTIMATE not in row["cost_model"]["calibration"]
     steps.write_text(json.dumps([{"num_batched_tokens": 1}]))
     assert run_sim(args) == 2 and "step_ms" in capsys.readouterr().err
+
+
+def test_goodput_search_finds_the_highest_load_within_the_slo():
+    tried = []
+
+    def attainment(load: float) -> float:
+        tried.append(load)
+        return 0.95 if load <= 1.37 else 0.5
+
+    found = Goodput({"ttft": 1.0}, attainment=0.9, resolution=0.01).highest_load(attainment)
+    assert 1.36 <= found <= 1.37 and len(tried) < 12
+    assert Goodput({"ttft": 1.0}, attainment=0.96).highest_load(attainment) == 0.0  # never enough
+    assert Goodput({"ttft": 1.0}, max_load=4.0).highest_load(lambda load: 1.0) == 4.0  # never short of it
+
+
+def test_slo_attainment_counts_requests_within_every_objective():
+    items = shared_prefix_items(30)
+    result = simulate(items, poisson_arrivals(30, 400.0, random.Random(0)), Policy.LEAST_LOADED, 2, TINY,
+                      CostModel())
+    median_ttft = sorted(result.ttft_s)[15]
+    by_ttft = sum(t <= median_ttft for t in result.ttft_s) / 30
+    assert slo_attainment(result, {"ttft": median_ttft}) == pytest.approx(by_ttft) and 0 < by_ttft < 1
+    assert slo_attainment(result, {"ttft": 60.0, "e2el": 60.0}) == 1.0
+    # a request must meet all of them: adding a TPOT nobody meets leaves none
+    assert slo_attainment(result, {"ttft": 60.0, "tpot": min(result.tpot_s) / 2}) == 0.0
+    assert result.e2el_s == pytest.approx([t + (n - 1) * g for t, n, g in
+                                           zip(result.ttft_s, result.output_lens, result.tpot_s, strict=True)])
+
+
+def test_cli_reports_each_policys_goodput_load(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    argv = ["cluster-sim", "--workload", "uniform", "--nodes", "2", "--num-requests", "24", "--load", "0.5",
+            "--num-blocks", "128", "--slo", "ttft:2000,tpot:100", "--result-json", str(out)]
+    assert run_sim(build_parser("cluster-sim").parse_args(argv)) == 0
+    rows = json.loads(out.read_text())
+    assert {r["policy"] for r in rows} == {p.value for p in Policy}
+    for row in rows:
+        assert row["slo_ms"] == {"ttft": 2000.0, "tpot": 100.0} and row["goodput_target"] == 0.9
+        assert row["goodput_load"] > 0 and row["goodput_req_s"] == pytest.approx(
+            row["goodput_load"] * row["offered_req_s"] / row["load"])
+        assert 0 <= row["slo_attainment"] <= 1
+    # the load it reports is one where 90% of requests were within the SLO
+    items = make_workload("uniform", 24, random.Random(0))
+    row = next(r for r in rows if r["policy"] == "coordinated")
+    rate = row["goodput_req_s"]
+    result = simulate(items, poisson_arrivals(24, rate, random.Random(1)), Policy.COORDINATED, 2,
+                      NodeConfig(num_blocks=128), CostModel())
+    assert slo_attainment(result, parse_slo("ttft:2000,tpot:100")) >= 0.9
+    assert "goodput coordinated: load" in capsys.readouterr().out
+    for bad in (["--slo", "latency:5"], ["--slo", "ttft:0"], ["--slo", "ttft:500", "--slo-attainment", "1.5"]):
+        assert run_sim(build_parser("cluster-sim").parse_args(argv + bad)) == 2
+    assert "SLO" in capsys.readouterr().err
