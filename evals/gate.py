@@ -54,13 +54,10 @@ class GateOutcome:
     divergences: list[Divergence] = field(default_factory=list)  # Tier 2's earliest partings, as text
     answers: TaskComparison | None = None  # the user's prompts with expected answers (gate --prompts)
 
-    @property
-    def failed_checks(self) -> list[Check]:
-        return [c for c in self.checks if c.status in (FAIL, INCONCLUSIVE)]
 
-
-def endpoint_status(comparison: TaskComparison, margin: float) -> tuple[str, str]:
-    """Non-inferiority decision for one endpoint, with the rule that decided it."""
+def endpoint_status(comparison: TaskComparison, margin: float, confidence: float = 0.95) -> tuple[str, str]:
+    """Non-inferiority decision for one endpoint, with the rule that decided it; an undecided one
+    says how many items would decide it (`confidence` is the one-sided level of the drop bound)."""
     drop = -comparison.table.delta
     upper = comparison.drop_upper_bound
     if upper < margin:
@@ -69,7 +66,14 @@ def endpoint_status(comparison: TaskComparison, margin: float) -> tuple[str, str
         return FAIL, f"point drop {drop:.4f} > margin {margin:.4f}"
     if comparison.mcnemar_drop_p < SIGNIFICANT_DROP_P and drop > margin / 2:
         return FAIL, f"significant drop (McNemar p={comparison.mcnemar_drop_p:.2g}) of {drop:.4f} > margin/2"
-    return INCONCLUSIVE, f"upper bound of drop {upper:.4f} >= margin {margin:.4f}; add items to decide"
+    rule = f"upper bound of drop {upper:.4f} >= margin {margin:.4f}; add items to decide"
+    planned = max(drop, 0.0)  # a candidate that scored better is planned as no drop
+    needed = stats.items_needed(planned, comparison.table.flip_rate, margin=margin, alpha=1 - confidence)
+    if needed > comparison.table.num_items:  # the normal approximation; Newcombe's bound can be wider
+        seen = "this run's" if drop >= 0 else "none, as this run's gain is not counted on"
+        rule += (f" (about {needed} paired items, against {comparison.table.num_items} here, would bound a true "
+                 f"drop of {planned:.4f} ({seen}) under the margin with 80% power)")
+    return INCONCLUSIVE, rule
 
 
 def compare_arms(
@@ -123,7 +127,7 @@ def decide(
     inconclusive_status = FAIL if policy.inconclusive == "fail" else PASS
 
     def endpoint(name: str, comparison: TaskComparison, margin: float) -> None:
-        status, rule = endpoint_status(comparison, margin)
+        status, rule = endpoint_status(comparison, margin, policy.confidence)
         if status == INCONCLUSIVE:
             rule += f" (policy: inconclusive -> {inconclusive_status})"
             status = INCONCLUSIVE if inconclusive_status == FAIL else WARN

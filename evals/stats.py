@@ -153,30 +153,6 @@ def _stratum_ids(strata: Sequence[object] | None, n: int) -> np.ndarray:
     return ids
 
 
-def clt_interval(
-    differences: Sequence[float], confidence: float = 0.95, strata: Sequence[object] | None = None
-) -> tuple[float, float]:
-    """Normal-approximation interval for the mean per-item difference.
-
-    With `strata` (e.g. the task of each pooled item) the variance is the stratified one:
-    tasks are fixed parts of the suite, not random draws, so only within-task spread counts.
-    """
-    diffs = np.asarray(differences, dtype=np.float64)
-    n = diffs.size
-    if n < 2:
-        raise ValueError("need at least two items for an interval")
-    ids = _stratum_ids(strata, n)
-    variance = 0.0
-    for s in np.unique(ids):
-        part = diffs[ids == s]
-        if part.size > 1:
-            variance += part.size * part.var(ddof=1) / n**2
-    z = z_quantile(0.5 + confidence / 2)
-    half = z * math.sqrt(variance)
-    mean = float(diffs.mean())
-    return mean - half, mean + half
-
-
 def paired_bootstrap_interval(
     baseline_scores: Sequence[float],
     candidate_scores: Sequence[float],
@@ -243,12 +219,15 @@ def min_detectable_drop(num_items: int, flip_rate: float, *, alpha: float = 0.05
     return z * math.sqrt(flip_rate / (num_items + z * z))
 
 
-def items_needed(drop: float, flip_rate: float, *, alpha: float = 0.05, power: float = 0.8) -> int:
-    """Paired items needed to detect `drop` at `power` (one-sided `alpha`) given a flip rate."""
-    if drop <= 0:
-        raise ValueError("drop must be positive")
+def items_needed(drop: float, flip_rate: float, *, margin: float = 0.0, alpha: float = 0.05,
+                 power: float = 0.8) -> int:
+    """Paired items a one-sided test needs to tell a true `drop` from `margin` with `power`: with
+    margin 0, to detect the drop; with a non-inferiority margin above it, to bound it under the
+    margin. Each item's difference has variance f - drop^2 (f the flip rate)."""
+    if drop == margin:
+        raise ValueError("a drop equal to the margin cannot be told from it")
     z = z_quantile(1 - alpha) + z_quantile(power)
-    return math.ceil(z * z * (flip_rate - drop * drop) / (drop * drop))
+    return math.ceil(z * z * (flip_rate - drop * drop) / ((margin - drop) ** 2))
 
 
 def chance_threshold(num_items: int, chance: float, num_sigma: float = 2.0) -> float:

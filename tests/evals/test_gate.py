@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from evals import drift, gate, verdict
+from evals import drift, gate, stats, verdict
 from evals.policy import PolicyError, load_policy, policy_from_dict
 
 BASE_POLICY = {"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "chance": 0.5}], "max_pooled_drop": 0.02}}
@@ -84,6 +84,31 @@ def test_small_sample_is_inconclusive_and_fails_closed_unless_policy_says_pass()
     checks = gate.decide(lenient, per_task, pooled)
     assert _statuses(checks)["tier1.pooled_drop"] == gate.WARN
     assert gate.outcome(checks, comparisons=per_task, pooled=pooled).passed
+
+
+def test_an_undecided_endpoint_says_how_many_items_would_decide_it():
+    """600 items, a 2-point drop, 10% flips against a 4-point margin: the bound straddles the
+    margin, and the rule names the items that would settle it (stats.items_needed)."""
+    base = [True] * 300 + [False] * 300
+    cand = list(base)
+    for i in range(36):  # 36 right -> wrong, 24 wrong -> right
+        cand[i] = False
+    for i in range(300, 324):
+        cand[i] = True
+    policy = _policy(max_pooled_drop=0.04)
+    per_task, pooled = gate.compare_arms(policy, {"t": _arm(base)}, {"t": _arm(cand)})
+    status, rule = gate.endpoint_status(pooled, 0.04, policy.confidence)
+    needed = stats.items_needed(0.02, 0.10, margin=0.04)
+    assert status == gate.INCONCLUSIVE and 1500 < needed < 1600
+    assert f"about {needed} paired items, against 600 here" in rule
+    # a candidate that scored better is planned as no drop: fewer items settle it
+    few = [True] * 20 + [False] * 20
+    better = [False] * 6 + [True] * 14 + [True] * 7 + [False] * 13  # 6 right -> wrong, 7 wrong -> right
+    per_task, pooled = gate.compare_arms(policy, {"t": _arm(few)}, {"t": _arm(better)})
+    status, rule = gate.endpoint_status(pooled, 0.04, policy.confidence)
+    needed = stats.items_needed(0.0, 13 / 40, margin=0.04)
+    assert status == gate.INCONCLUSIVE and f"about {needed} paired items, against 40 here" in rule
+    assert "drop of 0.0000 (none, as this run's gain is not counted on)" in rule
 
 
 def test_chance_level_scorer_is_a_hard_fail():
