@@ -13,7 +13,6 @@ import functools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
@@ -52,7 +51,6 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.last_step_time = time.monotonic()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -74,11 +72,6 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (never blocks on the engine thread)."""
         return self._stats
-
-    @property
-    def num_unfinished(self) -> int:
-        with self._streams_lock:
-            return len(self._streams)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -204,7 +197,6 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
                 continue
-            self.last_step_time = time.monotonic()
             for out in outputs:
                 self._deliver(out.request_id, out)
             self._stats = self.engine.stats()

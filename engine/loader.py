@@ -18,11 +18,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when oneDNN reports bf16 instructions (AVX512-BF16 / AMX); False on AVX2-only CPUs."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """`auto` is float32 on CPUs (bf16 matmuls are several times slower on AVX2), bf16 on GPUs."""
     if isinstance(dtype, torch.dtype):

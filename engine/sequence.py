@@ -27,7 +27,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
-                 "num_cached_tokens", "stop_reason", "first_token_time", "grammar", "spec_token_ids",
+                 "num_cached_tokens", "stop_reason", "grammar", "spec_token_ids",
                  "priority", "num_released_blocks", "lora", "lora_index")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -48,7 +48,6 @@ class Request:
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, in order
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not yet admitted)
         self.stop_reason: int | str | None = None
-        self.first_token_time: float | None = None
         self.grammar = grammar  # params.structured_outputs compiled for this tokenizer, or None
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (speculative decoding)
         self.priority = priority  # lower is more urgent; used by the "priority" scheduling policy

@@ -429,10 +429,6 @@ class GenerationAgreement:
     mean_agreed_prefix: float  # tokens, counting identical generations at full length
     min_agreed_prefix: int
 
-    @property
-    def identical_rate(self) -> float:
-        return self.num_identical / self.num_prompts
-
 
 def generation_agreement(
     baseline: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]
