@@ -5,6 +5,7 @@ from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputs
+from engine.thinking import ThinkingBudget
 
 
 def __getattr__(name: str):
@@ -25,4 +26,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputs",
-           "RequestOutput", "CompletionOutput", "EngineStats", "LoRARequest"]
+           "ThinkingBudget", "RequestOutput", "CompletionOutput", "EngineStats", "LoRARequest"]

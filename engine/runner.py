@@ -26,6 +26,7 @@ from engine.outputs import LogprobsDict
 from engine.sampler import SamplingRow, prompt_logprobs, sample, verify
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.structured_output import new_matcher
+from engine.thinking import ThinkingCounter
 
 
 @dataclass(slots=True)
@@ -65,6 +66,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
+        self.thinking_counters: dict[str, ThinkingCounter] = {}  # request id → its thinking budget's count
         self.pooling_state: dict[str, torch.Tensor] = {}  # embedding requests: the running sum, or the first row
         # request id → (its block_ids list, that list as int32): see _block_row
         self.block_rows: dict[str, tuple[list[int], np.ndarray]] = {}
@@ -357,7 +359,18 @@ class ModelRunner:
         matcher = self.request_matchers.get(request.request_id)
         if matcher is None and request.grammar is not None and not self.grammar_waits(request):
             matcher = self.request_matchers[request.request_id] = new_matcher(request.grammar)
-        return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen, matcher)
+        return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen, matcher,
+                           self._thinking_counter(request))
+
+    def _thinking_counter(self, request) -> ThinkingCounter | None:
+        budget = request.params.thinking_budget
+        if budget is None:
+            return None
+        counter = self.thinking_counters.get(request.request_id)
+        if counter is None:
+            counter = self.thinking_counters[request.request_id] = ThinkingCounter(budget, request.prompt_token_ids)
+        counter.commit(request.output_token_ids)
+        return counter
 
     def grammar_waits(self, request) -> bool:
         """Whether the request's grammar has yet to start (structured_outputs_after not seen): once
@@ -393,4 +406,5 @@ class ModelRunner:
         self.pooling_state.pop(request_id, None)
         self.request_generators.pop(request_id, None)
         self.request_matchers.pop(request_id, None)
+        self.thinking_counters.pop(request_id, None)
         self.block_rows.pop(request_id, None)

@@ -16,6 +16,7 @@ import torch
 from engine.outputs import LogprobsDict
 from engine.sampling_params import SamplingParams
 from engine.structured_output import mask_logits
+from engine.thinking import ThinkingCounter
 
 
 @dataclass(slots=True)
@@ -27,10 +28,16 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # seeded per request; None → the engine's generator
     matcher: Any = None  # the sequence's grammar matcher (structured outputs), advanced by each sampled token
+    thinking: ThinkingCounter | None = None  # the request's thinking budget, committed to its output so far
 
     @property
     def grammar_active(self) -> bool:
         return self.matcher is not None and not self.matcher.is_terminated()
+
+    @property
+    def forced_token(self) -> int | None:
+        """The one token the thinking budget allows next (its block's end), or None."""
+        return self.thinking.forced_token(self.output_token_ids) if self.thinking is not None else None
 
 
 def _banned(row: SamplingRow) -> list[int]:
@@ -46,7 +53,7 @@ def _banned(row: SamplingRow) -> list[int]:
 
 def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Grammars, allowed_token_ids, logit_bias, then bans (min_tokens, bad_words): vLLM's order,
-    before penalties."""
+    before penalties; a token the thinking budget forces overrides them all."""
     grammar_rows = [i for i, row in enumerate(rows) if row.grammar_active]
     if grammar_rows:
         mask_logits(logits, grammar_rows, [rows[i].matcher for i in grammar_rows])
@@ -67,6 +74,10 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
                 # the grammar allows nothing but what min_tokens bans (its output is complete):
                 # the grammar wins, or the row would sample from nothing
                 logits[i, banned] = kept
+        forced = row.forced_token
+        if forced is not None:
+            logits[i] = float("-inf")
+            logits[i, forced] = 0.0
     return logits
 
 
@@ -106,7 +117,7 @@ def _adjusted(row: SamplingRow) -> bool:
     p = row.params
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or row.grammar_active
                 or p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
-                or (p.stop_token_ids and len(row.output_token_ids) < p.min_tokens))
+                or (p.stop_token_ids and len(row.output_token_ids) < p.min_tokens) or row.forced_token is not None)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +188,7 @@ def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], genera
     a seeded request draws from its generator once per output token, as without drafts.
     """
     p = row.params
-    if p.is_greedy and not _adjusted(row):  # one argmax for all rows, no penalties to thread through
+    if p.is_greedy and not _adjusted(row) and row.thinking is None:  # one argmax for all rows, nothing to thread through
         best = _argmax(logits).tolist()
         kept = next((j for j, draft in enumerate(drafts) if best[j] != draft), len(drafts))
         tokens = best[:kept + 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutputs
+from engine.thinking import ThinkingBudget
 
 POOLING_TYPES = ("last", "mean", "cls")
 
@@ -23,6 +24,8 @@ class SamplingParams:
     with `structured_outputs_after`, from the token after those ids first appear in the prompt or
     the output (a reasoning model's end of thinking, so the constraint holds its answer, not its
     thoughts; a template that turns thinking off writes an empty block into the prompt).
+    `thinking_budget` caps the tokens a reasoning model spends inside a thinking block, then
+    forces the block's end (engine/thinking.py).
     """
 
     n: int = 1
@@ -52,6 +55,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # filled by the engine from bad_words
     structured_outputs: StructuredOutputs | None = None
     structured_outputs_after: list[int] | None = None
+    thinking_budget: ThinkingBudget | None = None
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     # embed the prompt instead of generating: its final hidden states pooled ("last" token, "mean"
     # over its tokens, or its first, "cls"), returned as RequestOutput.embedding
@@ -115,8 +119,11 @@ class SamplingParams:
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids the params name must be rows of the logits (ValueError naming the field)."""
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = next((t for t in getattr(self, name) or () if not 0 <= t < vocab_size), None)
+        budget = self.thinking_budget
+        markers = budget.start_ids + budget.end_ids if budget is not None else ()
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids),
+                          ("thinking_budget", markers)):
+            bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab_size})")
 

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.thinking import ThinkingBudget
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, until_disconnect
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs, token_namer
@@ -35,7 +36,7 @@ from server.protocol import (
     TokenizeRequest,
     Usage,
 )
-from server.reasoning import THINK_END, split_reasoning
+from server.reasoning import THINK_END, THINK_START, split_reasoning
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
@@ -205,9 +206,25 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
         # the constraint holds the answer, from the token after </think> (as vLLM does): in the
         # prompt where thinking is turned off, else once the model has thought
         params.structured_outputs_after = engine.tokenizer.encode(THINK_END, add_special_tokens=False)
+    if body.thinking_token_budget is not None:
+        params.thinking_budget = _thinking_budget(body.thinking_token_budget, config.reasoning_parser, params,
+                                                  engine.tokenizer)
     if reader.keeps_special_tokens and isinstance(params, SamplingParams):
         params.skip_special_tokens = False
     return ChatJob(engine, ids, params, reader, lora)
+
+
+def _thinking_budget(max_tokens: int, parser: str | None, params: SamplingParams | BeamSearchParams,
+                     tokenizer) -> ThinkingBudget:
+    """thinking_token_budget as the engine's, the block's markers tokenized as the model writes them."""
+    if parser is None:
+        raise APIError(400, "thinking_token_budget needs a server started with --reasoning-parser, which names "
+                            "the thinking block's markers", param="thinking_token_budget")
+    if not isinstance(params, SamplingParams):
+        raise APIError(400, "thinking_token_budget does not apply to beam search", param="thinking_token_budget")
+    return ThinkingBudget(max_tokens, tuple(tokenizer.encode(THINK_START, add_special_tokens=False)),
+                          tuple(tokenizer.encode(THINK_END, add_special_tokens=False)),
+                          open_at_start=parser == "deepseek_r1")
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:

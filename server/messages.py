@@ -4,7 +4,8 @@ llama.cpp's server offer it), so clients built on Anthropic's SDK reach a driftg
 The body becomes a chat body: `system` the system message; text blocks the turns' text;
 `tool_use` blocks an assistant turn's tool calls and `tool_result` blocks tool turns; `tools`
 (name, description, input_schema) the chat's function tools, `tool_choice` auto / any / a named
-tool / none. The answer comes back as content blocks: `thinking` (with `--reasoning-parser`),
+tool / none; `thinking` (`enabled` with budget_tokens, or `disabled`) caps the thinking as the
+chat route's thinking_token_budget does. The answer comes back as content blocks: `thinking` (with `--reasoning-parser`),
 `text`, then a `tool_use` block per call (`output_config.format` holds the text to a JSON schema),
 with Anthropic's stop reasons and usage (prompt tokens the
 prefix cache served count as `cache_read_input_tokens`). Streaming sends its named events
@@ -80,6 +81,21 @@ class ToolSpec(_Request):
     input_schema: dict[str, Any]
 
 
+class ThinkingConfig(_Request):
+    """`enabled` caps the thinking at budget_tokens; `disabled` gives it none (a block the model
+    opens is closed at once). Either needs --reasoning-parser, which names the block's markers."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+
+    def token_budget(self) -> int:
+        if self.type == "disabled":
+            return 0
+        if self.budget_tokens is None:
+            raise APIError(400, "thinking of type enabled needs budget_tokens", param="thinking")
+        return self.budget_tokens
+
+
 class MessagesRequest(_Request):
     model: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -94,6 +110,7 @@ class MessagesRequest(_Request):
     tools: list[ToolSpec] | None = None
     tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "none" | "tool", "name", ...}
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}; effort ignored
+    thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
 
 
@@ -161,7 +178,8 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(model=body.model, messages=conversation, max_tokens=body.max_tokens,
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                  stop=body.stop_sequences, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
-                                 response_format=_response_format(body.output_config))
+                                 response_format=_response_format(body.output_config),
+                                 thinking_token_budget=body.thinking.token_budget() if body.thinking else None)
 
 
 class _Renderer:

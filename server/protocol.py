@@ -134,6 +134,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None  # tools' predecessor: refused
+    # vLLM's: at most this many tokens inside the thinking block, then its end is forced (needs --reasoning-parser)
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
 
 
 class TokenizeRequest(_Request):

@@ -156,3 +156,26 @@ def test_thinking_comes_as_its_own_block_before_the_text():
     assert renderer.message(out)["content"] == [{"type": "thinking", "thinking": "hmm", "signature": ""},
                                                  {"type": "text", "text": "Paris"}]
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def test_thinking_budget_tokens_caps_the_thinking_block(engine):
+    """`thinking: {type: enabled, budget_tokens}` is the chat route's thinking_token_budget: under
+    deepseek_r1 the tiny model's thinking ends after that many tokens and text follows; `disabled`
+    closes the block at once; enabled without a budget is a 400 in Anthropic's shape."""
+    from tests.server.conftest import serve
+
+    with serve(engine, reasoning_parser="deepseek_r1") as url, \
+            anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60) as claude:
+        ask = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 24, "extra_body": GREEDY}
+        free = claude.messages.create(**ask)
+        assert [b.type for b in free.content] == ["thinking", "text"]
+        assert free.content[0].thinking and free.content[1].text == ""  # the tiny model never ends its thinking
+        capped = claude.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 5})
+        # what it thought is the free run's first 5 tokens (whose text alone is shorter)
+        assert len(capped.content[0].thinking) < len(free.content[0].thinking)
+        assert free.content[0].thinking.startswith(capped.content[0].thinking)
+        off = claude.messages.create(**ask, thinking={"type": "disabled"})
+        assert off.content[0].thinking == "" and off.usage.output_tokens == 24
+        reply = httpx.post(url + "/v1/messages", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4,
+                                                       "thinking": {"type": "enabled"}}, timeout=10)
+        assert reply.status_code == 400 and "budget_tokens" in reply.json()["error"]["message"]

@@ -107,3 +107,26 @@ def test_a_constraint_holds_the_answer_not_the_thinking(engine, parser):
         assert held == free
         # deepseek_r1's parser reads an output with no </think> as thinking (vLLM's does too)
         assert answered["content" if parser == "qwen3" else "reasoning_content"].lstrip().startswith("{")
+
+
+def test_thinking_token_budget_ends_the_thinking_and_the_answer_follows(engine):
+    """deepseek_r1: the output thinks from its first token; the tiny model never writes </think>,
+    so without a budget it thinks to max_tokens. With a budget of 6 the end marker's tokens come
+    right after 6 tokens, and the JSON constraint, which starts after </think>, holds the answer."""
+    end_ids = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    body = {"messages": MESSAGES, "max_tokens": 30, "temperature": 0, "return_token_ids": True,
+            "response_format": {"type": "json_object"}}
+    with serve(engine, reasoning_parser="deepseek_r1") as url:
+        free = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        capped = httpx.post(url + "/v1/chat/completions", json={**body, "thinking_token_budget": 6},
+                            timeout=60).json()["choices"][0]
+        assert free["message"]["content"] in ("", None) and free["message"]["reasoning_content"]
+        assert capped["token_ids"][:6] == free["token_ids"][:6]
+        assert capped["token_ids"][6:6 + len(end_ids)] == end_ids
+        assert capped["message"]["content"].lstrip().startswith("{")
+        bad = httpx.post(url + "/v1/chat/completions", json={**body, "thinking_token_budget": -1}, timeout=60)
+        assert bad.status_code == 400 and "thinking_token_budget" in bad.text
+    with serve(engine) as url:  # no parser: nothing names the block's markers
+        reply = httpx.post(url + "/v1/chat/completions", json={**body, "thinking_token_budget": 6}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "thinking_token_budget"
+        assert "--reasoning-parser" in reply.json()["error"]["message"]
