@@ -13,7 +13,8 @@ build for it:
 A line may also say what a right answer contains (`"expected": "Paris"`, or a list of accepted
 answers): each arm's greedy answer (up to its end of sequence) is then right when it contains one
 as a whole word, case and spacing aside ("42" is not found in "142", nor "Paris" in "Parisian"),
-and the two arms' right and wrong answers are compared as Tier 1's items are.
+a number as any number of its value ("1000" in "1,000.0"), and the two arms' right and wrong
+answers are compared as Tier 1's items are.
 
 Every line is checked before either model loads, and a bad one is named by its line number.
 """
@@ -83,8 +84,23 @@ def _normalized(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().casefold()
 
 
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?![\w]|\.\d)")
+
+
+def _number(text: str) -> float | None:
+    """The value of a number written with optional sign, thousands commas and decimals, or None."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
 def _contains_answer(answer: str, expected: str) -> bool:
-    """`expected` in `answer` with no letter or digit run on either side: a drifted "142" is not "42"."""
+    """`expected` in `answer` with no letter or digit run on either side: a drifted "142" is not
+    "42". A numeric expected answer matches any number of the same value ("1,000", "1000.0")."""
+    value = _number(expected.strip()) if _NUMBER.fullmatch(expected.strip()) else None
+    if value is not None:
+        return any(_number(m.group()) == value for m in _NUMBER.finditer(answer))
     return re.search(rf"(?<!\w){re.escape(_normalized(expected))}(?!\w)", _normalized(answer)) is not None
 
 

@@ -83,7 +83,11 @@ def test_expected_answers_match_whole_words_only():
     cases = [("The answer is 42.", "42", True), ("The answer is 142.", "42", False), ("4200 apples", "42", False),
              ("Parisian food", "Paris", False), ("it's Paris, France", "paris, france", True),
              ("costs $5 today", "$5", True), ("costs $50", "$5", False), ("x = 3.14", "3.14", True),
-             ("New\n  York", "new york", True)]
+             ("New\n  York", "new york", True),
+             # a number matches any number of its value, and no longer or signed other one
+             ("It costs 1,000 dollars", "1000", True), ("1000.0 in total", "1,000", True), ("is 42", "42.0", True),
+             ("3.145", "3.14", False), ("v2.0", "2", False), ("5 degrees", "-5", False), ("-5 degrees", "-5", True),
+             ("5-3=2", "3", True)]
     for answer, expected, right in cases:
         items = answer_items([OwnPrompt([7], (expected,))], [[0]], lambda ids, a=answer: a, end_ids=[])
         assert items[0].correct is right, (answer, expected)
