@@ -77,11 +77,12 @@ def test_health_stays_fast_while_saturated(engine, base_url):
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as http:
             probing = True
 
-            async def keep_busy() -> None:  # a new long request as soon as one ends, however fast decode is
+            async def keep_busy(length: int) -> None:  # a new long request as soon as one ends, however fast decode is
                 while probing:
-                    await http.post(base_url + "/v1/completions", json={**LONG, "max_tokens": 480})
+                    await http.post(base_url + "/v1/completions", json={**LONG, "max_tokens": length})
 
-            load = [asyncio.create_task(keep_busy()) for _ in range(8)]
+            # lengths apart, so the 8 never finish in one step and leave the engine idle between probes
+            load = [asyncio.create_task(keep_busy(480 - 16 * i)) for i in range(8)]
             for _ in range(50):  # let the batch fill up
                 await asyncio.sleep(0.05)
                 if engine.stats().num_running == 8:
