@@ -84,7 +84,7 @@ def _normalized(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().casefold()
 
 
-_NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?![\w]|\.\d)")
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?!\w|\.\d)")
 
 
 def _number(text: str) -> float | None:
