@@ -126,6 +126,9 @@ def test_thinking_token_budget_ends_the_thinking_and_the_answer_follows(engine):
         assert capped["message"]["content"].lstrip().startswith("{")
         bad = httpx.post(url + "/v1/chat/completions", json={**body, "thinking_token_budget": -1}, timeout=60)
         assert bad.status_code == 400 and "thinking_token_budget" in bad.text
+        beams = {"messages": MESSAGES, "max_tokens": 8, "use_beam_search": True, "n": 2, "thinking_token_budget": 4}
+        bad = httpx.post(url + "/v1/chat/completions", json=beams, timeout=60)
+        assert bad.status_code == 400 and "beam search" in bad.json()["error"]["message"]
     with serve(engine) as url:  # no parser: nothing names the block's markers
         reply = httpx.post(url + "/v1/chat/completions", json={**body, "thinking_token_budget": 6}, timeout=60)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "thinking_token_budget"
