@@ -255,7 +255,7 @@ def kv_store(args: LlamaArgs, device: str, layers: int = 32) -> list[dict]:
 
     heads, kv_heads, dim, num_slots = args.num_heads, args.num_kv_heads, args.head_dim, 4096
     rows = []
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         k_cache, v_cache = (torch.zeros(num_slots, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
         for tokens in (1, 8):
             qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=torch.bfloat16)

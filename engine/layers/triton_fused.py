@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 
 from engine.layers.triton_support import tl, triton
-from quant.fp8 import FP8_MAX
+
+# fp8 KV caches the store writes, saturating at their largest finite value as attention._store
+# does: (mantissa bits, exponent bias)
+_FP8_FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
 
 if triton is not None:
 
@@ -60,44 +63,49 @@ if triton is not None:
         tl.store(out_ptr + row * inter + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _e4m3_bits(x, FP8_LIMIT: tl.constexpr):
-        """x (fp32) saturated to ±FP8_LIMIT and rounded to the nearest e4m3, ties to even, as its
-        byte: spelled in integer operations so the interpreter (whose casts truncate) and the GPU agree."""
-        x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
+    def _fp8_bits(x, LIMIT: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+        """x (fp32) saturated to ±LIMIT and rounded to the nearest fp8 value with MANTISSA bits and
+        exponent BIAS (e4m3: 3, 7; e5m2: 2, 15), ties to even, as its byte: spelled in integer
+        operations so the interpreter (whose casts truncate) and the GPU agree."""
+        x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
         bits = x.to(tl.uint32, bitcast=True)
         sign = (bits >> 24) & 0x80
         mag = bits & 0x7FFFFFFF
-        mag = mag + 0x7FFFF + ((mag >> 20) & 1)  # keep 3 of 23 mantissa bits
-        normal = (((mag >> 23) - 120) << 3) | ((mag >> 20) & 7)  # exponent bias 127 → 7
-        # below 2^-6, multiples of 2^-9 (0..8; 8 is 2^-6's own byte): adding 2^23 rounds to an integer
-        subnormal = ((tl.abs(x) * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
-        return (sign | tl.where(tl.abs(x) < 0.015625, subnormal, normal)).to(tl.uint8)
+        drop: tl.constexpr = 23 - MANTISSA
+        mag = mag + ((1 << (drop - 1)) - 1) + ((mag >> drop) & 1)  # keep MANTISSA of 23 mantissa bits
+        normal = (((mag >> 23) - (127 - BIAS)) << MANTISSA) | ((mag >> drop) & ((1 << MANTISSA) - 1))
+        # below the smallest normal 2^(1 - BIAS), multiples of 2^(1 - BIAS - MANTISSA) (the smallest
+        # normal's own byte included): adding 2^23 rounds the count to an integer
+        step_inverse: tl.constexpr = 2.0 ** (BIAS + MANTISSA - 1)
+        subnormal = ((tl.abs(x) * step_inverse + 8388608.0) - 8388608.0).to(tl.uint32)
+        smallest_normal: tl.constexpr = 2.0 ** (1 - BIAS)
+        return (sign | tl.where(tl.abs(x) < smallest_normal, subnormal, normal)).to(tl.uint8)
 
     @triton.jit
     def _cache_row(x_ptr, cache_ptr, scale_ptr, token, slot, stride_token, stride_head,
                    HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr,
-                   FP8_LIMIT: tl.constexpr):
+                   FP8_LIMIT: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
         x = tl.load(x_ptr + token * stride_token + (offs // HEAD_DIM) * stride_head + offs % HEAD_DIM, mask=mask)
         if STORE == 1:  # float32 → bfloat16, nearest even (torch's cast), on the cache's 16-bit view
             bits = x.to(tl.uint32, bitcast=True)
             x = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
-        elif STORE == 2:  # fp8 (attention._store): x / scale (IEEE division, as torch's), then e4m3
-            x = _e4m3_bits(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), FP8_LIMIT)
+        elif STORE == 2:  # fp8 (attention._store): x / scale (IEEE division, as torch's), then e4m3 or e5m2
+            x = _fp8_bits(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), FP8_LIMIT, FP8_MANTISSA, FP8_BIAS)
         tl.store(cache_ptr + slot * ROW + offs, x, mask=mask)
 
     @triton.jit
     def _store_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale_ptr, v_scale_ptr,
                   stride_k, stride_k_head, stride_v, stride_v_head,
                   HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr,
-                  FP8_LIMIT: tl.constexpr):
+                  FP8_LIMIT: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         _cache_row(k_ptr, k_cache_ptr, k_scale_ptr, token, slot, stride_k, stride_k_head, HEAD_DIM, ROW, BLOCK, STORE,
-                   FP8_LIMIT)
+                   FP8_LIMIT, FP8_MANTISSA, FP8_BIAS)
         _cache_row(v_ptr, v_cache_ptr, v_scale_ptr, token, slot, stride_v, stride_v_head, HEAD_DIM, ROW, BLOCK, STORE,
-                   FP8_LIMIT)
+                   FP8_LIMIT, FP8_MANTISSA, FP8_BIAS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -133,13 +141,14 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     """Write k, v [T, KV, D] (rows may be strided, head vectors contiguous) into the caches
     [slots, KV, D] at `slots` [T], bit for bit as attention._store does, in one kernel for both
     where torch takes one per tensor (five for fp8: divide, clamp, cast, ...). The scales are only
-    read for fp8 caches. Returns False, writing nothing, for a pair of dtypes it does not cover
-    (fp8 e5m2 caches among them: torch writes those)."""
+    read for fp8 caches (e4m3 or e5m2). Returns False, writing nothing, for a pair of dtypes it
+    does not cover."""
+    mantissa, bias = _FP8_FORMATS.get(k_cache.dtype, (0, 0))
     if k_cache.dtype == k.dtype:
         store, k_view, v_view = 0, k_cache, v_cache
     elif k_cache.dtype == torch.bfloat16 and k.dtype == torch.float32:
         store, k_view, v_view = 1, k_cache.view(torch.uint16), v_cache.view(torch.uint16)
-    elif k_cache.dtype == torch.float8_e4m3fn:
+    elif mantissa:
         store, k_view, v_view = 2, k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:
         return False
@@ -147,5 +156,6 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     row = kv_heads * head_dim
     _store_kv[(tokens,)](k, v, k_view, v_view, slots, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0),
                          v.stride(1), HEAD_DIM=head_dim, ROW=row, BLOCK=triton.next_power_of_2(row), STORE=store,
-                         FP8_LIMIT=FP8_MAX)
+                         FP8_LIMIT=float(torch.finfo(k_cache.dtype).max) if mantissa else 0.0,
+                         FP8_MANTISSA=mantissa, FP8_BIAS=bias)
     return True

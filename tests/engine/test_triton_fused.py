@@ -70,7 +70,7 @@ def test_silu_and_mul(device, dtype, tol, inter):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_store_kv_writes_what_the_torch_store_writes(device, cache_dtype):
     """k and v as the model passes them (strided views of the fused qkv rows), written to their
     slots with attention._store's rounding, bit for bit; slots not written stay as they were."""
@@ -88,6 +88,9 @@ def test_store_kv_writes_what_the_torch_store_writes(device, cache_dtype):
     # saturated both ways, zero, a subnormal, then ties (to even) between e4m3 values, subnormal and normal
     k[0, 0, :6] = torch.tensor([1e4, -1e4, 0.0, 2.0**-13, 3 * 2.0**-16, -17 * 2.0**-10])
     v[0, 0, :2] = torch.tensor([1 + 2.0**-8, -(1 + 3 * 2.0**-8)])  # ties between bf16 values
+    # e5m2 (k / 2^-6): ties between normals (1.125, 1.375), between subnormals (5 · 2^-17), the
+    # smallest normal 2^-14 and the largest subnormal's tie with it, and saturation at 57344
+    k[1, 0, :6] = torch.tensor([1.125, -1.375, 5 * 2.0**-17, 2.0**-14, 7 * 2.0**-17, 6e4]) * 2.0**-6
     before = torch.randn(num_slots, kv_heads, head_dim, generator=g).to(cache_dtype).to(device)
     expected_k, expected_v, got_k, got_v = (before.clone() for _ in range(4))
     _store(expected_k, slots, k, k_scale)
@@ -98,7 +101,8 @@ def test_store_kv_writes_what_the_torch_store_writes(device, cache_dtype):
 
 
 @pytest.mark.skipif(not triton_support.available(torch.device("cpu")), reason="triton is not installed")
-@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "fp8", "kv_scales": "dynamic"}, {"kv_cache_dtype": "bfloat16"}])
+@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "fp8", "kv_scales": "dynamic"}, {"kv_cache_dtype": "fp8_e5m2"},
+                                {"kv_cache_dtype": "bfloat16"}])
 def test_engine_on_triton_writes_the_kv_bytes_the_torch_backend_writes(tiny_model_dir, kv):
     """Through the engine (prompt and decode steps): the first layer's K/V, whose inputs both
     backends compute alike, are the same bytes; and the greedy tokens agree."""
