@@ -31,10 +31,10 @@ class ThinkingBudget:
             raise ValueError("a thinking budget needs the block's start and end marker token ids")
 
 
-def _last_marker_end(tokens: Sequence[int], marker: tuple[int, ...]) -> int:
-    """The index just past the last occurrence of `marker` in `tokens`, or -1 (its last id
-    looked for from the end by list.index, at C speed: a long prompt is scanned once)."""
-    backwards = list(tokens)[::-1]
+def _last_marker_end(backwards: list[int], marker: tuple[int, ...]) -> int:
+    """The index just past the last occurrence of `marker` in the token list whose reverse is
+    `backwards`, or -1 (its last id looked for by list.index, at C speed: a long prompt is
+    scanned once)."""
     at = 0
     while True:
         try:
@@ -54,8 +54,8 @@ class ThinkingCounter:
     def __init__(self, budget: ThinkingBudget, prompt_token_ids: Sequence[int]):
         self.budget = budget
         self._width = max(len(budget.start_ids), len(budget.end_ids))
-        opened = _last_marker_end(prompt_token_ids, budget.start_ids)
-        closed = _last_marker_end(prompt_token_ids, budget.end_ids)
+        backwards = list(prompt_token_ids)[::-1]
+        opened, closed = _last_marker_end(backwards, budget.start_ids), _last_marker_end(backwards, budget.end_ids)
         is_open = opened > closed if max(opened, closed) >= 0 else budget.open_at_start
         self._state = (is_open, 0, self._tail(tuple(prompt_token_ids[-self._width:])))
         self._num_folded = 0  # output tokens in _state

@@ -47,7 +47,8 @@ def weight_hashes(model_dir: Path) -> dict[str, str]:
 
 def config_hashes(model_dir: Path) -> dict[str, str]:
     """{file name: sha256} for the BEHAVIOUR_FILES the folder has."""
-    return {name: file_sha256(Path(model_dir) / name) for name in BEHAVIOUR_FILES if (Path(model_dir) / name).is_file()}
+    present = [Path(model_dir) / name for name in BEHAVIOUR_FILES]
+    return {path.name: file_sha256(path) for path in present if path.is_file()}
 
 
 def write_verdict(
