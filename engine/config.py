@@ -18,10 +18,27 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def kv_cache_setting(kv_cache_dtype: str, kv_scales: str) -> dict[str, str | None]:
-    """What decides a KV cache's numbers, spelt one way (fp8_e4m3 is fp8; scales only where they
-    apply): recorded by the gate's verdict and report, compared by `serve --require-gate`."""
+    """What decides a KV cache's numbers, spelt one way (fp8_e4m3 is fp8; scales only where they apply)."""
     dtype = "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype
     return {"kv_cache_dtype": dtype, "kv_scales": kv_scales if dtype in SCALED_KV_CACHE_DTYPES else None}
+
+
+def resolve_device(device: str) -> str:
+    """`auto` is CUDA when torch sees a GPU, else the CPU."""
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def serving_setting(dtype: str, device: str, kv_cache_dtype: str, kv_scales: str) -> dict[str, str | None]:
+    """What decides a served checkpoint's numbers besides its files: the activation dtype (`auto`
+    resolved on the device: fp32 on a CPU, bf16 on a GPU) and the KV cache. Recorded by the gate's
+    verdict and report, compared by `serve --require-gate`."""
+    from engine.loader import resolve_dtype
+
+    activations = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+    return {"dtype": activations, **kv_cache_setting(kv_cache_dtype, kv_scales)}
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -65,9 +82,7 @@ class EngineConfig:
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            import torch
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

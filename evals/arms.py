@@ -20,6 +20,7 @@ from lm_eval.api.model import TemplateLM
 import engine
 import quant
 from engine import LLM, SamplingParams
+from engine.config import serving_setting
 from evals import data
 from evals.drift import FullLogprobsFn, ItemResult, LayerStatesFn, items_from_samples
 from evals.lm_eval_model import DriftgateLM, prefill_first
@@ -79,12 +80,15 @@ class ArmResults:
                    task_cached_tokens=raw["task_cached_tokens"])
 
 
-def build_engine(model_dir: Path, policy: GatePolicy, *, kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
+def build_engine(model_dir: Path, policy: GatePolicy, *, device: str = "cpu", dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
                  max_num_batched_tokens: int | None = None, lora: Path | None = None) -> LLM:
     """One arm's engine; with `lora`, every request (and Tier 0's scoring) goes through that adapter."""
     adapter = {} if lora is None else {"lora_modules": {"gated": str(lora)}, "default_lora": "gated"}
     return LLM(
         str(model_dir),
+        device=device,
+        dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         kv_scales=kv_scales,
         max_model_len=policy.engine.max_model_len,
@@ -189,14 +193,15 @@ def tier0_sequences(llm: LLM, data_dir: Path, policy: GatePolicy, generations: l
 
 
 def run_arm(model_dir: Path, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]], *,
-            label: str, kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
+            label: str, device: str = "cpu", dtype: str = "auto", kv_cache_dtype: str = "auto",
+            kv_scales: str = "checkpoint",
             max_num_batched_tokens: int | None = None,
             tier2_prompt_ids: list[list[int]] | None = None, lora: Path | None = None) -> tuple[ArmResults, LLM]:
     """Build the engine for one arm (through LoRA adapter `lora`, if given), run tasks and Tier 2
     generations, and return both."""
     start = time.perf_counter()
-    llm = build_engine(model_dir, policy, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
-                       max_num_batched_tokens=max_num_batched_tokens, lora=lora)
+    llm = build_engine(model_dir, policy, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                       kv_scales=kv_scales, max_num_batched_tokens=max_num_batched_tokens, lora=lora)
     before = llm.stats()
     items, scores = run_tasks(DriftgateLM(llm=llm), policy, data_dir, ids, label)
     after = llm.stats()
@@ -231,7 +236,7 @@ class BaselineCache:
 
     @staticmethod
     def key(baseline_hashes: dict[str, str], policy: GatePolicy, data_hashes: dict[str, str],
-            ids: dict[str, list[int]], variant: str, tier2_prompts: list[list[int]]) -> str:
+            ids: dict[str, list[int]], variant: str, tier2_prompts: list[list[int]], device: str = "cpu") -> str:
         task_files = {p.name: data.file_sha256(p) for p in sorted(TASKS_DIR.glob("*")) if p.is_file()}
         material = {
             "format": CACHE_FORMAT,
@@ -248,6 +253,9 @@ class BaselineCache:
             "seed": policy.seed,
             "lm_eval": lm_eval.__version__,
             "engine_code": source_fingerprint(ENGINE_SOURCES),
+            # the kernels and the activation dtype (auto on that device) move the last bits
+            "device": "cuda" if device.startswith("cuda") else device,
+            "dtype": serving_setting("auto", device, "auto", "checkpoint")["dtype"],
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, kv_cache_setting
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, resolve_device, serving_setting
 
 EXIT_PASS, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 
@@ -30,6 +30,11 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="default", help="shipped policy name (default, quick) or a TOML path")
     parser.add_argument("--report-dir", default=None, help="where reports go (default: CANDIDATE/gate-report)")
     parser.add_argument("--data-dir", default=None, help="evaluation data (default: $DRIFTGATE_DATA, ../shared/data)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="candidate's activation dtype, as it will be served (auto: float32 on a CPU, bfloat16 "
+                             "on a GPU, as `serve`); the baseline runs at auto")
+    parser.add_argument("--device", default="auto", help="where the arms run in process: cpu, cuda, cuda:N, or auto "
+                                                         "(CUDA when there is a GPU)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="candidate's KV-cache dtype")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
@@ -132,6 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     baseline_hashes = check_model_dir(baseline_dir, "baseline")
     candidate_hashes = check_model_dir(candidate_dir, "candidate")
     lora_dir, lora_hashes = _lora(args)
+    device, serving = _numerics(args)
     own_prompts = _own_prompts(args, policy, candidate_dir)  # checked before anything loads
     ids = arms.selected_ids(policy, data_dir)
     cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
@@ -141,9 +147,9 @@ def _run(args: argparse.Namespace) -> int:
         candidate, prompts, served = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir,
                                                        own_prompts)
     else:
-        candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate",
-                                           kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
-                                           lora=lora_dir)
+        candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate", device=device,
+                                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                           kv_scales=args.kv_scales, lora=lora_dir)
         prompts = _tier2_prompts(arms, policy, cand_llm.tokenizer, data_dir, own_prompts)
         if prompts:
             print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
@@ -153,11 +159,11 @@ def _run(args: argparse.Namespace) -> int:
     baseline_key_hashes = {**baseline_hashes, **{f"lora/{name}": h for name, h in lora_hashes.items()}}
     baseline, base_llm, cached = _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts,
                                                baseline_dir, baseline_key_hashes, data_hashes, variant="baseline",
-                                               lora=lora_dir)
+                                               lora=lora_dir, device=device)
     noise = None
     if policy.noise_floor.enabled:
         noise, _, _ = _baseline_arm(args, arms, cache, policy, data_dir, ids, [], baseline_dir, baseline_key_hashes,
-                                    data_hashes, variant="noise_floor", lora=lora_dir)
+                                    data_hashes, variant="noise_floor", lora=lora_dir, device=device)
 
     comparisons, pooled = gate.compare_arms(policy, baseline.items, candidate.items)
     noise_cmp, noise_pooled = gate.compare_arms(policy, baseline.items, noise.items) if noise else ({}, None)
@@ -167,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
         skip_reason = remote.TIER0_SKIP_REASON
     elif policy.tier0.enabled:
         if base_llm is None:
-            base_llm = arms.build_engine(baseline_dir, policy, lora=lora_dir)
+            base_llm = arms.build_engine(baseline_dir, policy, device=device, lora=lora_dir)
         base_fn, cand_fn = arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm)
         if base_fn is None or cand_fn is None:
             skip_reason = "engine has no LLM.score_full_logprobs(token_ids) yet; Tier 0 not run"
@@ -195,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
                           length_accuracy=length_accuracy, divergences=divergences, answers=answers)
 
     manifest = _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate,
-                         cached, time.perf_counter() - started, noise)
+                         cached, time.perf_counter() - started, noise, device, serving)
     if lora_dir is not None:
         manifest["lora"] = {"dir": str(lora_dir.resolve()), "sha256": lora_hashes}
     if served:
@@ -211,11 +217,31 @@ def _run(args: argparse.Namespace) -> int:
                           policy=asdict(policy), metrics=metrics, baseline_hashes=baseline_hashes,
                           candidate_hashes=None if lora_dir is not None else candidate_hashes,
                           base_hashes=candidate_hashes if lora_dir is not None else None,
-                          serving=None if args.server else kv_cache_setting(args.kv_cache_dtype, args.kv_scales))
+                          serving=serving)
     print(report.render_markdown(full).split("\n## Worst")[0])
     print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}; reports in {paths['md'].parent}; "
           f"{time.perf_counter() - started:.0f}s", flush=True)
     return EXIT_PASS if result.passed else EXIT_DRIFT
+
+
+def _numerics(args: argparse.Namespace) -> tuple[str, dict | None]:
+    """Where the in-process arms run, and the candidate's `serving_setting` (None for a live server,
+    whose numerics are its own); settings that cannot apply are refused before anything loads."""
+    import torch
+
+    device = resolve_device(args.device)
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise GateInputError(f"--device must be cpu, cuda, cuda:N or auto, got {args.device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise GateInputError(f"--device {args.device}: torch sees no CUDA device here")
+    if not args.server:
+        return device, serving_setting(args.dtype, device, args.kv_cache_dtype, args.kv_scales)
+    candidate_flags = {"--dtype": args.dtype != "auto", "--kv-cache-dtype": args.kv_cache_dtype != "auto",
+                       "--kv-scales": args.kv_scales != "checkpoint"}
+    if given := [flag for flag, set_ in candidate_flags.items() if set_]:
+        raise GateInputError(f"{', '.join(given)} set an in-process candidate; a --server candidate runs as its "
+                             "server was started (pass them to `driftgate serve`)")
+    return device, None
 
 
 def _own_prompts(args: argparse.Namespace, policy, candidate_dir: Path) -> list | None:
@@ -286,15 +312,15 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, 
 
 
 def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_dir, baseline_hashes, data_hashes,
-                  *, variant, lora: Path | None):
+                  *, variant, lora: Path | None, device: str):
     """The baseline (or its noise-floor rerun, through adapter `lora` if given) from cache, or run and stored."""
-    key = cache.key(baseline_hashes, policy, data_hashes, ids, variant, prompts)
+    key = cache.key(baseline_hashes, policy, data_hashes, ids, variant, prompts, device)
     if not args.no_cache and (hit := cache.load(key)) is not None:
         print(f"[gate] {variant}: cached ({key[:12]})", flush=True)
         return hit, None, True
     batched = policy.noise_floor.max_num_batched_tokens if variant == "noise_floor" else None
-    arm, llm = arms.run_arm(baseline_dir, policy, data_dir, ids, label=variant, max_num_batched_tokens=batched,
-                            tier2_prompt_ids=prompts or None, lora=lora)
+    arm, llm = arms.run_arm(baseline_dir, policy, data_dir, ids, label=variant, device=device,
+                            max_num_batched_tokens=batched, tier2_prompt_ids=prompts or None, lora=lora)
     cache.store(key, arm)
     return arm, llm, False
 
@@ -311,7 +337,7 @@ def _prompts_source(args: argparse.Namespace, policy) -> dict | None:
 
 
 def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, baseline, candidate, cached,
-              seconds, noise=None) -> dict:
+              seconds, noise, device: str, serving: dict | None) -> dict:
     import lm_eval
     import torch
 
@@ -321,8 +347,8 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "baseline_weights_sha256": baseline_hashes,
         "candidate_weights_sha256": candidate_hashes,
         "candidate_config": json.loads((Path(args.candidate) / "config.json").read_text()).get("quantization_config"),
-        **({"kv_cache_dtype": None, "kv_scales": None} if args.server
-           else kv_cache_setting(args.kv_cache_dtype, args.kv_scales)),
+        "device": device,  # the in-process arms' (a --server candidate's is its server's)
+        **(serving or {"dtype": None, "kv_cache_dtype": None, "kv_scales": None}),
         "data_sha256": data_hashes,
         "tier2_prompts": _prompts_source(args, policy),
         "policy": asdict(policy),

@@ -13,6 +13,7 @@ from xml.etree import ElementTree
 
 from evals.drift import LayerDrift, TaskComparison
 from evals.gate import GateOutcome
+from evals.verdict import describe_setting
 
 # Published SmolLM2-135M (base) figures, normalized accuracy, shown beside ours for orientation only.
 PUBLISHED_SMOLLM2_135M = {"driftgate_hellaswag": 0.421, "driftgate_piqa": 0.684, "arc_average": 0.439}
@@ -76,6 +77,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         reason += (f"; hidden-state drift enters mostly at decoder layer {layers.largest_step_layer} "
                    f"(model.layers.{layers.largest_step_layer})")
     out = [f"# Gate verdict: **{verdict}**" + (f" — {reason}" if reason else ""), ""]
+    if (manifest := report["manifest"]).get("dtype"):  # None when the candidate was a live server
+        out += [f"Candidate judged on {manifest['device']} with {describe_setting(manifest)}.", ""]
     out += ["## Checks", _table(["check", "status", "value", "threshold", "rule"], [
         [c["name"], c["status"].upper(), "" if c["value"] is None else f"{c['value']:.4g}",
          "" if c["threshold"] is None else f"{c['threshold']:.4g}", c["detail"]] for c in report["checks"]]), ""]

@@ -1,11 +1,12 @@
 """verdict.json: the gate's decision bound to the exact weight files it judged, the files beside
 them that decide what those weights output (config, tokenizer, chat template, generation and
-adapter settings), and the KV cache they ran with.
+adapter settings), and the activation dtype and KV cache they ran with.
 
 The server's `--require-gate` calls `check_verdict`; any edit to one of those files after the
 gate ran changes its sha256 and voids the verdict (a new chat template or lora_alpha changes the
-answers as surely as new weights), and serving with another KV cache than the
-gate judged (an fp8_e5m2 cache on a checkpoint gated with its calibrated fp8 one, say) is refused.
+answers as surely as new weights), and serving with other activations or another KV cache than
+the gate judged (bf16 on a GPU for a checkpoint gated in fp32 on a CPU, an fp8_e5m2 cache for one
+gated with its calibrated fp8 one) is refused.
 A LoRA adapter gated over a checkpoint (`gate --lora`) gets its own verdict, in the adapter's
 folder, bound to its weights and to the checkpoint's.
 """
@@ -62,7 +63,7 @@ def write_verdict(
     serving: dict[str, Any] | None = None,
     base_hashes: dict[str, str] | None = None,
 ) -> Path:
-    """Write CANDIDATE/verdict.json and return its path. `serving` is engine.config.kv_cache_setting
+    """Write CANDIDATE/verdict.json and return its path. `serving` is engine.config.serving_setting
     of the candidate arm; None when the gate judged a live server (as it ran, which it cannot see).
     For an adapter, `candidate_dir` is its folder and `base_hashes` the checkpoint it ran over."""
     candidate_dir = Path(candidate_dir)
@@ -85,7 +86,7 @@ def write_verdict(
 def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None,
                   base_hashes: dict[str, str] | None = None) -> dict[str, str]:
     """Raise VerdictError unless a passing verdict matches every current weight file and, given
-    `serving` (engine.config.kv_cache_setting), the KV cache setting the gate judged; for an
+    `serving` (engine.config.serving_setting), the activation dtype and KV cache the gate judged; for an
     adapter's folder, `base_hashes` are those of the checkpoint it is served over, which must be
     the one gated. Returns the folder's weight hashes (an adapter's check takes its checkpoint's)."""
     model_dir = Path(model_dir)
@@ -131,12 +132,14 @@ def _check_serving(body: dict[str, Any], serving: dict[str, Any], path: Path) ->
     judged = body.get("serving")
     if judged is None:  # gated as a live server: the deployment as it ran
         return
+    judged = {"dtype": "float32", **judged}  # verdicts that predate the field: the gate then always ran fp32
     if judged != serving:
-        raise VerdictError(f"the gate judged this checkpoint with {_described(judged)}, not {_described(serving)}; "
-                           f"gate it so (driftgate gate ... --kv-cache-dtype {serving['kv_cache_dtype']}) before "
-                           "serving it so")
+        raise VerdictError(f"the gate judged this checkpoint with {describe_setting(judged)}, not {describe_setting(serving)}; "
+                           f"gate it so (driftgate gate ... --dtype {serving['dtype']} --kv-cache-dtype "
+                           f"{serving['kv_cache_dtype']}) before serving it so")
 
 
-def _described(setting: dict[str, Any]) -> str:
+def describe_setting(setting: dict[str, Any]) -> str:
+    """A `serving_setting` in words, as the gate's report and `serve --require-gate` say it."""
     scales = f" ({setting['kv_scales']} scales)" if setting.get("kv_scales") else ""
-    return f"KV cache {setting['kv_cache_dtype']}{scales}"
+    return f"{setting['dtype']} activations and KV cache {setting['kv_cache_dtype']}{scales}"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, hf_overrides_arg, kv_cache_setting
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, hf_overrides_arg, serving_setting
 from engine.generation_config import sampling_defaults
 from engine.loader import model_config
 from engine.pooling import classifier_config, pooling_config
@@ -205,7 +205,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def _check_gate(args: argparse.Namespace) -> str | None:
     """None when the checkpoint's verdict, and each --lora-modules adapter's, passes for these
-    weights and this KV cache; otherwise why the server must not start."""
+    weights, activation dtype and KV cache; otherwise why the server must not start."""
     try:
         from evals.verdict import check_verdict
     except ImportError:
@@ -218,8 +218,8 @@ def _check_gate(args: argparse.Namespace) -> str | None:
     if overrides:  # the verdict binds the folder's own config and template, which these replace
         return (f"--require-gate: {' and '.join(overrides)} would serve another model than the gate judged; "
                 "make the change in the checkpoint's folder (chat_template.jinja, config.json) and gate it there")
-    serving = kv_cache_setting(args.kv_cache_dtype, args.kv_scales)
     try:  # any failure to prove a verdict is a refusal
+        serving = serving_setting(args.dtype, args.device, args.kv_cache_dtype, args.kv_scales)
         base = check_verdict(args.model, serving)  # the checkpoint's hashes, read once for every adapter
     except Exception as exc:
         return f"--require-gate: {exc}"

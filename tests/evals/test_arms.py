@@ -44,8 +44,9 @@ def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir):
 
 
 def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypatch):
-    """A baseline computed by other kernels is recomputed, not reused: their last-bit differences
-    move greedy divergence points, and fp8/int8 activation rounding amplifies them."""
+    """A baseline computed by other kernels (edited, or another device's) is recomputed, not
+    reused: their last-bit differences move greedy divergence points, and fp8/int8 activation
+    rounding amplifies them."""
     code = tmp_path / "engine"
     (code / "csrc").mkdir(parents=True)
     (code / "runner.py").write_text("STEP = 1\n")
@@ -54,13 +55,14 @@ def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypat
     monkeypatch.setattr(arms, "ENGINE_SOURCES", [code])
     policy = load_policy("quick")
 
-    def key(prompts=((1, 2, 3),)) -> str:
+    def key(prompts=((1, 2, 3),), device: str = "cpu") -> str:
         return arms.BaselineCache.key({"model.safetensors": "abc"}, policy, {}, {}, "baseline",
-                                      [list(p) for p in prompts])
+                                      [list(p) for p in prompts], device)
 
     before = key()
     assert key() == before
     assert key(((1, 2, 4),)) != before  # other Tier 2 prompts (gate --prompts): another baseline
+    assert key(device="cuda:1") == key(device="cuda") != before  # GPU kernels and auto's dtype there
     (code / "NOTES.md").write_text("edited, still not code\n")
     assert key() == before
     (code / "csrc" / "kernel.c").write_text("int kernel = 1;\n")

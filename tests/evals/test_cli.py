@@ -116,7 +116,7 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     assert _gate(baseline, candidate, policy, root) == EXIT_PASS
     verdict.check_verdict(candidate)
     judged = json.loads((candidate / "verdict.json").read_text())["serving"]
-    assert judged == {"kv_cache_dtype": "auto", "kv_scales": None}  # what serve --require-gate compares
+    assert judged == {"dtype": "float32", "kv_cache_dtype": "auto", "kv_scales": None}  # what serve --require-gate compares
     report = json.loads((root / "report" / "report.json").read_text())
     assert report["verdict"] == "pass"
     assert report["tier1"]["pooled"]["right_to_wrong"] == 0 and report["tier1"]["pooled"]["wrong_to_right"] == 0
@@ -168,6 +168,37 @@ def test_own_prompts_drive_tier2_and_a_bad_line_stops_the_gate_at_once(setup, ca
     assert _gate(baseline, candidate, policy, root, "--prompts", str(bad)) == EXIT_ERROR
     err = capsys.readouterr()
     assert "bad.jsonl:2: messages" in err.err and "[gate] candidate" not in err.out
+
+
+def test_the_candidate_is_judged_in_the_dtype_it_will_be_served(setup, capsys):
+    """--dtype bfloat16 (a GPU's auto) runs the candidate so, against the baseline at auto, and
+    the verdict binds it: serve --require-gate takes that dtype and refuses fp32. Numeric flags
+    with --server (whose numerics are its server's) and a --device this machine lacks are exit 2."""
+    from engine.config import serving_setting
+
+    root, baseline, policy = setup
+    candidate = root / "copy-bf16"
+    shutil.copytree(baseline, candidate)
+    assert _gate(baseline, candidate, policy, root, "--dtype", "bfloat16", "--device", "cpu") == EXIT_PASS
+    assert "[gate] candidate: lm-eval" in capsys.readouterr().out
+    report = json.loads((root / "report" / "report.json").read_text())
+    assert report["tier0"]["overall"]["kl_mean"] > 0  # a self-copy in fp32 scores exactly 0: it did run in bf16
+    manifest = report["manifest"]
+    assert (manifest["device"], manifest["dtype"], manifest["kv_cache_dtype"]) == ("cpu", "bfloat16", "auto")
+    assert "Candidate judged on cpu with bfloat16 activations and KV cache auto." in \
+        (root / "report" / "report.md").read_text()
+    body = json.loads((candidate / "verdict.json").read_text())
+    assert body["serving"] == serving_setting("bfloat16", "cpu", "auto", "checkpoint")
+    verdict.check_verdict(candidate, serving_setting("bfloat16", "cpu", "auto", "checkpoint"))
+    with pytest.raises(verdict.VerdictError, match="bfloat16 activations and KV cache auto, not float32"):
+        verdict.check_verdict(candidate, serving_setting("auto", "cpu", "auto", "checkpoint"))
+    for flags, named in ((["--server", "http://127.0.0.1:9", "--dtype", "bfloat16"], "--dtype set an in-process"),
+                         (["--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto, got 'tpu'")):
+        assert _gate(baseline, candidate, policy, root, *flags) == EXIT_ERROR
+        assert named in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert _gate(baseline, candidate, policy, root, "--device", "cuda") == EXIT_ERROR
+        assert "torch sees no CUDA device here" in capsys.readouterr().err
 
 
 @pytest.mark.slow

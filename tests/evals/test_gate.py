@@ -163,28 +163,44 @@ def test_verdict_round_trip_and_tamper_detection(tmp_path):
         verdict.check_verdict(tmp_path)
 
 
-def test_verdict_binds_the_kv_cache_it_judged(tmp_path):
+def test_verdict_binds_the_activation_dtype_and_kv_cache_it_judged(tmp_path):
     """A checkpoint gated with one KV cache is refused for another (e5m2 for the calibrated fp8
-    it passed with); fp8_e4m3 is fp8; a verdict from a live server's gate binds only the weights;
-    a verdict older than the record is refused."""
-    from engine.config import kv_cache_setting
+    it passed with), and one gated with fp32 activations (a CPU's auto) for bf16 ones (a GPU's
+    auto); fp8_e4m3 is fp8; a verdict written before the dtype was recorded was judged in fp32;
+    a verdict from a live server's gate binds only the weights; older formats are refused."""
+    from engine.config import serving_setting
+
+    def setting(kv_cache_dtype: str, kv_scales: str = "checkpoint", dtype: str = "auto") -> dict:
+        return serving_setting(dtype, "cpu", kv_cache_dtype, kv_scales)
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
-    fp8 = kv_cache_setting("fp8", "checkpoint")
+    fp8 = setting("fp8")
+    assert fp8 == {"dtype": "float32", "kv_cache_dtype": "fp8", "kv_scales": "checkpoint"}
     verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=fp8)
-    verdict.check_verdict(tmp_path, kv_cache_setting("fp8_e4m3", "checkpoint"))
+    verdict.check_verdict(tmp_path, setting("fp8_e4m3"))
+    verdict.check_verdict(tmp_path, setting("fp8", dtype="float32"))
     verdict.check_verdict(tmp_path)  # the weights alone
-    for other, named in ((("fp8_e5m2", "checkpoint"), "not KV cache fp8_e5m2"),
-                         (("fp8", "dynamic"), "not KV cache fp8 (dynamic scales)"), (("auto", "checkpoint"), "auto")):
+    for other, named in ((setting("fp8_e5m2"), "not float32 activations and KV cache fp8_e5m2"),
+                         (setting("fp8", "dynamic"), "not float32 activations and KV cache fp8 (dynamic scales)"),
+                         (setting("auto"), "KV cache auto"),
+                         (setting("fp8", dtype="bfloat16"), "not bfloat16 activations and KV cache fp8 "
+                                                            "(checkpoint scales); gate it so (driftgate gate ... "
+                                                            "--dtype bfloat16 --kv-cache-dtype fp8)")):
         with pytest.raises(verdict.VerdictError, match=re.escape(named)):
-            verdict.check_verdict(tmp_path, kv_cache_setting(*other))
+            verdict.check_verdict(tmp_path, other)
+    before_dtype = json.loads((tmp_path / "verdict.json").read_text())
+    del before_dtype["serving"]["dtype"]
+    (tmp_path / "verdict.json").write_text(json.dumps(before_dtype))
+    verdict.check_verdict(tmp_path, fp8)
+    with pytest.raises(verdict.VerdictError, match="not bfloat16 activations"):
+        verdict.check_verdict(tmp_path, setting("fp8", dtype="bfloat16"))
     verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=None)
-    verdict.check_verdict(tmp_path, kv_cache_setting("fp8_e5m2", "checkpoint"))
+    verdict.check_verdict(tmp_path, setting("fp8_e5m2", dtype="float16"))
     old = json.loads((tmp_path / "verdict.json").read_text()) | {"format_version": 1}
     del old["serving"]
     (tmp_path / "verdict.json").write_text(json.dumps(old))
     with pytest.raises(verdict.VerdictError, match="predates"):
-        verdict.check_verdict(tmp_path, kv_cache_setting("auto", "checkpoint"))
+        verdict.check_verdict(tmp_path, setting("auto"))
 
 
 def test_verdict_binds_config_tokenizer_chat_template_and_adapter_settings(tmp_path):

@@ -327,12 +327,13 @@ def test_unloadable_tls_files_exit_2_before_anything_loads(tiny_model_dir: Path,
         assert message in capsys.readouterr().err
 
 
-def test_require_gate_refuses_a_kv_cache_the_gate_did_not_judge(tiny_model_dir: Path, tmp_path: Path, capsys):
-    """--require-gate: the verdict must pass for these weights and the KV cache served; serving a
-    checkpoint gated with the model's own KV cache with fp8_e5m2 is exit 2, naming both."""
+def test_require_gate_refuses_numerics_the_gate_did_not_judge(tiny_model_dir: Path, tmp_path: Path, capsys):
+    """--require-gate: the verdict must pass for these weights, activation dtype and KV cache;
+    serving a checkpoint gated in fp32 with the model's own KV cache with fp8_e5m2, or in bf16
+    (what `auto` is on a GPU), is exit 2, naming both."""
     import shutil
 
-    from engine.config import kv_cache_setting
+    from engine.config import serving_setting
     from evals import verdict
     from server.cli import main
 
@@ -341,9 +342,13 @@ def test_require_gate_refuses_a_kv_cache_the_gate_did_not_judge(tiny_model_dir: 
     assert main([str(model), "--port", "0", "--require-gate"]) == 2
     assert "no verdict.json" in capsys.readouterr().err
     verdict.write_verdict(model, passed=True, policy={}, metrics={}, baseline_hashes={},
-                          serving=kv_cache_setting("auto", "checkpoint"))
-    assert main([str(model), "--port", "0", "--require-gate", "--kv-cache-dtype", "fp8_e5m2"]) == 2
-    assert "judged this checkpoint with KV cache auto, not KV cache fp8_e5m2" in capsys.readouterr().err
+                          serving=serving_setting("auto", "cpu", "auto", "checkpoint"))
+    assert main([str(model), "--port", "0", "--require-gate", "--device", "cpu", "--kv-cache-dtype", "fp8_e5m2"]) == 2
+    assert ("judged this checkpoint with float32 activations and KV cache auto, not float32 activations and "
+            "KV cache fp8_e5m2") in capsys.readouterr().err
+    assert main([str(model), "--port", "0", "--require-gate", "--device", "cpu", "--dtype", "bfloat16"]) == 2
+    assert "not bfloat16 activations and KV cache auto; gate it so (driftgate gate ... --dtype bfloat16" in \
+        capsys.readouterr().err
     # nor another chat template or config than the folder's, which the verdict binds
     for flags in (["--chat-template", "{{ messages[0].content }}"], ["--hf-overrides", '{"rope_theta": 5000}']):
         assert main([str(model), "--port", "0", "--require-gate", *flags]) == 2
@@ -361,7 +366,7 @@ def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path:
     import shutil
 
     pytest.importorskip("peft")
-    from engine.config import kv_cache_setting
+    from engine.config import serving_setting
     from evals import verdict
     from server.cli import add_serve_args, server_config
     from tests.helpers import write_lora_adapter
@@ -369,7 +374,7 @@ def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path:
     model = tmp_path / "gated"
     shutil.copytree(tiny_model_dir, model)
     adapter = write_lora_adapter(model, tmp_path / "sql", ["q_proj"], seed=1)
-    auto = kv_cache_setting("auto", "checkpoint")
+    auto = serving_setting("auto", "cpu", "auto", "checkpoint")
     verdict.write_verdict(model, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=auto)
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
