@@ -14,7 +14,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.thinking import ThinkingBudget
 from server.errors import APIError
-from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.generation import EngineRequest, Generation, collect_while_connected
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs, token_namer
 from server.params import (
     check_prompt_ids,
@@ -242,8 +242,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                                               body.priority, job.lora)], record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)
-    try:
-        finals = await until_disconnect(collect(generation), request.receive, record)
-    finally:
-        await generation.aclose()
+    finals = await collect_while_connected(generation, request.receive, record)
     return Response(renderer.full(finals).model_dump_json(), media_type="application/json")

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
-from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.generation import EngineRequest, Generation, collect_while_connected
 from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs, token_namer
 from server.params import (
     check_prompt_ids,
@@ -146,8 +146,5 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     generation = Generation(state, engine, engine_requests, record)
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, renderer.usage_chunk)
-    try:
-        finals = await until_disconnect(collect(generation), request.receive, record)
-    finally:
-        await generation.aclose()
+    finals = await collect_while_connected(generation, request.receive, record)
     return Response(renderer.full(finals).model_dump_json(), media_type="application/json")

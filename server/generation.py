@@ -183,3 +183,13 @@ async def collect(generation: Generation) -> dict[int, RequestOutput]:
     async for index, out in generation.outputs():
         last[index] = out
     return last
+
+
+async def collect_while_connected(generation: Generation, receive: Receive,
+                                  record: RequestRecord) -> dict[int, RequestOutput]:
+    """`collect` for a client that may hang up first (APIError 499); the generation is closed
+    (its requests aborted, their KV blocks freed) however it ends."""
+    try:
+        return await until_disconnect(collect(generation), receive, record)
+    finally:
+        await generation.aclose()

@@ -27,7 +27,7 @@ from pydantic import Field, ValidationError
 from engine.outputs import RequestOutput
 from server.chat import prepare_chat, render_chat
 from server.errors import APIError, invalid_body
-from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.generation import EngineRequest, Generation, collect_while_connected
 from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
@@ -314,10 +314,7 @@ async def create_message(request: Request) -> Response:
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, lambda: [], typed_events=True,
                                      error_payload=error_payload)
-    try:
-        finals = await until_disconnect(collect(generation), request.receive, record)
-    finally:
-        await generation.aclose()
+    finals = await collect_while_connected(generation, request.receive, record)
     return JSONResponse(renderer.message(finals[0]))
 
 

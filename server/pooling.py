@@ -21,7 +21,7 @@ from engine.pooling import ClassifierConfig, ScorePlan, score_pairs
 from engine.sampling_params import SamplingParams
 from server.completions import tokenized_prompts
 from server.errors import APIError
-from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.generation import EngineRequest, Generation, collect_while_connected
 from server.params import check_prompt_ids, requested_adapter, truncate_prompt
 from server.protocol import ClassificationRequest, PoolingFields, RerankRequest, ScoreRequest
 from server.state import RequestRecord, ServerState
@@ -55,10 +55,7 @@ async def pooled_outputs(request: Request, body: PoolingFields, prompts: list[li
     record = RequestRecord(request_id)
     request.state.record = record
     generation = Generation(state, engine, engine_requests, record)
-    try:
-        finals = await until_disconnect(collect(generation), request.receive, record)
-    finally:
-        await generation.aclose()
+    finals = await collect_while_connected(generation, request.receive, record)
     return Pooled(lora or state.config.served_model_name, request_id,
                   [finals[i] for i in range(len(engine_requests))])
 

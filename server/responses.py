@@ -31,7 +31,7 @@ from pydantic import Field
 from engine.outputs import CompletionOutput, RequestOutput
 from server.chat import prepare_chat
 from server.errors import APIError
-from server.generation import EngineRequest, Generation, collect, until_disconnect
+from server.generation import EngineRequest, Generation, collect, collect_while_connected
 from server.logprobs import TokenNamer, chat_logprobs, token_namer
 from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
 from server.state import RequestRecord, ServerState
@@ -402,10 +402,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return Response(json.dumps(queued), media_type="application/json")
     if body.stream:
         return await stream_response(request, generation, record, renderer.delta, lambda: [], typed_events=True)
-    try:
-        finals = await until_disconnect(collect(generation), request.receive, record)
-    finally:
-        await generation.aclose()
+    finals = await collect_while_connected(generation, request.receive, record)
     response = renderer.response(finals[0])
     finish(finals[0], response)
     return Response(json.dumps(response), media_type="application/json")
