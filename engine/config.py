@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from engine.json_object import parse_json_object
+from engine.json_object import flag_json_object
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SpeculativeConfig
 
@@ -120,7 +120,7 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras must be at least 1, got {self.max_cpu_loras}")
         if isinstance(self.hf_overrides, str):
-            self.hf_overrides = hf_overrides_arg(self.hf_overrides)
+            self.hf_overrides = flag_json_object("hf_overrides", self.hf_overrides)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
@@ -130,14 +130,6 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=str(model), **kwargs)
-
-
-def hf_overrides_arg(value: str) -> dict:
-    """--hf-overrides: a JSON object whose keys replace config.json's."""
-    try:
-        return parse_json_object(value)
-    except ValueError as exc:
-        raise ValueError(f"hf_overrides: {exc}: {value!r}") from None
 
 
 def check_priority(priority: int, policy: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -48,12 +49,33 @@ def sequence_end_ids(hf_config: dict, model_dir: str | Path, tokenizer) -> list[
     return sorted(ids)
 
 
-def sampling_defaults(model_dir: str | Path) -> dict[str, float]:
-    """The sampling fields the model's generation config sets, checked as `SamplingParams` checks them."""
-    path = Path(model_dir) / FILE
-    defaults = {k: v for k, v in read_generation_config(model_dir).items() if k in SAMPLING_KEYS and v is not None}
+def sampling_defaults(model_dir: str | Path, source: str = "auto",
+                      override: dict[str, Any] | None = None) -> dict[str, float | int]:
+    """What a request that leaves a sampling field out gets, as vLLM's `--generation-config` and
+    `--override-generation-config` decide it: the sampling fields of the model's generation config
+    (`source` "auto"), of another folder's (a path), or none ("vllm"/"none"), with `override` laid
+    over them. `max_new_tokens` becomes `max_tokens`, a cap on every request's output. Checked as
+    `SamplingParams` checks them."""
+    if source in ("vllm", "none"):
+        folder, config = None, {}
+    else:
+        folder = Path(model_dir) if source == "auto" else Path(source)
+        if source != "auto" and not (folder / FILE).is_file():
+            raise ValueError(f"--generation-config {source}: no {FILE} there")
+        config = read_generation_config(folder)
+    if unknown := sorted(set(override or {}) - {*SAMPLING_KEYS, "max_new_tokens"}):
+        raise ValueError(f"--override-generation-config sets {', '.join(unknown)}; the fields it can set are "
+                         f"{', '.join((*SAMPLING_KEYS, 'max_new_tokens'))}")
+    merged = {**config, **(override or {})}
+    defaults = {k: v for k, v in merged.items() if k in SAMPLING_KEYS and v is not None}
+    if (cap := merged.get("max_new_tokens")) is not None:
+        defaults["max_tokens"] = cap
+    sources = [str(folder / FILE)] if config else []
+    sources += ["--override-generation-config"] if override else []
     try:
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool)):
+            raise ValueError(f"max_new_tokens must be a whole number, got {cap!r}")
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise ValueError(f"{' with '.join(sources)}: {e}") from e
     return defaults

@@ -37,3 +37,11 @@ def parse_json_object(text: str) -> dict[str, Any]:
 
 def _json_kind(value: object) -> str:
     return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
+def flag_json_object(name: str, value: str) -> dict[str, Any]:
+    """A flag's JSON object (--hf-overrides, --override-generation-config), or ValueError naming the flag."""
+    try:
+        return parse_json_object(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}: {value!r}") from None

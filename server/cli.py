@@ -19,6 +19,7 @@ import socket
 import ssl
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -26,8 +27,9 @@ from typing import TYPE_CHECKING
 import jinja2
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, hf_overrides_arg, serving_setting
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, serving_setting
 from engine.generation_config import sampling_defaults
+from engine.json_object import flag_json_object
 from engine.loader import model_config
 from engine.pooling import classifier_config, pooling_config
 from engine.scheduler import SCHEDULING_POLICIES
@@ -84,11 +86,14 @@ def _check_tls(args: argparse.Namespace) -> None:
         raise ValueError(f"cannot load the TLS certificate, key or CA certificates: {exc}") from None
 
 
-def _hf_overrides(value: str) -> dict:
-    try:
-        return hf_overrides_arg(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _json_object_arg(name: str) -> Callable[[str], dict]:
+    """argparse's type for a flag that takes a JSON object (--hf-overrides and the like)."""
+    def parse(value: str) -> dict:
+        try:
+            return flag_json_object(name, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -123,9 +128,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="names clients may use, the first in responses (default: the folder name)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
-    parser.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                         help="sampling defaults for fields a request leaves out: the model's generation_config.json "
-                             "(auto) or none (temperature 1, no top-p/top-k)")
+                             "(auto), another folder's, or none (vllm, or none: temperature 1, no top-p/top-k); its "
+                             "max_new_tokens caps every request's output")
+    parser.add_argument("--override-generation-config", type=_json_object_arg("override_generation_config"),
+                        default=None, metavar="JSON",
+                        help='sampling defaults laid over --generation-config\'s, e.g. \'{"temperature": 0.6, '
+                             '"max_new_tokens": 1024}\'')
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="return a reasoning model's <think> ... </think> as the chat message's "
                              "reasoning_content, apart from its content: deepseek_r1 (the template opens the "
@@ -164,7 +174,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "first, then arrival), and the least urgent running request is the one preempted")
     parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,
                         help=SPECULATIVE_CONFIG_HELP)
-    parser.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
+    parser.add_argument("--hf-overrides", type=_json_object_arg("hf_overrides"), default=None, metavar="JSON",
                         help="keys laid over the model's config.json, as vLLM's flag, e.g. a Qwen3-Reranker served "
                              'as a classifier: \'{"architectures": ["Qwen3ForSequenceClassification"], '
                              '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
@@ -329,7 +339,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
         metrics_public=args.metrics_public, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_n=args.max_n,
-        sampling_defaults=sampling_defaults(args.model) if args.generation_config == "auto" else {},
+        sampling_defaults=sampling_defaults(args.model, args.generation_config, args.override_generation_config),
         chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size, lora_modules=lora_modules(args.lora_modules),
@@ -339,8 +349,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if args.allow_runtime_lora_updating and not (args.enable_lora or args.lora_modules):
         raise ValueError("--allow-runtime-lora-updating needs --enable-lora (or --lora-modules)")
     if config.sampling_defaults:
-        logger.info("requests that leave them out sample with the model's generation_config.json: %s",
-                    config.sampling_defaults)
+        logger.info("requests that leave them out sample with the generation config's %s", config.sampling_defaults)
     return config
 
 

@@ -133,7 +133,10 @@ def engine_params(req: SamplingFields, *, max_tokens: int, max_n: int, logprobs:
                   prompt_logprobs: int | None, vocab_size: int, max_logprobs: int,
                   defaults: dict[str, float] | None = None,
                   tool_constraint: StructuredOutputs | None = None) -> SamplingParams | BeamSearchParams:
-    """What the engine runs for the request: beam search when it asks for it, else sampling."""
+    """What the engine runs for the request: beam search when it asks for it, else sampling.
+    `defaults` are the generation config's; its max_tokens (max_new_tokens) caps `max_tokens`."""
+    if defaults and "max_tokens" in defaults:
+        max_tokens = min(max_tokens, int(defaults["max_tokens"]))
     if not req.use_beam_search:
         return build_sampling_params(req, max_tokens=max_tokens, max_n=max_n, logprobs=logprobs,
                                      prompt_logprobs=prompt_logprobs, vocab_size=vocab_size,

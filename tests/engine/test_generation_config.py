@@ -32,6 +32,30 @@ def test_sampling_defaults_keep_only_sampling_fields(tiny_model_dir, tmp_path):
     assert sampling_defaults(tmp_path) == {}  # a folder without the file asks nothing
 
 
+def test_generation_config_source_and_override_as_vllm_takes_them(tiny_model_dir, tmp_path):
+    """--generation-config auto (the model's), vllm/none (nothing) or a folder, with
+    --override-generation-config laid over it; max_new_tokens becomes the max_tokens cap."""
+    folder = _copy_with(tiny_model_dir, tmp_path, json.dumps({"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 20}))
+    assert sampling_defaults(folder) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+    assert sampling_defaults(folder, "vllm") == sampling_defaults(folder, "none") == {}
+    assert sampling_defaults(folder, str(other)) == {"top_k": 20}
+    assert sampling_defaults(folder, "auto", {"temperature": 0.0, "max_new_tokens": 8}) == {
+        "temperature": 0.0, "top_p": 0.9, "max_tokens": 8}
+    assert sampling_defaults(folder, "vllm", {"min_p": 0.05}) == {"min_p": 0.05}
+    for source, override, says in (
+            (str(tmp_path / "nowhere"), None, "--generation-config .*nowhere: no generation_config.json there"),
+            ("auto", {"temperature": 0.5, "do_sample": True}, "sets do_sample; the fields it can set are temperature"),
+            ("auto", {"max_new_tokens": 0}, "generation_config.json with --override-generation-config: max_tokens"),
+            ("vllm", {"max_new_tokens": 2.5}, "^--override-generation-config: max_new_tokens must be a whole number"),
+            ("vllm", {"top_p": "high"}, "--override-generation-config: ")):
+        with pytest.raises(ValueError, match=says):
+            sampling_defaults(folder, source, override)
+    assert LLM(str(folder)).default_sampling_params.max_tokens == 64  # offline defaults, as vLLM's LLM
+
+
 @pytest.mark.parametrize(("text", "says"), [("{not json", "cannot read"), ("[1, 2]", "not a JSON object"),
                                             ('{"temperature": -1}', "temperature")])
 def test_bad_generation_config_is_refused_by_name(tiny_model_dir, tmp_path, text, says):

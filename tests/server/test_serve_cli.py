@@ -147,11 +147,14 @@ def test_chat_template_and_generation_config_flags(tmp_path: Path):
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     assert parser.parse_args(["m"]).generation_config == "auto"
+    assert parser.parse_args(["m", "--override-generation-config", '{"temperature": 0.5}']).override_generation_config \
+        == {"temperature": 0.5}
     with pytest.raises(SystemExit):
-        parser.parse_args(["m", "--generation-config", "vllm"])
+        parser.parse_args(["m", "--override-generation-config", "temperature=0.5"])
 
 
-def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Path, tmp_path: Path, monkeypatch):
+def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Path, tmp_path: Path, monkeypatch,
+                                                              capsys):
     import shutil
 
     import server.cli
@@ -167,11 +170,20 @@ def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Pat
         raise SystemExit(0)
 
     monkeypatch.setattr(server.cli, "build_app", record)
-    for flag, defaults in (("auto", {"temperature": 0.25}), ("none", {})):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"top_p": 0.5}')
+    for flags, defaults in ((["--generation-config", "auto"], {"temperature": 0.25}),
+                            (["--generation-config", "none"], {}), (["--generation-config", "vllm"], {}),
+                            (["--generation-config", str(other)], {"top_p": 0.5}),
+                            (["--override-generation-config", '{"top_k": 5, "max_new_tokens": 100}'],
+                             {"temperature": 0.25, "top_k": 5, "max_tokens": 100})):
         with pytest.raises(SystemExit):
-            main([str(folder), "--port", str(_free_port()), "--generation-config", flag])
+            main([str(folder), "--port", str(_free_port()), *flags])
         config = seen.pop()
         assert config.sampling_defaults == defaults and config.model_names == ("model",)  # the folder's name
+    assert main([str(folder), "--port", "0", "--override-generation-config", '{"seed": 1}']) == 2
+    assert "--override-generation-config sets seed" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([str(folder), "--port", str(_free_port()), "--served-model-name", "smol", "gpt-4o-mini",
               "--reasoning-parser", "deepseek_r1"])
