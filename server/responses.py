@@ -150,6 +150,8 @@ def as_chat(body: ResponsesRequest, history: list[ChatMessage], logprobs: bool) 
     """The chat request this response runs as, after `history` (the previous response's turns),
     with the answer's logprobs if asked for."""
     conversation = history + input_turns(body)
+    if not conversation:
+        raise APIError(400, "input holds only reasoning items: there is no message to answer", param="input")
     if body.instructions:
         conversation.insert(0, ChatMessage(role="system", content=body.instructions))
     tools = [Tool(function=FunctionDefinition(**t.model_dump(exclude={"type"}))) for t in body.tools or []] or None

@@ -12,7 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from server.messages import MessagesRequest
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
+from server.responses import ResponsesRequest
 from tests.server.conftest import serve, wait_until_idle
 from tests.server.schema_strategy import ANY_JSON, from_model_schema
 
@@ -22,6 +29,8 @@ ROUTES = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/messages": MessagesRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
 }
 ANY_BODY_ROUTES = [*ROUTES, "/invocations"]  # SageMaker's: any body, routed by its fields
 _SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
@@ -31,7 +40,7 @@ _SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
 
 def _bounded(body: dict) -> dict:
     """Keep generation short (the fuzz targets validation, not throughput)."""
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int) and 8 < value < 10**6:
             body[key] = value % 8 + 1

@@ -90,6 +90,7 @@ def test_reasoning_comes_as_its_own_output_item(engine):
     ({"input": QUESTION, "background": True, "store": False}, "background"),
     ({"input": QUESTION, "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning"}]}, "input"),  # found by fuzzing: was a 500 (no message left to answer)
     ({"input": QUESTION, "model": "other"}, "model"),
 ])
 def test_what_it_cannot_honour_is_a_400(base_url, body, param):
