@@ -61,6 +61,8 @@ def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_t
     extra = body.chat_template_kwargs or {}
     if clash := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    if effort := getattr(body, "reasoning_effort", None):  # a template that reads it (gpt-oss's) sets the effort
+        extra = {"reasoning_effort": effort, **extra}
     conversation = [{"role": m.role, "content": m.text()}
                     | {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v is not None}
                     for m in body.messages]

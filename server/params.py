@@ -19,6 +19,9 @@ _UNSUPPORTED = {
     "logits_processors": "logits_processors is not supported",
     "suffix": "suffix is not supported",
     "functions": "functions are not supported; send them as tools",
+    "function_call": "function_call is not supported; send tool_choice",
+    "audio": "audio output is not available: this server answers in text",
+    "web_search_options": "web search is not available here",
     "chat_template": "a request's own chat_template is not accepted; the server's is set with --chat-template",
 }
 
@@ -28,6 +31,8 @@ def refuse_unsupported(body: SamplingFields) -> None:
     for name, message in _UNSUPPORTED.items():
         if getattr(body, name, None):
             raise APIError(400, message, param=name)
+    if set(getattr(body, "modalities", None) or ()) - {"text"}:
+        raise APIError(400, "modalities other than text are not available here", param="modalities")
     if body.stream and body.prompt_logprobs:  # as vLLM: they would all come before the first token
         raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
 

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -134,6 +137,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None  # tools' predecessor: refused
+    function_call: str | dict[str, Any] | None = None  # tool_choice's predecessor: refused
+    audio: dict[str, Any] | None = None  # spoken output: refused, as is "audio" in modalities
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None  # refused: no search here
+    # OpenAI's reasoning effort, as vLLM passes it: the chat template's `reasoning_effort` variable
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM's: at most this many tokens inside the thinking block, then its end is forced (needs --reasoning-parser)
     thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
 

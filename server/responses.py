@@ -33,7 +33,15 @@ from server.chat import prepare_chat
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect, collect_while_connected
 from server.logprobs import TokenNamer, chat_logprobs, token_namer
-from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    ReasoningEffort,
+    Tool,
+    ToolCall,
+    _Request,
+)
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
@@ -84,6 +92,11 @@ InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutput | Rea
                       Field(union_mode="left_to_right")]
 
 
+class ReasoningOptions(_Request):
+    effort: ReasoningEffort | None = None  # the chat route's reasoning_effort
+    summary: str | None = None  # reasoning summaries: none are written (reasoning items carry the text itself)
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
@@ -107,6 +120,7 @@ class ResponsesRequest(_Request):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's, as on the chat route
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None  # "message.output_text.logprobs": the answer's tokens' logprobs
+    reasoning: ReasoningOptions | None = None
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -163,7 +177,8 @@ def as_chat(body: ResponsesRequest, history: list[ChatMessage], logprobs: bool) 
         top_p=body.top_p, top_k=body.top_k, seed=body.seed, response_format=_response_format(body.text),
         structured_outputs=body.structured_outputs, tools=tools, tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls, priority=body.priority, cache_salt=body.cache_salt,
-        logprobs=logprobs, top_logprobs=(body.top_logprobs or 0) if logprobs else None)
+        logprobs=logprobs, top_logprobs=(body.top_logprobs or 0) if logprobs else None,
+        reasoning_effort=body.reasoning.effort if body.reasoning else None)
 
 
 def _conversation(items: list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem],

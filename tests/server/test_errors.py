@@ -74,6 +74,10 @@ def test_malformed_json_and_chat_400s(base_url):
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
     ({"chat_template": "{{ messages[0]['content'] }}"}, "chat_template"),
 ])
 def test_chat_refuses_what_it_cannot_honour(base_url, extra, param):
@@ -81,8 +85,9 @@ def test_chat_refuses_what_it_cannot_honour(base_url, extra, param):
     error = assert_openai_error(httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30), 400)
     assert error["param"] == param and "not" in error["message"]
     # plain text is what the server produces anyway
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "text"}}
-    assert httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    for anyway in ({"response_format": {"type": "text"}}, {"modalities": ["text"]}):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **anyway}
+        assert httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
 
 
 def test_openai_client_raises_bad_request(client):
