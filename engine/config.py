@@ -24,10 +24,12 @@ def kv_cache_setting(kv_cache_dtype: str, kv_scales: str) -> dict[str, str | Non
 
 
 def resolve_device(device: str) -> str:
-    """`auto` is CUDA when torch sees a GPU, else the CPU."""
+    """`auto` is CUDA when torch sees a GPU, else the CPU; anything but cpu, cuda or cuda:N is a ValueError."""
     if device == "auto":
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}")
     return device
 
 
@@ -83,8 +85,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

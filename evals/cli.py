@@ -229,9 +229,10 @@ def _numerics(args: argparse.Namespace) -> tuple[str, dict | None]:
     whose numerics are its own); settings that cannot apply are refused before anything loads."""
     import torch
 
-    device = resolve_device(args.device)
-    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
-        raise GateInputError(f"--device must be cpu, cuda, cuda:N or auto, got {args.device!r}")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise GateInputError(f"--{exc}") from None
     if device != "cpu" and not torch.cuda.is_available():
         raise GateInputError(f"--device {args.device}: torch sees no CUDA device here")
     if not args.server:
