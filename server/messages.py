@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +28,15 @@ from engine.outputs import RequestOutput
 from server.chat import prepare_chat, render_chat
 from server.errors import APIError, invalid_body
 from server.generation import EngineRequest, Generation, collect_while_connected
-from server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool, ToolCall, _Request
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    ReasoningEffort,
+    Tool,
+    ToolCall,
+    _Request,
+)
 from server.state import RequestRecord, ServerState
 from server.streaming import stream_response
 from server.tools import ToolCallReader
@@ -109,9 +117,11 @@ class MessagesRequest(_Request):
     stream: bool = False
     tools: list[ToolSpec] | None = None
     tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "none" | "tool", "name", ...}
-    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}; effort ignored
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}, "effort": ...}
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
+    mcp_servers: list[dict[str, Any]] | None = None  # refused: no MCP connector here
+    container: Any = None  # refused: no code-execution container here
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -167,8 +177,20 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+def _effort(output_config: dict[str, Any] | None) -> str | None:
+    """`output_config.effort`, which reaches the chat template as the chat route's reasoning_effort does."""
+    effort = (output_config or {}).get("effort")
+    if effort is not None and effort not in get_args(ReasoningEffort):
+        raise APIError(400, f"output_config.effort must be one of {', '.join(get_args(ReasoningEffort))}, "
+                            f"got {effort!r}", param="output_config")
+    return effort
+
+
 def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages body runs as."""
+    for name, what in (("mcp_servers", "MCP connectors"), ("container", "code-execution containers")):
+        if getattr(body, name):
+            raise APIError(400, f"{name}: {what} are not available here", param=name)
     conversation = [turn for message in body.messages for turn in _turns(message)]
     if body.system:
         conversation.insert(0, ChatMessage(role="system", content=_text(body.system)))
@@ -179,6 +201,7 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                  stop=body.stop_sequences, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
                                  response_format=_response_format(body.output_config),
+                                 reasoning_effort=_effort(body.output_config),
                                  thinking_token_budget=body.thinking.token_budget() if body.thinking else None)
 
 

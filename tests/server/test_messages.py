@@ -114,6 +114,7 @@ def test_count_tokens_counts_the_rendered_prompt(claude, base_url):
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]}],
       "max_tokens": 4}, "tool_use blocks belong in assistant messages"),
     ({"messages": MESSAGES, "max_tokens": 4, "model": "other"}, "other"),
+    ({"messages": MESSAGES, "max_tokens": 4, "output_config": {"effort": "extreme"}}, "output_config.effort"),
 ])
 def test_bad_requests_are_400s_in_anthropics_shape(claude, base_url, body, message):
     reply = httpx.post(base_url + "/v1/messages", json={"model": MODEL_NAME, **body}, timeout=10)
@@ -124,6 +125,16 @@ def test_bad_requests_are_400s_in_anthropics_shape(claude, base_url, body, messa
     if "max_tokens" in body:  # the SDK itself refuses a body without it
         with pytest.raises(anthropic.BadRequestError, match=message.split(".")[0]):
             claude.messages.create(**{"model": MODEL_NAME, **body})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mcp_servers": [{"type": "url", "url": "https://example.com/sse", "name": "x"}]}, "mcp_servers: MCP connectors"),
+    ({"container": "container_011"}, "container: code-execution containers"),
+])
+def test_server_side_tools_are_refused_not_ignored(claude, extra, message):
+    """Anthropic's beta server-side features (sent by the SDK as extra fields) ask for tools this server lacks."""
+    with pytest.raises(anthropic.BadRequestError, match=message):
+        claude.messages.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, extra_body=extra)
 
 
 def test_not_json_is_a_400_too(base_url):

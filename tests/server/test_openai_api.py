@@ -315,20 +315,22 @@ def test_chat_template_options_reach_the_template(engine, base_url):
         assert loud == tok.encode("LOUD hi", add_special_tokens=False)
         clash = tokenize(url, messages=turns[:1], chat_template_kwargs={"tokenize": True})
         assert clash.status_code == 400 and "tokenize" in clash.json()["error"]["message"]
-    # OpenAI's reasoning_effort (the Responses API's reasoning.effort) is the template's variable, as in vLLM
+    # OpenAI's reasoning_effort (Responses' reasoning.effort, Anthropic's output_config.effort) is the
+    # template's variable, as in vLLM
     effort_template = "effort {{ reasoning_effort | default('unset') }}: {{ messages[-1]['content'] }}"
     with serve(engine, chat_template=effort_template) as url:
         def prompt_tokens(route: str, **fields) -> int:
             reply = httpx.post(url + route, json={"max_tokens": 1, "max_output_tokens": 1, **fields}, timeout=60)
             assert reply.status_code == 200, reply.text
             usage = reply.json()["usage"]
-            return usage.get("prompt_tokens", usage.get("input_tokens"))
+            return usage.get("prompt_tokens", usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0))
 
         for effort in ("low", "medium"):
             expected = len(tok.encode(f"effort {effort}: hi", add_special_tokens=False))
             assert prompt_tokens("/v1/chat/completions", messages=turns[:1], reasoning_effort=effort) == expected
             assert prompt_tokens("/v1/responses", input="hi", reasoning={"effort": effort, "summary": "auto"}) \
                 == expected
+            assert prompt_tokens("/v1/messages", messages=turns[:1], output_config={"effort": effort}) == expected
         assert prompt_tokens("/v1/chat/completions", messages=turns[:1]) == \
             len(tok.encode("effort unset: hi", add_special_tokens=False))
         bad = httpx.post(url + "/v1/chat/completions", json={"messages": turns[:1], "reasoning_effort": "max"})
