@@ -119,6 +119,16 @@ def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None,
     return current
 
 
+def judged_context_len(model_dir: str | Path) -> int | None:
+    """The longest context (prompt and output, in tokens) the folder's verdict judged: its policy's
+    max_model_len; None when the verdict does not say."""
+    try:
+        length = json.loads((Path(model_dir) / VERDICT_FILE).read_text())["policy"]["engine"]["max_model_len"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return length if isinstance(length, int) else None
+
+
 def _check_unchanged(kind: str, current: dict[str, str], recorded: dict[str, str]) -> None:
     if current.keys() != recorded.keys():
         raise VerdictError(

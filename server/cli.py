@@ -304,6 +304,19 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
     logger.info("serving %s as %r%s on http://%s:%d", args.model, state.config.served_model_name, where, host, args.port)
     if args.kv_scales == "dynamic":
         logger.warning("fp8 KV cache with dynamic scales (uncalibrated, from the first batch)")
+    if args.require_gate:
+        _warn_of_unjudged_context(args.model, engine.max_model_len)
+
+
+def _warn_of_unjudged_context(model: str, served_len: int) -> None:
+    """Drift can grow with the context (an fp8 KV cache's does); say when the server takes longer
+    ones than the gate judged."""
+    from evals.verdict import judged_context_len
+
+    judged = judged_context_len(model)
+    if judged is not None and served_len > judged:
+        logger.warning("the gate judged contexts of up to %d tokens; this server takes up to %d (--max-model-len), "
+                       "whose drift is not judged", judged, served_len)
 
 
 def lora_modules(specs: list[str]) -> dict[str, str]:

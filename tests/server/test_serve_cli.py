@@ -370,6 +370,36 @@ def test_require_gate_refuses_numerics_the_gate_did_not_judge(tiny_model_dir: Pa
     assert "sha256 mismatch: tokenizer_config.json" in capsys.readouterr().err
 
 
+def test_require_gate_warns_of_contexts_longer_than_the_gate_judged(tiny_model_dir: Path, tmp_path: Path):
+    """A gated checkpoint starts; when it takes longer contexts than its verdict's policy judged
+    (drift, an fp8 KV cache's above all, can grow with the context), the log says so."""
+    import shutil
+
+    from engine.config import serving_setting
+    from evals import verdict
+
+    model = tmp_path / "gated"
+    shutil.copytree(tiny_model_dir, model)
+    verdict.write_verdict(model, passed=True, policy={"engine": {"max_model_len": 64}}, metrics={},
+                          baseline_hashes={}, serving=serving_setting("auto", "cpu", "auto", "checkpoint"))
+    logs = []
+    for max_model_len in ("64", "128"):
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", str(model), "--port", str(port), "--device", "cpu",
+                                 "--require-gate", "--max-model-len", max_model_len],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_until_healthy(proc, f"http://127.0.0.1:{port}")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        logs.append(proc.communicate()[1])
+    assert "gate judged" not in logs[0]
+    assert "the gate judged contexts of up to 64 tokens; this server takes up to 128" in logs[1]
+
+
 def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path: Path):
     """With --lora-modules every adapter needs its own passing verdict over this checkpoint (gate
     --lora writes it into the adapter's folder); adapters loaded at run time would bypass the
