@@ -165,7 +165,7 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
     rng = np.random.default_rng(args.seed)
     gaps = arrival_gaps(len(samples), rate, args.burstiness, rng)
     limit = asyncio.Semaphore(args.max_concurrency or len(samples))
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = _headers(args)
     results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
     progress = None
     if not args.no_progress:
@@ -355,6 +355,28 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def check_server(args: argparse.Namespace) -> None:
+    """Before any load: the server answers /v1/models (ValueError saying why not, as vLLM's bench
+    stops when its first test request fails), and a warning when it does not list `--model`."""
+    url = args.base_url.rstrip("/") + "/v1/models"
+    try:
+        reply = httpx.get(url, headers=_headers(args), timeout=10)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from None
+    if reply.status_code != 200:
+        raise ValueError(f"{url} answered HTTP {reply.status_code}: {reply.text[:200]}")
+    try:
+        served = [card.get("id") for card in reply.json().get("data") or []]
+    except (ValueError, AttributeError):
+        served = None  # not an OpenAI model list; the requests themselves will say more
+    if served is not None and args.model not in served:
+        print(f"warning: {url} lists {served}, not --model {args.model!r}", file=sys.stderr)
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     """0 when every request succeeded, 1 when some failed, 2 on bad arguments."""
     from transformers import AutoTokenizer
@@ -368,6 +390,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
         if args.num_prompts < 1 or any(r <= 0 for r in rates) or args.burstiness <= 0:
             raise ValueError("--num-prompts, request rates and --burstiness must be positive")
+        check_server(args)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         samples = load_samples(args, tokenizer)
     except (ValueError, FileNotFoundError) as exc:
