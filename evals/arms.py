@@ -183,11 +183,22 @@ def tier0_scorer(llm: LLM) -> FullLogprobsFn | LayerStatesFn | None:
 
 def tier0_sequences(llm: LLM, data_dir: Path, policy: GatePolicy, generations: list[list[int]],
                     prompts: list[list[int]]) -> list[list[int]]:
-    """WikiText articles plus the baseline's own greedy generations (with their prompts), truncated."""
+    """WikiText articles plus the baseline's own greedy generations (with their prompts), truncated.
+
+    An article shorter than the policy's length runs on into the next ones (as perplexity runs
+    over WikiText as one stream), so a long-context policy scores every position it asks for:
+    drift that grows with the context (an fp8 KV cache's) shows in the late position buckets.
+    """
     limit = policy.tier0.max_tokens_per_sequence
-    docs = data.load_wikitext(data_dir)
-    picked = [docs[i]["page"] for i in spread_ids(len(docs), policy.tier0.num_documents)]
-    sequences = [llm.tokenizer.encode(text)[:limit] for text in picked]
+    pages = [doc["page"] for doc in data.load_wikitext(data_dir)]
+    sequences = []
+    for first in spread_ids(len(pages), policy.tier0.num_documents):
+        ids: list[int] = []
+        for page in pages[first:] + pages[:first]:
+            ids += llm.tokenizer.encode("\n\n" + page, add_special_tokens=False) if ids else llm.tokenizer.encode(page)
+            if len(ids) >= limit:
+                break
+        sequences.append(ids[:limit])
     sequences += [(p + g)[-limit:] for p, g in zip(prompts, generations, strict=True)]  # the tail holds the generation
     return [s for s in sequences if len(s) >= 2]
 

@@ -67,3 +67,36 @@ def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypat
     assert key() == before
     (code / "csrc" / "kernel.c").write_text("int kernel = 1;\n")
     assert key() != before
+
+
+def test_tier0_articles_shorter_than_the_policy_run_on_into_the_next(tiny_model_dir):
+    """Every WikiText sequence fills the policy's length, so a long-context policy measures every
+    position bucket it asks for: a short article continues with the next ones, one stream."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from engine.tokenizer import load_tokenizer
+    from evals import data
+    from evals.policy import policy_from_dict
+
+    try:
+        data_dir = data.resolve_data_dir()
+    except data.DataMissingError as exc:
+        pytest.skip(f"shared evaluation data not present: {exc}")
+    tokenizer = load_tokenizer(tiny_model_dir)
+    pages = [doc["page"] for doc in data.load_wikitext(data_dir)]
+    limit = 4096
+    policy = policy_from_dict({"tier0": {"num_documents": len(pages), "max_tokens_per_sequence": limit},
+                               "tier1": {"tasks": [{"name": "driftgate_piqa", "metric": "acc,none"}]}})
+
+    llm = SimpleNamespace(tokenizer=tokenizer)  # tier0_sequences needs only the engine's tokenizer
+    generation = [[5, 6, 7] * 2000]
+    sequences = arms.tier0_sequences(llm, data_dir, policy, generation, [[1, 2]])
+    assert len(sequences) == len(pages) + 1 and all(len(s) == limit for s in sequences)
+    short = min(range(len(pages)), key=lambda i: len(tokenizer.encode(pages[i])))
+    head = tokenizer.encode(pages[short])
+    assert len(head) < limit and sequences[short][:len(head)] == head
+    follow = tokenizer.encode("\n\n" + pages[short + 1], add_special_tokens=False)
+    assert sequences[short][len(head):len(head) + len(follow)] == follow[:limit - len(head)]
+    assert sequences[-1] == ([1, 2] + generation[0])[-limit:]  # the generation's tail, as before

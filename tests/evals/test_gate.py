@@ -16,6 +16,9 @@ BASE_POLICY = {"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "chance":
 def test_shipped_policies_load():
     assert load_policy("quick").tier1.tasks[0].items == 200
     assert load_policy("default").tier1.max_pooled_drop == 0.015
+    long = load_policy("long-context")  # Tier 0 reaches the 4096+ position bucket, within the engine's context
+    assert long.tier0.max_tokens_per_sequence == long.engine.max_model_len == 8192
+    assert long.tier1 == load_policy("quick").tier1
 
 
 @pytest.mark.parametrize(("raw", "named"), [
