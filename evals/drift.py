@@ -18,6 +18,9 @@ import torch
 from evals import stats
 
 # Token positions where KV-cache drift shows: it grows with how much cache a token attends to.
+# token_parity works through rows in chunks of about this many values: the float64 temporaries of a
+# whole [8192, 49k] pair at once took over 20 GB
+PARITY_CHUNK_VALUES = 1 << 25
 POSITION_BUCKETS: tuple[tuple[int, int | None], ...] = ((0, 256), (256, 1024), (1024, 4096), (4096, None))
 
 # token ids [T] -> next-token log-probabilities [T, vocab]; row t is the distribution after tokens[: t + 1].
@@ -107,13 +110,17 @@ def token_parity(
         base_logprobs, cand_logprobs: [T, vocab] log-probabilities (re-normalized here).
         next_tokens: [T - 1] the token that actually follows positions 0..T-2.
     """
-    base = torch.log_softmax(base_logprobs.double(), dim=-1)  # [T, V]
-    cand = torch.log_softmax(cand_logprobs.double(), dim=-1)  # [T, V]
-    kl = (base.exp() * (base - cand)).sum(dim=-1).clamp_min(0.0)  # [T]
-    top1_equal = base.argmax(dim=-1) == cand.argmax(dim=-1)  # [T]
-    rows = torch.arange(next_tokens.numel())
-    nll_delta = base[rows, next_tokens] - cand[rows, next_tokens]  # [T - 1]
-    return kl.numpy(), top1_equal.numpy(), nll_delta.numpy()
+    step = max(1, PARITY_CHUNK_VALUES // base_logprobs.shape[-1])
+    kl, top1_equal, nll_delta = [], [], []
+    for start in range(0, base_logprobs.shape[0], step):
+        base = torch.log_softmax(base_logprobs[start:start + step].double(), dim=-1)  # [rows, V]
+        cand = torch.log_softmax(cand_logprobs[start:start + step].double(), dim=-1)
+        kl.append((base.exp() * (base - cand)).sum(dim=-1).clamp_min(0.0))
+        top1_equal.append(base.argmax(dim=-1) == cand.argmax(dim=-1))
+        following = next_tokens[start:start + step]
+        rows = torch.arange(following.numel())
+        nll_delta.append(base[rows, following] - cand[rows, following])
+    return torch.cat(kl).numpy(), torch.cat(top1_equal).numpy(), torch.cat(nll_delta).numpy()
 
 
 def layer_drift_sums(base_states: torch.Tensor, cand_states: torch.Tensor) -> np.ndarray:

@@ -113,6 +113,19 @@ def test_token_parity_matches_hand_computation():
     assert nll[0] == pytest.approx(math.log(0.2) - math.log(0.3))
 
 
+def test_token_parity_in_row_chunks_equals_the_whole_at_once(monkeypatch):
+    """Long sequences are compared a few rows at a time (memory); the numbers are the same."""
+    torch.manual_seed(0)
+    base, cand = torch.randn(37, 50), torch.randn(37, 50)
+    following = torch.randint(0, 50, (36,))
+    whole = drift.token_parity(base, cand, following)
+    monkeypatch.setattr(drift, "PARITY_CHUNK_VALUES", 50 * 8)  # 8 rows a chunk: 5 chunks, the last short
+    chunked = drift.token_parity(base, cand, following)
+    for a, b in zip(whole, chunked, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(chunked[0]) == 37 and len(chunked[2]) == 36
+
+
 def test_logit_parity_buckets_by_position_and_flags_length_growth():
     torch.manual_seed(0)
     vocab, length = 11, 300
