@@ -316,7 +316,8 @@ def _warn_of_unjudged_context(model: str, served_len: int) -> None:
     judged = judged_context_len(model)
     if judged is not None and served_len > judged:
         logger.warning("the gate judged contexts of up to %d tokens; this server takes up to %d (--max-model-len), "
-                       "whose drift is not judged", judged, served_len)
+                       "whose drift is not judged (gate with --policy long-context, or a policy whose [engine] "
+                       "max_model_len covers them)", judged, served_len)
 
 
 def lora_modules(specs: list[str]) -> dict[str, str]:
