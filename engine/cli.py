@@ -55,6 +55,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
@@ -67,8 +68,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine import LLM, LoRARequest, SamplingParams
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
-                  speculative_config=args.speculative_config, enable_lora=args.lora is not None)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+                  kv_scales=args.kv_scales, speculative_config=args.speculative_config,
+                  enable_lora=args.lora is not None)
         if args.kv_scales == "dynamic":
             print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

@@ -94,6 +94,8 @@ def test_generate_cli_says_when_scales_are_dynamic(tiny_model_dir, capsys):
     assert driftgate_main(["generate", str(tiny_model_dir), "The quick", "--max-tokens", "3",
                            "--kv-cache-dtype", "fp8", "--kv-scales", "dynamic"]) == 0
     assert "dynamic scales" in capsys.readouterr().err
+    assert driftgate_main(["generate", str(tiny_model_dir), "The quick", "--device", "tpu"]) == 2
+    assert "device must be cpu, cuda, cuda:N or auto, got 'tpu'" in capsys.readouterr().err
 
 
 def test_serve_passes_dynamic_scales_to_the_engine(tiny_model_dir):
