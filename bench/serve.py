@@ -378,7 +378,7 @@ def check_server(args: argparse.Namespace) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    """0 when every request succeeded, 1 when some failed, 2 on bad arguments."""
+    """0 when every request succeeded, 1 when some failed, 2 on bad arguments or a server that does not answer."""
     from transformers import AutoTokenizer
 
     tokenizer_path = args.tokenizer or args.model
