@@ -46,6 +46,13 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+class ContextLengthError(APIError):
+    """A 400 for a prompt (with its max_tokens) that does not fit the model's context."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(400, message, param=param)
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """The JSON body OpenAI clients parse into their exception types."""
     return {

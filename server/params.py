@@ -9,7 +9,7 @@ from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputs
 from server.config import ServerConfig
-from server.errors import APIError
+from server.errors import APIError, ContextLengthError
 from server.protocol import SamplingFields
 
 _INT64 = 2**63
@@ -66,13 +66,13 @@ def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: i
         raise APIError(400, f"token id {bad} is outside the vocabulary (size {vocab_size})", param=param)
     room = max_model_len - len(prompt_ids)
     if room < 1:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, "
-                            f"but the prompt has {len(prompt_ids)}", param=param)
+        raise ContextLengthError(f"this model's maximum context length is {max_model_len} tokens, "
+                                 f"but the prompt has {len(prompt_ids)}", param=param)
     if max_tokens is None:
         return room
     if max_tokens > room:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                            f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more", param="max_tokens")
+        raise ContextLengthError(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                                 f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more", param="max_tokens")
     return max_tokens
 
 

@@ -29,8 +29,8 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from engine.outputs import CompletionOutput, RequestOutput
-from server.chat import prepare_chat
-from server.errors import APIError
+from server.chat import ChatJob, prepare_chat
+from server.errors import APIError, ContextLengthError
 from server.generation import EngineRequest, Generation, collect, collect_while_connected
 from server.logprobs import TokenNamer, chat_logprobs, token_namer
 from server.protocol import (
@@ -121,6 +121,7 @@ class ResponsesRequest(_Request):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None  # "message.output_text.logprobs": the answer's tokens' logprobs
     reasoning: ReasoningOptions | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"  # auto: drop the oldest turns to fit the context
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -160,10 +161,10 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
     return OUTPUT_LOGPROBS in (body.include or [])
 
 
-def as_chat(body: ResponsesRequest, history: list[ChatMessage], logprobs: bool) -> ChatCompletionRequest:
-    """The chat request this response runs as, after `history` (the previous response's turns),
-    with the answer's logprobs if asked for."""
-    conversation = history + input_turns(body)
+def as_chat(body: ResponsesRequest, conversation: list[ChatMessage], logprobs: bool) -> ChatCompletionRequest:
+    """The chat request this response runs as: `conversation` (the previous response's turns, then
+    this input's) after the instructions, with the answer's logprobs if asked for."""
+    conversation = list(conversation)
     if not conversation:
         raise APIError(400, "input holds only reasoning items: there is no message to answer", param="input")
     if body.instructions:
@@ -269,6 +270,7 @@ class _Renderer:
             "tools": [t.model_dump() for t in body.tools or []], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "store": self.stored, "background": body.background, "metadata": body.metadata or {},
+            "truncation": body.truncation,
             "usage": None if out is None else {
                 "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
@@ -372,6 +374,21 @@ def _keep(state: ServerState, response_id: str, stored: StoredResponse) -> None:
         del state.responses[key]
 
 
+def _prepare(body: ResponsesRequest, conversation: list[ChatMessage], logprobs: bool, state: ServerState) -> ChatJob:
+    """The chat job for the conversation; with truncation "auto", its oldest turns are dropped (a
+    tool result with the call it answers) until it fits the context, as OpenAI truncates, never the
+    last turn. "disabled" (the default) leaves a conversation that does not fit a 400."""
+    while True:
+        try:
+            return prepare_chat(as_chat(body, conversation, logprobs), state)
+        except ContextLengthError:
+            if body.truncation != "auto" or len(conversation) < 2:
+                raise
+            conversation = conversation[1:]
+            while len(conversation) > 1 and conversation[0].role == "tool":
+                conversation = conversation[1:]
+
+
 def _check_background(body: ResponsesRequest, stored: bool) -> None:
     if body.stream:
         raise APIError(400, "a background response cannot stream; poll GET /v1/responses/{id}", param="background")
@@ -396,7 +413,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if logprobs and state.config.reasoning_parser:
         raise APIError(400, "output_text logprobs are not available with --reasoning-parser (the thinking and the "
                             "answer share the tokens)", param="include")
-    job = prepare_chat(as_chat(body, history, logprobs), state)
+    job = _prepare(body, history + input_turns(body), logprobs, state)
     response_id = f"resp_{uuid.uuid4().hex}"
     record = RequestRecord(response_id)
     request.state.record = record

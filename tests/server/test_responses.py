@@ -248,3 +248,28 @@ def test_output_text_logprobs_are_the_chat_routes(client, base_url, engine):
     with serve(engine, reasoning_parser="qwen3") as url:
         r = httpx.post(url + "/v1/responses", json=asked, timeout=30)
         assert r.status_code == 400 and "reasoning-parser" in r.json()["error"]["message"]
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit(base_url, engine):
+    """OpenAI's truncation: "disabled" (the default) leaves a conversation longer than the context a
+    400; "auto" drops its oldest turns until it fits, keeping as many of the newest as fit."""
+    max_len = httpx.get(base_url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    words = " ".join(["lorem"] * 60)
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {words}"} for i in range(80)]
+    turns.append({"role": "user", "content": QUESTION})
+    body = {"input": turns, "max_output_tokens": 4, "temperature": 0}
+
+    def prompt_len(messages: list[dict]) -> int:
+        return len(httpx.post(base_url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"])
+
+    assert prompt_len(turns) + 4 > max_len  # the whole conversation does not fit
+    refused = httpx.post(base_url + "/v1/responses", json=body, timeout=60)
+    assert refused.status_code == 400 and "maximum context length" in refused.json()["error"]["message"]
+    reply = httpx.post(base_url + "/v1/responses", json={**body, "truncation": "auto"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["truncation"] == "auto"
+    kept = next(k for k in range(len(turns), 0, -1) if prompt_len(turns[-k:]) + 4 <= max_len)
+    assert 1 < kept < len(turns)
+    usage = reply.json()["usage"]
+    assert usage["input_tokens"] == prompt_len(turns[-kept:])  # the newest turns that fit, no fewer
+    wait_until_idle(engine)
