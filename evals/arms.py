@@ -20,7 +20,7 @@ from lm_eval.api.model import TemplateLM
 import engine
 import quant
 from engine import LLM, SamplingParams
-from engine.config import serving_setting
+from engine.loader import resolve_dtype
 from evals import data
 from evals.drift import FullLogprobsFn, ItemResult, LayerStatesFn, items_from_samples
 from evals.lm_eval_model import DriftgateLM, prefill_first
@@ -266,7 +266,7 @@ class BaselineCache:
             "engine_code": source_fingerprint(ENGINE_SOURCES),
             # the kernels and the activation dtype (auto on that device) move the last bits
             "device": "cuda" if device.startswith("cuda") else device,
-            "dtype": serving_setting("auto", device, "auto", "checkpoint")["dtype"],
+            "dtype": str(resolve_dtype("auto", device)),
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 

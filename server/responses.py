@@ -378,15 +378,25 @@ def _prepare(body: ResponsesRequest, conversation: list[ChatMessage], logprobs: 
     """The chat job for the conversation; with truncation "auto", its oldest turns are dropped (a
     tool result with the call it answers) until it fits the context, as OpenAI truncates, never the
     last turn. "disabled" (the default) leaves a conversation that does not fit a 400."""
-    while True:
+    try:
+        return prepare_chat(as_chat(body, conversation, logprobs), state)
+    except ContextLengthError:
+        if body.truncation != "auto" or len(conversation) < 2:
+            raise
+    # where the kept turns may start: not at a tool result, whose call would be gone (the last turn
+    # always); the earliest start that fits is found by bisection, as each try renders the whole chat
+    last = len(conversation) - 1
+    starts = [i for i in range(1, len(conversation)) if conversation[i].role != "tool" or i == last]
+    low, high, fitted, error = 0, len(starts) - 1, None, None
+    while low <= high:
+        middle = (low + high) // 2
         try:
-            return prepare_chat(as_chat(body, conversation, logprobs), state)
-        except ContextLengthError:
-            if body.truncation != "auto" or len(conversation) < 2:
-                raise
-            conversation = conversation[1:]
-            while len(conversation) > 1 and conversation[0].role == "tool":
-                conversation = conversation[1:]
+            fitted, high = prepare_chat(as_chat(body, conversation[starts[middle]:], logprobs), state), middle - 1
+        except ContextLengthError as exc:
+            error, low = exc, middle + 1
+    if fitted is None:
+        raise error
+    return fitted
 
 
 def _check_background(body: ResponsesRequest, stored: bool) -> None:

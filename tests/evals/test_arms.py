@@ -20,17 +20,11 @@ def test_greedy_generations_share_the_prefix_and_match_one_at_a_time(tiny_model_
     assert together == [list(alone.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
 
 
-def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir):
+def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir, data_dir):
     """The answer drift metrics use (argmax of choice scores) is the one lm-eval graded, acc_norm included."""
-    import pytest
-
     from evals import data
     from evals.policy import policy_from_dict
 
-    try:
-        data_dir = data.resolve_data_dir()
-    except data.DataMissingError as exc:
-        pytest.skip(f"shared evaluation data not present: {exc}")
     tasks = [{"name": "driftgate_arc_easy", "metric": "acc_norm,none", "items": 24},
              {"name": "driftgate_piqa", "metric": "acc_norm,none", "items": 24}]
     policy = policy_from_dict({"tier1": {"tasks": tasks}})
@@ -69,21 +63,15 @@ def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypat
     assert key() != before
 
 
-def test_tier0_articles_shorter_than_the_policy_run_on_into_the_next(tiny_model_dir):
+def test_tier0_articles_shorter_than_the_policy_run_on_into_the_next(tiny_model_dir, data_dir):
     """Every WikiText sequence fills the policy's length, so a long-context policy measures every
     position bucket it asks for: a short article continues with the next ones, one stream."""
     from types import SimpleNamespace
-
-    import pytest
 
     from engine.tokenizer import load_tokenizer
     from evals import data
     from evals.policy import policy_from_dict
 
-    try:
-        data_dir = data.resolve_data_dir()
-    except data.DataMissingError as exc:
-        pytest.skip(f"shared evaluation data not present: {exc}")
     tokenizer = load_tokenizer(tiny_model_dir)
     pages = [doc["page"] for doc in data.load_wikitext(data_dir)]
     limit = 4096

@@ -47,11 +47,7 @@ min_mean_agreed_prefix = 1
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    try:
-        data.resolve_data_dir()
-    except data.DataMissingError as exc:
-        pytest.skip(f"shared evaluation data not present: {exc}")
+def setup(tmp_path_factory, data_dir):
     root = tmp_path_factory.mktemp("gate")
     baseline = make_tiny_model_dir(root / "baseline")
     policy = root / "tiny.toml"

@@ -62,12 +62,8 @@ DAMAGED_WEIGHT = f"model.layers.{DAMAGED_LAYER}.mlp.down_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def env(real_model_dir, tmp_path_factory) -> tuple[Path, Path, Path]:
+def env(real_model_dir, tmp_path_factory, data_dir) -> tuple[Path, Path, Path]:
     """(model, work folder, policy); the gate's baseline cache lives in the work folder, shared by the tests."""
-    try:
-        data_dir = data.resolve_data_dir()
-    except data.DataMissingError as exc:
-        pytest.skip(f"shared evaluation data not present: {exc}")
     if not (data_dir / "calib" / "self_instruct_seed_tasks.jsonl").is_file():
         pytest.skip("calibration set not present")
     root = tmp_path_factory.mktemp("gate-real")

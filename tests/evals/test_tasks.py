@@ -24,14 +24,6 @@ EXPECTED_COUNTS = {
 
 
 @pytest.fixture(scope="module")
-def data_dir():
-    try:
-        return data.resolve_data_dir()
-    except data.DataMissingError as exc:
-        pytest.skip(f"shared evaluation data not present: {exc}")
-
-
-@pytest.fixture(scope="module")
 def task_dict(data_dir):
     from lm_eval.tasks import TaskManager
 
