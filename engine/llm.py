@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -172,22 +172,33 @@ class LLM:
         For drift diagnosis: two checkpoints compared layer by layer show where their hidden
         states part (a damaged layer, or the layer a quantization scheme hurts most).
         """
+        logprobs, states = zip(*self.score_chunks(token_ids, layer_states=True), strict=True)
+        return torch.cat(logprobs), torch.cat(states, dim=1)
+
+    def score_chunks(self, token_ids: list[int], *, layer_states: bool = False
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """`score_full_logprobs` (with `score_with_layer_states`' states when asked) one prefill chunk
+        at a time: ([n, vocab], [layers, n, hidden] or None) for consecutive rows, so two arms are
+        compared over a long sequence holding a chunk of each."""
+        if not layer_states:
+            yield from ((rows, None) for rows in self.engine.score_chunks(token_ids))
+            return
         layers = self.engine.model.model.layers
-        captured: list[list[torch.Tensor]] = [[] for _ in layers]
+        captured: list[torch.Tensor | None] = [None] * len(layers)
 
         def capture(index: int):
             def hook(_module, _args, output: tuple[torch.Tensor, torch.Tensor]) -> None:
                 hidden, residual = output  # a decoder layer's output is their sum (the norms fuse the add)
-                captured[index].append((hidden + residual).float())
+                captured[index] = (hidden + residual).float()
             return hook
 
         handles = [layer.register_forward_hook(capture(i)) for i, layer in enumerate(layers)]
         try:
-            logprobs = self.engine.score(token_ids)
+            for rows in self.engine.score_chunks(token_ids):
+                yield rows, torch.stack(captured)
         finally:
             for handle in handles:
                 handle.remove()
-        return logprobs, torch.stack([torch.cat(parts) for parts in captured])
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

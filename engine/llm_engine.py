@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,7 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[str, _RequestState] = {}  # sequence id → its request
         self._counter = itertools.count()
+        self._scoring = False  # a score_chunks sequence holds the KV cache's '__score__' request
         self.num_generation_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and those the sampler kept
@@ -410,35 +411,44 @@ class LLMEngine:
             seq.finish_reason = "length" if req.status == RequestStatus.FINISHED_LENGTH else "stop"
         return finished
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Full next-token log-probabilities [T, vocab] (fp32) of one sequence, row t after tokens[:t+1].
+        """Full next-token log-probabilities [T, vocab] (fp32) of one sequence, row t after tokens[:t+1]."""
+        return torch.cat(list(self.score_chunks(token_ids)))
+
+    def score_chunks(self, token_ids: list[int]) -> Iterator[torch.Tensor]:
+        """`score`'s rows a prefill chunk at a time ([n, vocab] each, in order), so a caller comparing
+        two engines over a long sequence holds one chunk of each, not two [T, vocab] tensors.
 
         Goes through the paged KV cache in chunks of max_num_batched_tokens, so an fp8 cache and
-        chunking are exercised exactly as in serving. Only while no request is running.
+        chunking are exercised exactly as in serving. Only while no request is running, one
+        sequence at a time (checked when the first chunk is asked for).
         """
         if self.has_unfinished():
             raise RuntimeError("score() needs an idle engine")
+        if self._scoring:
+            raise RuntimeError("score() takes one sequence at a time: finish the other one first")
         token_ids = self.tokenize_prompt(token_ids)
         if not 0 < len(token_ids) <= self.max_model_len:
             raise ValueError(f"score() takes 1..{self.max_model_len} tokens, got {len(token_ids)}")
         lora = self.config.default_lora
         request = Request("__score__", token_ids, SamplingParams(temperature=0.0), lora=lora,
                           lora_index=None if lora is None else self.lora.resident_index(lora, frozenset()))
-        rows = []
+        self._scoring = True
         try:
             budget = self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), budget):
                 n = min(budget, len(token_ids) - start)
                 if not self.block_manager.allocate(request, n):
                     raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
-                hidden = self.runner.forward([ScheduledChunk(request, start, n)])
-                rows.append(self.model.compute_logits(hidden).log_softmax(dim=-1))
+                with torch.inference_mode():
+                    hidden = self.runner.forward([ScheduledChunk(request, start, n)])
+                    rows = self.model.compute_logits(hidden).log_softmax(dim=-1)
                 request.num_computed_tokens = start + n
+                yield rows
         finally:
             self.block_manager.free(request)
             self.runner.release(request.request_id)
-        return torch.cat(rows)
+            self._scoring = False
 
     def stats(self) -> EngineStats:
         """A snapshot (AsyncEngine takes one after every step: keep it cheap)."""

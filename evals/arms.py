@@ -7,6 +7,7 @@ could change its results (the engine's own code included), so gating N candidate
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ import quant
 from engine import LLM, SamplingParams
 from engine.loader import resolve_dtype
 from evals import data
-from evals.drift import FullLogprobsFn, ItemResult, LayerStatesFn, items_from_samples
+from evals.drift import ItemResult, ScoreChunks, items_from_samples
 from evals.lm_eval_model import DriftgateLM, prefill_first
 from evals.policy import GatePolicy
 
@@ -176,9 +177,9 @@ def greedy_generations(llm: LLM, prompts: list[list[int]], max_new_tokens: int) 
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def tier0_scorer(llm: LLM) -> FullLogprobsFn | LayerStatesFn | None:
-    """The engine's full-vocabulary scorer for Tier 0 (with layer states when it has them), or None."""
-    return getattr(llm, "score_with_layer_states", None) or getattr(llm, "score_full_logprobs", None)
+def tier0_scorer(llm: LLM) -> ScoreChunks:
+    """The engine's full-vocabulary scorer for Tier 0, chunk by chunk, with its layer states."""
+    return functools.partial(llm.score_chunks, layer_states=True)
 
 
 def tier0_sequences(llm: LLM, data_dir: Path, policy: GatePolicy, generations: list[list[int]],

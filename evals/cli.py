@@ -174,13 +174,9 @@ def _run(args: argparse.Namespace) -> int:
     elif policy.tier0.enabled:
         if base_llm is None:
             base_llm = arms.build_engine(baseline_dir, policy, device=device, lora=lora_dir)
-        base_fn, cand_fn = arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm)
-        if base_fn is None or cand_fn is None:
-            skip_reason = "engine has no LLM.score_full_logprobs(token_ids) yet; Tier 0 not run"
-        else:
-            sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
-            print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
-            parity = drift.logit_parity(sequences, base_fn, cand_fn)
+        sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
+        print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
+        parity = drift.logit_parity(sequences, arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm))
     agreement, divergences, answers = None, [], None
     if prompts and baseline.generations:
         base_generations = served.comparable(baseline.generations) if served else baseline.generations

@@ -8,8 +8,9 @@ computation on results; running the engines is the gate's job.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,11 +24,11 @@ from evals import stats
 PARITY_CHUNK_VALUES = 1 << 25
 POSITION_BUCKETS: tuple[tuple[int, int | None], ...] = ((0, 256), (256, 1024), (1024, 4096), (4096, None))
 
-# token ids [T] -> next-token log-probabilities [T, vocab]; row t is the distribution after tokens[: t + 1].
-FullLogprobsFn = Callable[[Sequence[int]], torch.Tensor]
-# The same, plus the residual stream after every decoder layer [layers, T, hidden] (locates drift).
-LayerStatesFn = Callable[[Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
-
+# token ids [T] -> the next-token log-probabilities of consecutive positions, a chunk at a time:
+# [rows, vocab] each (row t of the whole is the distribution after tokens[: t + 1]), with the residual
+# stream after every decoder layer [layers, rows, hidden] when the engine reports it (it locates
+# drift), else None. Chunks keep memory flat: a whole [T, vocab] pair is gigabytes at long context.
+ScoreChunks = Callable[[Sequence[int]], Iterable[tuple[torch.Tensor, torch.Tensor | None]]]
 
 def bucket_name(bucket: tuple[int, int | None]) -> str:
     low, high = bucket
@@ -106,11 +107,15 @@ def token_parity(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-position KL(base || cand), top-1 equality, and NLL change of the next token.
 
+    Computed where the rows are (a GPU's stay there); only the per-position results come back.
+
     Args:
         base_logprobs, cand_logprobs: [T, vocab] log-probabilities (re-normalized here).
-        next_tokens: [T - 1] the token that actually follows positions 0..T-2.
+        next_tokens: the tokens that follow positions 0, 1, ... (T of them, or T - 1 when the
+            last row ends the sequence).
     """
     step = max(1, PARITY_CHUNK_VALUES // base_logprobs.shape[-1])
+    next_tokens = next_tokens.to(base_logprobs.device)
     kl, top1_equal, nll_delta = [], [], []
     for start in range(0, base_logprobs.shape[0], step):
         base = torch.log_softmax(base_logprobs[start:start + step].double(), dim=-1)  # [rows, V]
@@ -118,51 +123,108 @@ def token_parity(
         kl.append((base.exp() * (base - cand)).sum(dim=-1).clamp_min(0.0))
         top1_equal.append(base.argmax(dim=-1) == cand.argmax(dim=-1))
         following = next_tokens[start:start + step]
-        rows = torch.arange(following.numel())
+        rows = torch.arange(following.numel(), device=base.device)
         nll_delta.append(base[rows, following] - cand[rows, following])
-    return torch.cat(kl).numpy(), torch.cat(top1_equal).numpy(), torch.cat(nll_delta).numpy()
+    return tuple(torch.cat(parts).cpu().numpy() for parts in (kl, top1_equal, nll_delta))
 
 
 def layer_drift_sums(base_states: torch.Tensor, cand_states: torch.Tensor) -> np.ndarray:
     """Per layer, the sum over tokens of |h_c - h_b| / |h_b| (states [layers, T, hidden])."""
     base, cand = base_states.double(), cand_states.double()
     ratio = (cand - base).norm(dim=-1) / base.norm(dim=-1).clamp_min(1e-12)  # [layers, T]
-    return ratio.sum(dim=-1).numpy()
+    return ratio.sum(dim=-1).cpu().numpy()
 
 
-def _scored(result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return result if isinstance(result, tuple) else (result, None)
+_Chunk = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def logit_parity(
-    sequences: Iterable[Sequence[int]],
-    baseline: FullLogprobsFn | LayerStatesFn,
-    candidate: FullLogprobsFn | LayerStatesFn,
-) -> LogitParity:
-    """Score each sequence with both arms and summarize, overall and by position bucket.
+def _split(chunk: _Chunk, rows: int) -> tuple[_Chunk, _Chunk | None]:
+    """A chunk's first `rows` rows, and the rest (None when nothing is left)."""
+    logprobs, states = chunk
+    head = (logprobs[:rows], None if states is None else states[:, :rows])
+    if rows == logprobs.shape[0]:
+        return head, None
+    return head, (logprobs[rows:], None if states is None else states[:, rows:])
 
-    When both arms also return layer states (a `LayerStatesFn`) the result says, per layer,
-    how far the hidden states drifted, and which layer added the most.
+
+def in_lockstep(base_chunks: Iterable[_Chunk], cand_chunks: Iterable[_Chunk]) -> Iterator[tuple[_Chunk, _Chunk]]:
+    """Two arms' chunk streams as pairs of equally long spans of the same positions (the arms may
+    chunk differently: one engine's token budget need not be the other's)."""
+    base_iter, cand_iter = iter(base_chunks), iter(cand_chunks)
+    base = cand = None
+    try:
+        while True:
+            base = next(base_iter, None) if base is None else base
+            cand = next(cand_iter, None) if cand is None else cand
+            if base is None or cand is None:
+                if base is not None or cand is not None:
+                    raise ValueError("the arms scored different numbers of positions")
+                return
+            rows = min(base[0].shape[0], cand[0].shape[0])
+            (base_head, base), (cand_head, cand) = _split(base, rows), _split(cand, rows)
+            yield base_head, cand_head
+    finally:  # an arm left half-way (an error) gives its KV blocks back now, not when collected
+        for stream in (base_iter, cand_iter):
+            if isinstance(stream, Generator):
+                stream.close()
+
+
+@dataclass(slots=True)
+class _LayerDriftSums:
+    """Per-layer drift summed over the tokens seen, while every span came with both arms' states."""
+
+    sums: np.ndarray | None = None
+    tokens: int = 0
+    comparable: bool = True
+
+    def add(self, base_states: torch.Tensor | None, cand_states: torch.Tensor | None) -> None:
+        if base_states is None or cand_states is None or base_states.shape != cand_states.shape:
+            self.comparable = False
+        if not self.comparable:
+            return
+        sums = layer_drift_sums(base_states, cand_states.to(base_states.device))
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.tokens += base_states.shape[1]
+
+    def result(self) -> LayerDrift | None:
+        return LayerDrift.from_drift(self.sums / self.tokens) if self.comparable and self.sums is not None else None
+
+
+def _sequence_parity(tokens: Sequence[int], spans: Iterable[tuple[_Chunk, _Chunk]],
+                     layers: _LayerDriftSums) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """token_parity over one sequence's spans: per-position KL, top-1 equality, NLL change (NaN at
+    the last position, which has no next token)."""
+    following = torch.as_tensor(tokens[1:], dtype=torch.long)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    position = 0
+    for (base, base_states), (cand, cand_states) in spans:
+        if base.shape != cand.shape:
+            raise ValueError(f"arms returned shapes {tuple(base.shape)} and {tuple(cand.shape)} for the same rows")
+        if not (torch.isfinite(base).any(-1).all() and torch.isfinite(cand).any(-1).all()):
+            raise FloatingPointError("non-finite logprobs in a Tier 0 row")
+        layers.add(base_states, cand_states)
+        rows = base.shape[0]
+        parts.append(token_parity(base, cand.to(base.device), following[position:position + rows]))
+        position += rows
+    if position != len(tokens):
+        raise ValueError(f"arms scored {position} positions of a {len(tokens)}-token sequence")
+    kl, top1, nll = (np.concatenate(column) for column in zip(*parts, strict=True))
+    return kl, top1, np.append(nll, np.nan)
+
+
+def logit_parity(sequences: Iterable[Sequence[int]], baseline: ScoreChunks, candidate: ScoreChunks) -> LogitParity:
+    """Score each sequence with both arms, a chunk of each at a time, and summarize, overall and by
+    position bucket.
+
+    When both arms also return layer states the result says, per layer, how far the hidden
+    states drifted, and which layer added the most.
     """
     overall = _TokenArrays()
     buckets = {bucket: _TokenArrays() for bucket in POSITION_BUCKETS}
-    layer_sums: np.ndarray | None = None
-    layer_tokens = 0
-    layers_comparable = True
+    layers = _LayerDriftSums()
     for tokens in sequences:
-        (base, base_states), (cand, cand_states) = _scored(baseline(tokens)), _scored(candidate(tokens))
-        if base_states is None or cand_states is None or base_states.shape != cand_states.shape:
-            layers_comparable = False
-        elif layers_comparable:
-            sums = layer_drift_sums(base_states, cand_states)
-            layer_sums = sums if layer_sums is None else layer_sums + sums
-            layer_tokens += base_states.shape[1]
-        if base.shape != cand.shape or base.shape[0] != len(tokens):
-            raise ValueError(f"arms returned shapes {tuple(base.shape)} and {tuple(cand.shape)} for {len(tokens)} tokens")
-        if not (torch.isfinite(base).any(-1).all() and torch.isfinite(cand).any(-1).all()):
-            raise FloatingPointError("non-finite logprobs in a Tier 0 row")
-        kl, top1, nll = token_parity(base, cand, torch.as_tensor(tokens[1:], dtype=torch.long))
-        nll = np.append(nll, np.nan)  # the last position has no next token
+        with contextlib.closing(in_lockstep(baseline(tokens), candidate(tokens))) as spans:
+            kl, top1, nll = _sequence_parity(tokens, spans, layers)
         for arrays, sl in [(overall, slice(None))] + [
             (buckets[b], slice(b[0], b[1])) for b in POSITION_BUCKETS
         ]:
@@ -178,8 +240,7 @@ def logit_parity(
     return LogitParity(
         overall=overall.summarize(),
         by_position={bucket_name(b): a.summarize() for b, a in buckets.items() if a.kl},
-        by_layer=LayerDrift.from_drift(layer_sums / layer_tokens)
-        if layers_comparable and layer_sums is not None else None,
+        by_layer=layers.result(),
     )
 
 

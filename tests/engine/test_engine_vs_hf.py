@@ -112,6 +112,29 @@ def test_score_full_logprobs_equals_hf(tiny_model_dir, kwargs):
     assert llm.stats().num_blocks_used == 0
 
 
+
+def test_score_chunks_stream_the_rows_a_prefill_chunk_at_a_time(tiny_model_dir):
+    """score_chunks yields score's rows in prefill chunks (what Tier 0 holds at once), one sequence
+    at a time; an abandoned one gives its KV blocks and capture hooks back when closed."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=8, block_size=4)
+    prompt = _prompts()[3]
+    whole = llm.score_full_logprobs(prompt)
+    chunks = list(llm.score_chunks(prompt, layer_states=True))
+    assert [rows.shape[0] for rows, _ in chunks] == [min(8, len(prompt) - s) for s in range(0, len(prompt), 8)]
+    assert torch.equal(torch.cat([rows for rows, _ in chunks]), whole)
+    assert all(states.shape[:2] == (llm.engine.model.args.num_layers, rows.shape[0]) for rows, states in chunks)
+    assert all(states is None for _, states in llm.score_chunks(prompt))
+
+    first = llm.score_chunks(prompt, layer_states=True)
+    next(first)
+    assert llm.stats().num_blocks_used > 0
+    with pytest.raises(RuntimeError, match="one sequence at a time"):
+        next(llm.score_chunks(prompt))
+    first.close()
+    assert llm.stats().num_blocks_used == 0 and not llm.engine.runner.block_rows
+    assert not llm.engine.model.model.layers[0]._forward_hooks
+    assert torch.equal(llm.score_full_logprobs(prompt), whole)  # the engine scores again after the abandoned one
+
 def test_max_logprobs_bounds_requests_and_minus_one_gives_every_token(tiny_model_dir):
     """vLLM's max_logprobs: 20 by default (more is a ValueError naming the field); -1 lets a request
     take the whole distribution, which is HF's log-softmax."""

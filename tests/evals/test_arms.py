@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+import torch
+
 from engine import LLM, SamplingParams
-from evals import arms
+from evals import arms, drift
 from evals.lm_eval_model import DriftgateLM
 from evals.policy import load_policy
+from tests.helpers import ON_CUDA
 
 SHARED = [5, 9, 17, 33, 65, 129, 200, 7] * 6  # 48 tokens of "exemplars"
 
@@ -19,6 +25,25 @@ def test_greedy_generations_share_the_prefix_and_match_one_at_a_time(tiny_model_
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert together == [list(alone.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
 
+
+
+@pytest.mark.parametrize("kwargs", [{}, ON_CUDA])
+def test_tier0_compares_two_engines_chunk_by_chunk_where_they_run(tiny_model_dir, kwargs):
+    """Tier 0 between engines that chunk a sequence differently (one through a bf16 KV cache) equals
+    the parity of their whole score tensors, on the device they run on (a GPU's rows stay there)."""
+    tokens = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    base = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=16, **kwargs)
+    cand = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=40, kv_cache_dtype="bfloat16", **kwargs)
+    parity = drift.logit_parity([tokens], arms.tier0_scorer(base), arms.tier0_scorer(cand))
+
+    def whole(llm):
+        return lambda ids: [(llm.score_full_logprobs(ids).cpu(), None)]
+
+    expected = drift.logit_parity([tokens], whole(base), whole(cand))
+    assert dataclasses.asdict(parity.overall) == pytest.approx(dataclasses.asdict(expected.overall))
+    assert 0 < parity.overall.kl_mean < 1e-3 and parity.overall.top1_agreement > 0.9  # bf16 KV: small drift
+    assert parity.by_layer is not None and len(parity.by_layer.relative_drift) == base.engine.model.args.num_layers
+    assert base.stats().num_blocks_used == cand.stats().num_blocks_used == 0
 
 def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir, data_dir):
     """The answer drift metrics use (argmax of choice scores) is the one lm-eval graded, acc_norm included."""

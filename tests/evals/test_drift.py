@@ -133,12 +133,12 @@ def test_logit_parity_buckets_by_position_and_flags_length_growth():
     logits = torch.randn(length, vocab)
 
     def baseline(ids):
-        return logits[: len(ids)]
+        return [(logits[: len(ids)], None)]
 
     def candidate(ids):
         noise = torch.zeros(len(ids), vocab)
         noise[256:] = torch.randn(len(ids) - 256, vocab)  # drift only late in the sequence
-        return logits[: len(ids)] + noise
+        return [(logits[: len(ids)] + noise, None)]
 
     same = drift.logit_parity([tokens], baseline, baseline)
     assert same.overall.kl_mean == pytest.approx(0.0, abs=1e-12) and same.overall.top1_agreement == 1.0
@@ -152,11 +152,50 @@ def test_logit_parity_buckets_by_position_and_flags_length_growth():
 
 def test_logit_parity_rejects_nan_rows():
     def broken(ids):
-        return torch.full((len(ids), 4), float("nan"))
+        return [(torch.full((len(ids), 4), float("nan")), None)]
 
     with pytest.raises(FloatingPointError):
         drift.logit_parity([[0, 1, 2]], broken, broken)
 
+
+
+def test_logit_parity_pairs_arms_that_chunk_differently_and_closes_them_on_error():
+    """Arms stream their rows in chunks of their own sizes: the parity equals the whole-at-once one;
+    an arm scoring fewer positions is an error, and both streams are closed (KV blocks given back)."""
+    torch.manual_seed(0)
+    tokens = [i % 7 for i in range(10)]
+    base, cand = torch.randn(10, 7), torch.randn(10, 7)
+
+    def chunked(logits, sizes):
+        def score(ids):
+            start = 0
+            for size in sizes:
+                yield logits[start:start + size], None
+                start += size
+        return score
+
+    whole = drift.logit_parity([tokens], chunked(base, [10]), chunked(cand, [10]))
+    split = drift.logit_parity([tokens], chunked(base, [4, 4, 2]), chunked(cand, [3, 7]))
+    assert split == whole
+
+    closed = []
+
+    def short(ids):
+        try:
+            yield base[:6], None
+        finally:
+            closed.append("candidate")
+
+    def full(ids):
+        try:
+            yield base[:5], None
+            yield base[5:], None
+        finally:
+            closed.append("baseline")
+
+    with pytest.raises(ValueError, match="different numbers of positions"):
+        drift.logit_parity([tokens], full, short)
+    assert sorted(closed) == ["baseline", "candidate"]
 
 def test_first_divergence_and_agreement_summary():
     assert drift.first_divergence([1, 2, 3], [1, 2, 3]) is None
@@ -178,10 +217,10 @@ def test_logit_parity_names_the_layer_that_adds_the_drift():
     damaged[2:] += 0.5 * states[2:]  # layer 2 and everything after it: |dh| / |h| = 0.5
 
     def baseline(ids):
-        return logits, states
+        return [(logits, states)]
 
     def candidate(ids):
-        return logits + 0.1, damaged
+        return [(logits[:3] + 0.1, damaged[:, :3]), (logits[3:] + 0.1, damaged[:, 3:])]  # chunked differently
 
     parity = drift.logit_parity([tokens, tokens], baseline, candidate)
     assert parity.by_layer.relative_drift == pytest.approx((0.0, 0.0, 0.5, 0.5, 0.5), abs=1e-6)
@@ -189,7 +228,7 @@ def test_logit_parity_names_the_layer_that_adds_the_drift():
     assert parity.by_layer.largest_step_layer == 2
     assert parity.overall.kl_mean == pytest.approx(0.0, abs=1e-12)  # a constant shift keeps the distribution
     assert drift.logit_parity([tokens], baseline, baseline).by_layer.largest_step_layer is None  # no drift anywhere
-    logits_only = drift.logit_parity([tokens], lambda ids: logits, candidate)
+    logits_only = drift.logit_parity([tokens], lambda ids: [(logits, None)], candidate)
     assert logits_only.by_layer is None  # one arm without layer states: nothing to compare per layer
 
 
