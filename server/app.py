@@ -102,7 +102,7 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = render_chat(engine.tokenizer, body, config.chat_template)
+            ids = render_chat(engine.tokenizer, body, config)
         else:
             ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

@@ -13,6 +13,7 @@ from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.thinking import ThinkingBudget
+from server.config import TEMPLATE_ARGUMENTS, ServerConfig
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect_while_connected
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs, token_namer
@@ -44,25 +45,23 @@ from server.tools import ToolCallReader
 if TYPE_CHECKING:
     from engine.serving import ServingEngine
 
-# apply_chat_template's own arguments, which chat_template_kwargs must not override
-_TEMPLATE_ARGUMENTS = frozenset({"conversation", "chat_template", "tokenize", "add_generation_prompt",
-                                 "continue_final_message", "tools", "documents", "return_dict"})
 
-
-def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, chat_template: str | None = None) -> list[int]:
-    """Token ids of the body's conversation under `chat_template` (default: the tokenizer's), with
-    its template options; template failures are the client's 400."""
-    template = chat_template or getattr(tokenizer, "chat_template", None)
+def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, config: ServerConfig | None = None) -> list[int]:
+    """Token ids of the body's conversation under the server's chat template (default: the
+    tokenizer's), with its template options over the server's defaults; template failures are the
+    client's 400."""
+    template = (config and config.chat_template) or getattr(tokenizer, "chat_template", None)
     if not template:
         raise APIError(400, "this model has no chat template; use /v1/completions, or serve it with "
                             "--chat-template", param="messages")
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt=false", param="continue_final_message")
     extra = body.chat_template_kwargs or {}
-    if clash := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
+    if clash := sorted(TEMPLATE_ARGUMENTS & extra.keys()):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
     if effort := getattr(body, "reasoning_effort", None):  # a template that reads it (gpt-oss's) sets the effort
         extra = {"reasoning_effort": effort, **extra}
+    extra = {**(config.default_chat_template_kwargs if config else {}), **extra}
     conversation = [{"role": m.role, "content": m.text()}
                     | {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v is not None}
                     for m in body.messages]
@@ -192,7 +191,7 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
     lora = requested_adapter(body.model, config)
     refuse_unsupported(body)
     reader = ToolCallReader(body, config.tool_call_parser)
-    ids = truncate_prompt(render_chat(engine.tokenizer, body, config.chat_template), body.truncate_prompt_tokens,
+    ids = truncate_prompt(render_chat(engine.tokenizer, body, config), body.truncate_prompt_tokens,
                           engine.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,

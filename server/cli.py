@@ -128,6 +128,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="names clients may use, the first in responses (default: the folder name)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    parser.add_argument("--default-chat-template-kwargs", type=_json_object_arg("default_chat_template_kwargs"),
+                        default=None, metavar="JSON",
+                        help='template variables every chat request gets unless its chat_template_kwargs sets '
+                             'them, e.g. \'{"enable_thinking": false}\'')
     parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                         help="sampling defaults for fields a request leaves out: the model's generation_config.json "
                              "(auto), another folder's, or none (vllm, or none: temperature 1, no top-p/top-k); its "
@@ -355,6 +359,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         request_timeout_s=args.request_timeout, max_n=args.max_n,
         sampling_defaults=sampling_defaults(args.model, args.generation_config, args.override_generation_config),
         chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size, lora_modules=lora_modules(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating, pooling=pooling_config(args.model),

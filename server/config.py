@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.pooling import ClassifierConfig, PoolingConfig
 from server.reasoning import REASONING_PARSERS
 from server.tools import TOOL_CALL_PARSERS
+
+# apply_chat_template's own arguments, which template variables (a request's or the server's) must not override
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "chat_template", "tokenize", "add_generation_prompt",
+                                "continue_final_message", "tools", "documents", "return_dict"})
 
 
 @dataclass(slots=True)
@@ -24,6 +29,8 @@ class ServerConfig:
     # what a request that leaves a sampling field out gets (the model's generation_config.json)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's (--chat-template)
+    # template variables every chat gets unless its chat_template_kwargs sets them (e.g. enable_thinking)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call the API ("*": any); none by default
     aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's extra --served-model-name values)
     tool_call_parser: str | None = None  # how tool_choice "auto" finds calls in the output (server.tools)
@@ -46,6 +53,8 @@ class ServerConfig:
             raise ValueError("served model names must be non-empty")
         if clash := sorted(set(self.lora_modules) & set(self.model_names)):
             raise ValueError(f"LoRA adapter name(s) {', '.join(clash)} are also the base model's served names")
+        if clash := sorted(TEMPLATE_ARGUMENTS & self.default_chat_template_kwargs.keys()):
+            raise ValueError(f"default chat template kwargs may not set {', '.join(clash)}")
         if self.api_key == "":
             raise ValueError("api_key must be non-empty when given")
         if self.responses_store_size < 0:

@@ -346,5 +346,5 @@ async def count_message_tokens(request: Request) -> Response:
     """The prompt tokens a Messages body would take (system, conversation and tools, as rendered)."""
     state: ServerState = request.app.state.driftgate
     chat = as_chat(await _body(request))
-    ids = render_chat(state.ready_engine().tokenizer, chat, state.config.chat_template)
+    ids = render_chat(state.ready_engine().tokenizer, chat, state.config)
     return JSONResponse({"input_tokens": len(ids)})

@@ -8,6 +8,7 @@ import re
 import httpx
 import pytest
 
+from server.config import ServerConfig
 from tests.server.conftest import MODEL_NAME, wait_until_idle
 
 PROMPT = "The quick brown fox"
@@ -316,6 +317,16 @@ def test_chat_template_options_reach_the_template(engine, base_url):
         assert loud == tok.encode("LOUD hi", add_special_tokens=False)
         clash = tokenize(url, messages=turns[:1], chat_template_kwargs={"tokenize": True})
         assert clash.status_code == 400 and "tokenize" in clash.json()["error"]["message"]
+    # serve --default-chat-template-kwargs: every chat gets them, a request's own override them
+    with serve(engine, chat_template="{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}",
+               default_chat_template_kwargs={"shout": True}) as url:
+        assert tokenize(url, messages=turns[:1]).json()["tokens"] == loud
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": turns[:1], "max_tokens": 1}, timeout=60)
+        assert chat.json()["usage"]["prompt_tokens"] == len(loud)
+        quiet = tokenize(url, messages=turns[:1], chat_template_kwargs={"shout": False}).json()["tokens"]
+        assert quiet == tok.encode("hi", add_special_tokens=False)
+    with pytest.raises(ValueError, match="default chat template kwargs may not set add_generation_prompt"):
+        ServerConfig(served_model_name="m", default_chat_template_kwargs={"add_generation_prompt": False})
     # OpenAI's reasoning_effort (Responses' reasoning.effort, Anthropic's output_config.effort) is the
     # template's variable, as in vLLM
     effort_template = "effort {{ reasoning_effort | default('unset') }}: {{ messages[-1]['content'] }}"

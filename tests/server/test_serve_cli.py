@@ -189,6 +189,14 @@ def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Pat
               "--reasoning-parser", "deepseek_r1"])
     config = seen.pop()
     assert config.model_names == ("smol", "gpt-4o-mini") and config.reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        main([str(folder), "--port", str(_free_port()), "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert seen.pop().default_chat_template_kwargs == {"enable_thinking": False}
+    assert main([str(folder), "--port", "0", "--default-chat-template-kwargs", '{"tools": []}']) == 2
+    assert "default chat template kwargs may not set tools" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad_json:
+        main([str(folder), "--port", "0", "--default-chat-template-kwargs", "enable_thinking=false"])
+    assert bad_json.value.code == 2 and "default_chat_template_kwargs: not valid JSON" in capsys.readouterr().err
 
 
 def test_hf_overrides_reach_the_engine_and_the_servers_classifier(tiny_model_dir: Path, monkeypatch, capsys):

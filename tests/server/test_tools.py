@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from server.chat import render_chat
+from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest
 from tests.server.conftest import MODEL_NAME
 
@@ -85,7 +86,8 @@ def test_tools_and_tool_turns_reach_the_chat_template(engine):
 
     def rendered(**fields) -> str:
         body = ChatCompletionRequest(messages=turns, tools=[FLAG], **fields)
-        return engine.tokenizer.decode(render_chat(engine.tokenizer, body, template))
+        config = ServerConfig(served_model_name="m", chat_template=template)
+        return engine.tokenizer.decode(render_chat(engine.tokenizer, body, config))
 
     expected = "[tool set_flag]<user>Turn the flag on.<assistant>(call set_flag)<tool>done(answers c1)"
     assert rendered(tool_choice="required") == expected
@@ -257,8 +259,6 @@ def test_auto_tool_choice_with_a_parser(engine, parser):
 
 
 def test_an_unknown_parser_is_refused():
-    from server.config import ServerConfig
-
     with pytest.raises(ValueError, match="unknown tool-call parser 'xml'; known: hermes, llama3_json, mistral, "
                                          "pythonic, granite, phi4_mini_json, qwen3_coder"):
         ServerConfig(served_model_name="x", tool_call_parser="xml")
