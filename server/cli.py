@@ -207,6 +207,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--require-gate", action="store_true",
                         help="refuse to serve unless the checkpoint's verdict.json passes and matches its weights")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's prompt, token ids and sampling fields (a JSON line on "
+                             "driftgate.server.requests); prompts may be private, so off by default")
+    parser.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                        help="with --enable-log-requests: the prompt cut to N characters and N token ids")
     cluster = parser.add_argument_group("cluster (needs `pip install driftgate[cluster]`)")
     cluster.add_argument("--replicas", "--data-parallel-size", "-dp", dest="replicas", type=int, default=1,
                          help="engine replicas, each a Ray actor; above 1 the router runs in this process "
@@ -357,6 +362,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or os.environ.get("DRIFTGATE_API_KEY") or None,
         metrics_public=args.metrics_public, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_n=args.max_n,
+        log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         sampling_defaults=sampling_defaults(args.model, args.generation_config, args.override_generation_config),
         chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},

@@ -25,6 +25,8 @@ class ServerConfig:
     max_queue: int = 1024  # requests not yet started before new ones get 429
     request_timeout_s: float | None = None  # 504 past this many seconds
     max_n: int = 16  # largest `n` one request may ask for
+    log_requests: bool = False  # log each request's prompt and sampling fields (server.generation.log_received)
+    max_log_len: int | None = None  # ... cut to this many characters and token ids
     retry_after_s: int = 1  # advertised in 429 responses
     # what a request that leaves a sampling field out gets (the model's generation_config.json)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
@@ -63,6 +65,8 @@ class ServerConfig:
             raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len cannot be negative, got {self.max_log_len}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.retry_after_s < 1:

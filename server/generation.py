@@ -9,7 +9,10 @@ its KV blocks are freed before the next forward pass.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from engine.serving import ServingEngine
 
 T = TypeVar("T")
+request_logger = logging.getLogger("driftgate.server.requests")
 
 
 @dataclass(slots=True)
@@ -36,6 +40,27 @@ class EngineRequest:
     params: SamplingParams | BeamSearchParams
     priority: int = 0
     lora: str | None = None  # the LoRA adapter serving it
+
+
+def log_received(tokenizer, requests: list[EngineRequest], max_len: int | None) -> None:
+    """serve --enable-log-requests: one JSON line per engine request with what it was given (its
+    prompt, cut to `max_len` characters and token ids, and the sampling fields it sets), so an
+    output can be reproduced. Off by default: prompts may be private."""
+    for request in requests:
+        ids = request.prompt_token_ids[:max_len]
+        params = request.params
+        changed = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+                   if getattr(params, f.name) != _default(f)}
+        request_logger.info(json.dumps({
+            "event": "received", "id": request.request_id, "prompt": tokenizer.decode(ids)[:max_len],
+            "prompt_token_ids": ids, "prompt_tokens": len(request.prompt_token_ids),
+            "params": changed, "lora": request.lora, "priority": request.priority}, default=str))
+
+
+def _default(field: dataclasses.Field) -> object:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
 class _Done:
@@ -48,6 +73,8 @@ class Generation:
     def __init__(self, state: ServerState, engine: ServingEngine, requests: list[EngineRequest],
                  record: RequestRecord) -> None:
         state.admit(engine)  # 429 before anything is allocated; `aclose` gives the slot back
+        if state.config.log_requests:
+            log_received(engine.tokenizer, requests, state.config.max_log_len)
         self._engine = engine
         self._state = state
         self._requests = requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import httpx
@@ -520,3 +521,28 @@ def test_sagemaker_invocations_answer_as_the_route_the_body_names(client, base_u
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     refused = httpx.post(base_url + "/invocations", content=b"{not json", timeout=10)
     assert refused.status_code == 400 and "JSON object" in refused.json()["error"]["message"]
+
+
+def test_enable_log_requests_logs_each_prompt_cut_to_max_log_len(engine, base_url, caplog):
+    """serve --enable-log-requests: a JSON line per engine request with its prompt (cut to
+    --max-log-len characters and token ids) and the sampling fields it set; off by default."""
+    from tests.server.conftest import serve
+
+    def logged() -> list[dict]:
+        return [json.loads(r.getMessage()) for r in caplog.records if r.name == "driftgate.server.requests"]
+
+    body = {"model": MODEL_NAME, "prompt": ["The secret word is banana", "Two"], "max_tokens": 3, "temperature": 0.5}
+    caplog.set_level(logging.INFO, logger="driftgate.server.requests")
+    assert httpx.post(base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+    assert logged() == []
+    with serve(engine, log_requests=True, max_log_len=10) as url:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    lines = logged()
+    assert len(lines) == 2 and lines[0]["id"] != lines[1]["id"]
+    first = lines[0] if lines[0]["prompt_tokens"] > lines[1]["prompt_tokens"] else lines[1]
+    ids = engine.tokenizer.encode("The secret word is banana")
+    assert first["prompt_tokens"] == len(ids) and first["prompt_token_ids"] == ids[:10]
+    assert first["prompt"] == engine.tokenizer.decode(ids[:10])[:10]
+    assert sum(line["prompt_tokens"] for line in lines) == reply["usage"]["prompt_tokens"]
+    assert first["params"]["temperature"] == 0.5 and first["params"]["max_tokens"] == 3
+    assert "top_p" not in first["params"]  # only the fields the request moved off their defaults

@@ -192,6 +192,11 @@ def test_generation_config_and_served_names_reach_the_config(tiny_model_dir: Pat
     with pytest.raises(SystemExit):
         main([str(folder), "--port", str(_free_port()), "--default-chat-template-kwargs", '{"enable_thinking": false}'])
     assert seen.pop().default_chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(SystemExit):
+        main([str(folder), "--port", str(_free_port()), "--enable-log-requests", "--max-log-len", "64"])
+    config = seen.pop()
+    assert config.log_requests and config.max_log_len == 64
+    assert main([str(folder), "--port", "0", "--max-log-len", "-1"]) == 2
     assert main([str(folder), "--port", "0", "--default-chat-template-kwargs", '{"tools": []}']) == 2
     assert "default chat template kwargs may not set tools" in capsys.readouterr().err
     with pytest.raises(SystemExit) as bad_json:
