@@ -14,7 +14,7 @@ timeout 180 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
     tests/engine/test_triton_attention.py tests/engine/test_engine_vs_hf.py \
     tests/engine/test_triton_fused.py tests/engine/test_spec_decode.py tests/quant/test_triton_fp8.py \
     tests/quant/test_linear.py tests/engine/test_lora.py tests/engine/test_moe.py tests/engine/test_embeddings.py \
-    tests/engine/test_classify.py tests/quant/test_fp4.py tests/evals/test_arms.py \
+    tests/engine/test_classify.py tests/quant/test_fp4.py tests/evals/test_arms.py tests/engine/test_memory_budget.py \
     2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 timeout 270 "$PYTHON" -m bench.gpu --out "$OUT/h200-$(date +%F).json" 2>&1 | tee "$OUT/gpu-bench.log"

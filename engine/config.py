@@ -59,7 +59,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # while any sequence decodes, prompt chunks take at most this many tokens per step (0: no cap)
     max_prefill_tokens_with_decodes: int = 0
-    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves
+    # CUDA: the share of the device's memory this engine may hold, weights and working memory
+    # included (vLLM's); engines sharing one GPU (the gate's arms) each take their part
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -97,6 +100,8 @@ class EngineConfig:
                              "fp8_e5m2 takes no scales")
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

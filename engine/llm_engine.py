@@ -15,7 +15,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.generation_config import sequence_end_ids
 from engine.layers.attention import KVCache
-from engine.loader import apply_kv_scales, defer_kv_scales, load_model
+from engine.loader import apply_kv_scales, defer_kv_scales, load_model, resolve_dtype
 from engine.lora import LoRALayers, LoRARequest
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
 from engine.runner import ModelRunner
@@ -76,12 +76,16 @@ class LLMEngine:
             # checked here, where the engine runs: a cluster's API process may have no GPU itself
             raise ValueError(f"device {config.device!r}: torch {torch.__version__} sees no CUDA device here "
                              f"(use --device cpu, or auto)")
+        allocated_before = torch.cuda.memory_allocated(config.device) if config.device.startswith("cuda") else 0
         self.model, self.hf_config = load_model(config.model, config.dtype, config.device, config.max_model_len,
                                                 config.hf_overrides)
         self.lora = LoRALayers(self.model, config.max_lora_rank, config.max_cpu_loras) if config.enable_lora else None
         for name, path in (config.lora_modules or {}).items():
             self.lora.add(LoRARequest(name, len(self.lora.paths) + 1, path))
         self.model.prepack_for_cpu()
+        # what this engine's weights (and adapters) hold on the GPU: its share of gpu_memory_utilization
+        self._weight_bytes = (torch.cuda.memory_allocated(config.device) - allocated_before
+                              if config.device.startswith("cuda") else 0)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         args = self.model.args
         longest = args.max_position_embeddings
@@ -95,7 +99,8 @@ class LLMEngine:
             # one sequence must always fit, or it would preempt itself forever
             if config.max_model_len is not None:
                 raise ValueError(f"the KV cache holds {capacity} tokens, less than max_model_len="
-                                 f"{config.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len")
+                                 f"{config.max_model_len}; raise kv_cache_memory_bytes (on CUDA: gpu_memory_utilization) "
+                                 "or lower max_model_len")
             self.max_model_len = capacity
         # a mixture of experts picks each expert's rows per step: shapes a graph cannot replay
         use_graphs = config.device.startswith("cuda") and not config.enforce_eager and not args.is_moe
@@ -148,16 +153,26 @@ class LLMEngine:
         args = self.model.args
         per_slot = KVCache.bytes_per_slot(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
         budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            if self.config.device.startswith("cuda"):
-                free, _ = torch.cuda.mem_get_info()
-                budget = int(free * 0.9)
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
+        if budget is None and self.config.device.startswith("cuda"):
+            free, total = torch.cuda.mem_get_info(self.config.device)
+            budget = cuda_kv_budget(total, free, self._weight_bytes, self._working_memory_bytes(),
+                                    self.config.gpu_memory_utilization)
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_BYTES
         num_blocks = budget // (per_slot * self.config.block_size)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold one block of {self.config.block_size} tokens")
+            raise ValueError(f"a KV cache of {budget} bytes cannot hold one block of {self.config.block_size} tokens; "
+                             "raise kv_cache_memory_bytes (on CUDA: gpu_memory_utilization)")
         return int(num_blocks)
+
+    def _working_memory_bytes(self) -> int:
+        """An estimate of a full prefill step's memory beyond weights and cache: fp32 logits and their
+        log-softmax over the vocabulary for every row (score() computes them all) and the MLP's
+        widest activations, for max_num_batched_tokens tokens."""
+        args = self.model.args
+        width = 4 * args.hidden_size + 3 * max(args.intermediate_size, args.expert_intermediate_size)
+        element = resolve_dtype(self.config.dtype, self.config.device).itemsize
+        return self.config.max_num_batched_tokens * (2 * 4 * args.vocab_size + element * width)
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -473,6 +488,13 @@ class LLMEngine:
             num_accepted_draft_tokens=self.num_accepted_draft_tokens,
             **loras,
         )
+
+
+def cuda_kv_budget(total: int, free: int, weight_bytes: int, working_bytes: int, utilization: float) -> int:
+    """Bytes for the KV cache on a GPU, as vLLM's gpu_memory_utilization: this engine may hold
+    `utilization` of the device's `total` memory (its weights and working memory included), and
+    never more than is `free` now, after what other engines and processes hold."""
+    return max(0, min(int(utilization * total) - weight_bytes, free) - working_bytes)
 
 
 def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:

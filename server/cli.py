@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, serving_setting
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, resolve_device, serving_setting
 from engine.generation_config import sampling_defaults
 from engine.json_object import flag_json_object
 from engine.loader import model_config
@@ -183,7 +183,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              'as a classifier: \'{"architectures": ["Qwen3ForSequenceClassification"], '
                              '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="the KV cache's size (default: 1 GiB on a CPU; on CUDA what --gpu-memory-utilization leaves)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                        help="on CUDA, the share of the device's memory this engine may hold: weights, working "
+                             "memory and the KV cache (vLLM's; default 0.9)")
     parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                         help="recompute every prompt (vLLM's spelling accepted too)")
     parser.add_argument("--enable-prefix-caching", action="store_false", dest="no_prefix_caching",
@@ -280,7 +284,7 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes, block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, **_gpu_memory_utilization(args),
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, device=args.device,
         enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         scheduling_policy=args.scheduling_policy, enable_lora=args.enable_lora,
@@ -292,6 +296,16 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
     from engine.cluster.cluster_engine import ClusterEngine
 
     return ClusterEngine.launch(config, args.replicas, args.router_policy, args.ray_address)
+
+
+def _gpu_memory_utilization(args: argparse.Namespace) -> dict[str, float]:
+    """--gpu-memory-utilization for EngineConfig; on a CPU it has nothing to size (said, not ignored silently)."""
+    if args.gpu_memory_utilization is None:
+        return {}
+    if not resolve_device(args.device).startswith("cuda"):
+        logger.warning("--gpu-memory-utilization applies to CUDA devices; on %s the KV cache takes "
+                       "--kv-cache-memory-bytes (1 GiB by default)", resolve_device(args.device))
+    return {"gpu_memory_utilization": args.gpu_memory_utilization}
 
 
 def _load_engine(args: argparse.Namespace, state: ServerState, server: _DrainingServer, failed: list[str]) -> None:

@@ -113,3 +113,15 @@ def test_tier0_articles_shorter_than_the_policy_run_on_into_the_next(tiny_model_
     follow = tokenizer.encode("\n\n" + pages[short + 1], add_special_tokens=False)
     assert sequences[short][len(head):len(head) + len(follow)] == follow[:limit - len(head)]
     assert sequences[-1] == ([1, 2] + generation[0])[-limit:]  # the generation's tail, as before
+
+
+def test_each_arm_takes_its_part_of_a_gpu(tiny_model_dir):
+    """The candidate's, baseline's and noise floor's engines are alive at once on one device."""
+    from evals.policy import policy_from_dict
+
+    assert arms.gpu_share(load_policy("quick")) == pytest.approx(0.3)
+    assert arms.build_engine(tiny_model_dir, load_policy("quick")).engine.config.gpu_memory_utilization \
+        == pytest.approx(0.3)
+    tasks = [{"name": "driftgate_piqa", "metric": "acc_norm,none", "items": 8}]
+    no_noise_floor = policy_from_dict({"tier1": {"tasks": tasks}, "noise_floor": {"enabled": False}})
+    assert arms.gpu_share(no_noise_floor) == pytest.approx(0.45)

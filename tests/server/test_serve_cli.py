@@ -445,3 +445,17 @@ def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path:
                           base_hashes=verdict.weight_hashes(model))
     assert server_config(parser.parse_args([str(model), "--require-gate", "--lora-modules", f"sql={adapter}"]))
     assert "bypass the gate" in refusal("--enable-lora", "--allow-runtime-lora-updating")
+
+
+def test_gpu_memory_utilization_reaches_the_engine_and_is_said_to_do_nothing_on_a_cpu(caplog):
+    import argparse
+
+    from server.cli import _gpu_memory_utilization, add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert _gpu_memory_utilization(parser.parse_args(["m"])) == {}
+    with caplog.at_level(logging.WARNING, logger="driftgate.server"):
+        chosen = _gpu_memory_utilization(parser.parse_args(["m", "--device", "cpu", "--gpu-memory-utilization", "0.5"]))
+    assert chosen == {"gpu_memory_utilization": 0.5}
+    assert "--gpu-memory-utilization applies to CUDA devices" in caplog.text
