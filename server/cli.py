@@ -224,6 +224,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="join this Ray cluster (`auto`: the one on this machine); default: start a local one")
     cluster.add_argument("--router-policy", default="coordinated",
                          choices=["round-robin", "least-loaded", "coordinated"])
+    vllm = parser.add_argument_group("vLLM's flags that a copied command line carries")
+    vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                      help="1 only: a model runs on one device here (for more, --replicas)")
+    vllm.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only, as --tensor-parallel-size")
+    vllm.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                      help="only the checkpoint's own (compressed-tensors): quantize with `driftgate quantize`, "
+                           "gate, and serve its output")
+    vllm.add_argument("--trust-remote-code", action="store_true",
+                      help="no effect: every architecture is driftgate's own code; no checkpoint code runs")
+    vllm.add_argument("--enable-chunked-prefill", action="store_true",
+                      help="no effect: prompts are always prefilled in chunks of --max-num-batched-tokens")
+    vllm.add_argument("--disable-log-requests", action="store_true",
+                      help="no effect: prompts are logged only with --enable-log-requests")
 
 
 def _check_gate(args: argparse.Namespace) -> str | None:
@@ -358,6 +371,24 @@ def lora_modules(specs: list[str]) -> dict[str, str]:
     return modules
 
 
+def _check_vllm_flags(args: argparse.Namespace) -> None:
+    """vLLM's parallelism and on-the-fly quantization flags, refused with what to do here instead
+    (a ValueError) unless they ask for what this server does anyway."""
+    for flag, size in (("--tensor-parallel-size", args.tensor_parallel_size),
+                       ("--pipeline-parallel-size", args.pipeline_parallel_size)):
+        if size != 1:
+            raise ValueError(f"{flag} {size}: a model runs whole on one device here (no tensor or pipeline "
+                             "parallelism); for more throughput run engines side by side with --replicas N")
+    if args.quantization is None:
+        return
+    method = (model_config(args.model, args.hf_overrides).get("quantization_config") or {}).get("quant_method")
+    if args.quantization != method:
+        have = f"a {method} checkpoint" if method else "unquantized"
+        raise ValueError(f"--quantization {args.quantization}: this server does not quantize at load; "
+                         f"{args.model} is {have}. Make a checkpoint with `driftgate quantize {args.model} "
+                         "--scheme fp8-dynamic --calib DATA.jsonl -o OUT`, gate it, and serve OUT")
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The serve arguments checked and turned into the app's config; ValueError says what is wrong."""
     if not Path(args.model).is_dir():
@@ -366,6 +397,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError(reason)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    _check_vllm_flags(args)
     if is_cluster(args) and importlib.util.find_spec("ray") is None:
         raise ValueError("--replicas above 1 and --ray-address need Ray, which is not installed; "
                          "install it with `pip install driftgate[cluster]`")

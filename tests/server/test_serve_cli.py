@@ -459,3 +459,46 @@ def test_gpu_memory_utilization_reaches_the_engine_and_is_said_to_do_nothing_on_
         chosen = _gpu_memory_utilization(parser.parse_args(["m", "--device", "cpu", "--gpu-memory-utilization", "0.5"]))
     assert chosen == {"gpu_memory_utilization": 0.5}
     assert "--gpu-memory-utilization applies to CUDA devices" in caplog.text
+
+
+def test_vllm_flags_run_where_they_mean_what_happens_here_and_say_what_to_do_where_not(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch, capsys):
+    """A vLLM command line's -tp 1, --trust-remote-code, --enable-chunked-prefill and
+    --disable-log-requests start the server; parallelism and load-time quantization are exit 2
+    saying what to use instead."""
+    import server.cli
+    from server.cli import main
+
+    started = []
+
+    def record(app_engine, config):
+        started.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server.cli, "build_app", record)
+    with pytest.raises(SystemExit):
+        main([str(tiny_model_dir), "--port", str(_free_port()), "-tp", "1", "--pipeline-parallel-size", "1",
+              "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests"])
+    assert len(started) == 1 and not started[0].log_requests
+    assert main([str(tiny_model_dir), "--port", "0", "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size 2: a model runs whole on one device here" in capsys.readouterr().err
+    assert main([str(tiny_model_dir), "--port", "0", "-pp", "2"]) == 2
+    assert "--replicas N" in capsys.readouterr().err
+    assert main([str(tiny_model_dir), "--port", "0", "--quantization", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "does not quantize at load" in err and "is unquantized" in err and "driftgate quantize" in err
+
+    import argparse
+    import json
+    import shutil
+
+    quantized = tmp_path / "quantized"  # what the check reads: the checkpoint's own method
+    shutil.copytree(tiny_model_dir, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    parser = argparse.ArgumentParser()
+    server.cli.add_serve_args(parser)
+    server.cli._check_vllm_flags(parser.parse_args([str(quantized), "-q", "compressed-tensors"]))
+    with pytest.raises(ValueError, match="is a compressed-tensors checkpoint"):
+        server.cli._check_vllm_flags(parser.parse_args([str(quantized), "-q", "fp8"]))
