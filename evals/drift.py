@@ -30,6 +30,7 @@ POSITION_BUCKETS: tuple[tuple[int, int | None], ...] = ((0, 256), (256, 1024), (
 # drift), else None. Chunks keep memory flat: a whole [T, vocab] pair is gigabytes at long context.
 ScoreChunks = Callable[[Sequence[int]], Iterable[tuple[torch.Tensor, torch.Tensor | None]]]
 
+
 def bucket_name(bucket: tuple[int, int | None]) -> str:
     low, high = bucket
     return f"{low}+" if high is None else f"{low}-{high}"
