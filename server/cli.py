@@ -128,6 +128,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="names clients may use, the first in responses (default: the folder name)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a tokenizer folder to use instead of the model's (its chat template with it), "
+                             "for a checkpoint written without one")
     parser.add_argument("--default-chat-template-kwargs", type=_json_object_arg("default_chat_template_kwargs"),
                         default=None, metavar="JSON",
                         help='template variables every chat request gets unless its chat_template_kwargs sets '
@@ -249,11 +252,12 @@ def _check_gate(args: argparse.Namespace) -> str | None:
     if args.allow_runtime_lora_updating:
         return ("--require-gate: adapters loaded at run time would bypass the gate; gate each adapter "
                 "(driftgate gate --lora DIR) and serve it with --lora-modules")
-    overrides = [flag for flag, value in (("--chat-template", args.chat_template), ("--hf-overrides", args.hf_overrides))
-                 if value is not None]
+    overrides = [flag for flag, value in (("--chat-template", args.chat_template), ("--hf-overrides", args.hf_overrides),
+                                          ("--tokenizer", args.tokenizer)) if value is not None]
     if overrides:  # the verdict binds the folder's own config and template, which these replace
         return (f"--require-gate: {' and '.join(overrides)} would serve another model than the gate judged; "
-                "make the change in the checkpoint's folder (chat_template.jinja, config.json) and gate it there")
+                "make the change in the checkpoint's folder (tokenizer files, chat_template.jinja, config.json) "
+                "and gate it there")
     try:  # any failure to prove a verdict is a refusal
         serving = serving_setting(args.dtype, args.device, args.kv_cache_dtype, args.kv_scales)
         base = check_verdict(args.model, serving)  # the checkpoint's hashes, read once for every adapter
@@ -293,7 +297,7 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
     from engine import AsyncEngine, EngineConfig
 
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes, block_size=args.block_size,
@@ -393,6 +397,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The serve arguments checked and turned into the app's config; ValueError says what is wrong."""
     if not Path(args.model).is_dir():
         raise ValueError(f"model folder not found: {args.model}")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise ValueError(f"tokenizer folder not found: {args.tokenizer}")
     if args.require_gate and (reason := _check_gate(args)) is not None:
         raise ValueError(reason)
     if args.replicas < 1:

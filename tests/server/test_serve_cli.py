@@ -375,7 +375,8 @@ def test_require_gate_refuses_numerics_the_gate_did_not_judge(tiny_model_dir: Pa
     assert "not bfloat16 activations and KV cache auto; gate it so (driftgate gate ... --dtype bfloat16" in \
         capsys.readouterr().err
     # nor another chat template or config than the folder's, which the verdict binds
-    for flags in (["--chat-template", "{{ messages[0].content }}"], ["--hf-overrides", '{"rope_theta": 5000}']):
+    for flags in (["--chat-template", "{{ messages[0].content }}"], ["--hf-overrides", '{"rope_theta": 5000}'],
+                  ["--tokenizer", str(tiny_model_dir)]):
         assert main([str(model), "--port", "0", "--require-gate", *flags]) == 2
         assert f"--require-gate: {flags[0]} would serve another model than the gate judged" in capsys.readouterr().err
     (model / "tokenizer_config.json").write_text((model / "tokenizer_config.json").read_text().replace("{", "{ ", 1))
@@ -502,3 +503,30 @@ def test_vllm_flags_run_where_they_mean_what_happens_here_and_say_what_to_do_whe
     server.cli._check_vllm_flags(parser.parse_args([str(quantized), "-q", "compressed-tensors"]))
     with pytest.raises(ValueError, match="is a compressed-tensors checkpoint"):
         server.cli._check_vllm_flags(parser.parse_args([str(quantized), "-q", "fp8"]))
+
+
+
+def test_tokenizer_flag_serves_another_folders_tokenizer_and_chat_template(tiny_model_dir: Path, tmp_path: Path,
+                                                                          capsys):
+    """--tokenizer DIR (vLLM's): the engine reads its tokenizer, chat template included, from DIR."""
+    import argparse
+    import json
+    import shutil
+
+    from server.cli import add_serve_args, build_engine, main
+
+    other = tmp_path / "tokenizer"
+    other.mkdir()
+    shutil.copy(tiny_model_dir / "tokenizer.json", other)
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "OTHER {{ messages[0]['content'] }}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    engine = build_engine(parser.parse_args([str(tiny_model_dir), "--device", "cpu", "--tokenizer", str(other)]))
+    try:
+        assert engine.tokenizer.chat_template == "OTHER {{ messages[0]['content'] }}"
+    finally:
+        engine.shutdown()
+    assert main([str(tiny_model_dir), "--port", "0", "--tokenizer", str(tmp_path / "missing")]) == 2
+    assert "tokenizer folder not found" in capsys.readouterr().err
