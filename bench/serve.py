@@ -331,15 +331,17 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="the served model name sent in each request")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: --model, if a folder)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix-shared"])
+    parser.add_argument("--dataset", "--dataset-name", default="sharegpt", choices=["sharegpt", "random", "prefix-shared"])
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
     parser.add_argument("--sweep", default=None, help="comma-separated request rates, run one after another")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--input-len", type=int, default=256, help="random / prefix-shared question tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="tokens asked per request (ShareGPT: median)")
+    parser.add_argument("--input-len", "--random-input-len", type=int, default=256,
+                        help="random / prefix-shared question tokens")
+    parser.add_argument("--output-len", "--random-output-len", type=int, default=128,
+                        help="tokens asked per request (ShareGPT: median)")
     parser.add_argument("--fixed-output-len", action="store_true", help="ShareGPT: every request asks --output-len")
     parser.add_argument("--prefix-len", type=int, default=1024, help="prefix-shared: common prefix tokens")
     parser.add_argument("--num-prefixes", type=int, default=1,
@@ -347,6 +349,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                        help="--slo as vLLM's bench spells it: ttft:2000 tpot:100")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--max-duration", type=float, default=3600.0, help="seconds per run before giving up")
@@ -386,6 +390,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(f"error: tokenizer folder not found: {tokenizer_path} (pass --tokenizer)", file=sys.stderr)
         return 2
     try:
+        if args.goodput:
+            if args.slo:
+                raise ValueError("give the SLOs once: --slo or --goodput")
+            args.slo = ",".join(args.goodput)
         parse_slo(args.slo)
         rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
         if args.num_prompts < 1 or any(r <= 0 for r in rates) or args.burstiness <= 0:
@@ -405,8 +413,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "base_url": args.base_url, "endpoint": args.endpoint, "model": args.model, "dataset": args.dataset,
         "num_prompts": args.num_prompts, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "output_len": args.output_len,
-        **({"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes, "input_len": args.input_len}
-           if args.dataset == "prefix-shared" else {}),
+        **({"input_len": args.input_len} if args.dataset != "sharegpt" else {}),
+        **({"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes} if args.dataset == "prefix-shared" else {}),
         "output_len_distribution": "fixed" if args.dataset != "sharegpt" or args.fixed_output_len
         else f"lognormal(median={args.output_len}, sigma={datasets.OUTPUT_LEN_SIGMA}), clipped to [4, 1024]",
         "ignore_eos": args.ignore_eos, "slo": args.slo, "seed": args.seed, "runs": runs,

@@ -125,17 +125,19 @@ def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: 
     add_bench_serve_args(parser)
     with serve(engine) as url:
         args = parser.parse_args([
-            "--base-url", url, "--model", MODEL_NAME, "--tokenizer", str(tiny_model_dir), "--dataset", "random",
-            "--num-prompts", "6", "--input-len", "16", "--output-len", "8", "--ignore-eos", "--sweep", "4,inf",
-            "--max-concurrency", "4",
+            # vLLM's bench spellings (--dataset-name, --random-input-len, --goodput) name the same settings
+            "--base-url", url, "--model", MODEL_NAME, "--tokenizer", str(tiny_model_dir), "--dataset-name", "random",
+            "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos",
+            "--sweep", "4,inf", "--max-concurrency", "4",
             "--temperature", "1.0",  # greedy on random weights can settle on special tokens (no text)
-            "--slo", "ttft:60000,tpot:60000", "--result-json", str(tmp_path / "r.json"),
+            "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(tmp_path / "r.json"),
             "--plot", str(tmp_path / "p.png"), "--no-progress", "--max-duration", "120",
         ])
         assert run_bench_serve(args) == 0
         check_server(parser.parse_args(["--base-url", url, "--model", "other"]))
         assert f"warning: {url}/v1/models lists ['{MODEL_NAME}'], not --model 'other'" in capsys.readouterr().err
     result = json.loads((tmp_path / "r.json").read_text())
+    assert result["slo"] == "ttft:60000,tpot:60000" and result["input_len"] == 16
     assert [run["request_rate"] for run in result["runs"]] == [4.0, math.inf]
     for run in result["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0
@@ -162,3 +164,6 @@ def test_unreachable_server_exits_2_saying_why(tiny_model_dir: Path, capsys):
                               "--output-len", "4", "--no-progress"])
     assert run_bench_serve(args) == 2  # before any load, as vLLM's bench stops when its test request fails
     assert f"error: cannot reach http://127.0.0.1:{port}/v1/models" in capsys.readouterr().err
+    args.slo, args.goodput = "ttft:100", ["tpot:5"]
+    assert run_bench_serve(args) == 2
+    assert "give the SLOs once: --slo or --goodput" in capsys.readouterr().err
