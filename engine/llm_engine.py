@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -154,6 +155,8 @@ class LLMEngine:
         per_slot = KVCache.bytes_per_slot(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.config.device.startswith("cuda"):
+            gc.collect()  # an engine dropped before this one (the gate's noise-floor arm) frees its cache,
+            torch.cuda.empty_cache()  # and the allocator gives it back, so it counts as free
             free, total = torch.cuda.mem_get_info(self.config.device)
             budget = cuda_kv_budget(total, free, self._weight_bytes, self._working_memory_bytes(),
                                     self.config.gpu_memory_utilization)
