@@ -103,10 +103,10 @@ def build_engine(model_dir: Path, policy: GatePolicy, *, device: str = "cpu", dt
 
 
 def gpu_share(policy: GatePolicy) -> float:
-    """Each arm's part of a GPU's memory (ignored on a CPU): the candidate's, the baseline's and
-    the noise floor's engines are alive at once on one device, so each takes its third (its half
-    without a noise floor) of what one engine would."""
-    return 0.9 / (3 if policy.noise_floor.enabled else 2)
+    """Each arm's part of a GPU's memory (ignored on a CPU): the policy's, or else, as the
+    candidate's, the baseline's and the noise floor's engines are alive at once on one device,
+    a third (a half without a noise floor) of what one engine would take."""
+    return policy.engine.gpu_memory_utilization or 0.9 / (3 if policy.noise_floor.enabled else 2)
 
 
 def task_manager(data_dir: Path):

@@ -69,13 +69,18 @@ class EnginePolicy:
     # KV block size. The prefix cache shares whole blocks, so smaller blocks let more of an MC
     # item's context (often 20-100 tokens) be shared by its choices.
     block_size: int = 16
+    # CUDA: each arm's engine's share of the GPU's memory (vLLM's gpu_memory_utilization); None:
+    # 0.9 split among the engines alive at once (candidate, baseline, noise floor)
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"{f.name} must be positive")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(slots=True)

@@ -125,3 +125,7 @@ def test_each_arm_takes_its_part_of_a_gpu(tiny_model_dir):
     tasks = [{"name": "driftgate_piqa", "metric": "acc_norm,none", "items": 8}]
     no_noise_floor = policy_from_dict({"tier1": {"tasks": tasks}, "noise_floor": {"enabled": False}})
     assert arms.gpu_share(no_noise_floor) == pytest.approx(0.45)
+    chosen = policy_from_dict({"tier1": {"tasks": tasks}, "engine": {"gpu_memory_utilization": 0.2}})
+    assert arms.gpu_share(chosen) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        policy_from_dict({"tier1": {"tasks": tasks}, "engine": {"gpu_memory_utilization": 1.5}})
