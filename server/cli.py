@@ -297,7 +297,8 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
     from engine import AsyncEngine, EngineConfig
 
     config = EngineConfig(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        kv_scales=args.kv_scales,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes, block_size=args.block_size,
@@ -319,9 +320,9 @@ def _gpu_memory_utilization(args: argparse.Namespace) -> dict[str, float]:
     """--gpu-memory-utilization for EngineConfig; on a CPU it has nothing to size (said, not ignored silently)."""
     if args.gpu_memory_utilization is None:
         return {}
-    if not resolve_device(args.device).startswith("cuda"):
+    if not (device := resolve_device(args.device)).startswith("cuda"):
         logger.warning("--gpu-memory-utilization applies to CUDA devices; on %s the KV cache takes "
-                       "--kv-cache-memory-bytes (1 GiB by default)", resolve_device(args.device))
+                       "--kv-cache-memory-bytes (1 GiB by default)", device)
     return {"gpu_memory_utilization": args.gpu_memory_utilization}
 
 
@@ -390,7 +391,8 @@ def _check_vllm_flags(args: argparse.Namespace) -> None:
         have = f"a {method} checkpoint" if method else "unquantized"
         raise ValueError(f"--quantization {args.quantization}: this server does not quantize at load; "
                          f"{args.model} is {have}. Make a checkpoint with `driftgate quantize {args.model} "
-                         "--scheme fp8-dynamic --calib DATA.jsonl -o OUT`, gate it, and serve OUT")
+                         "--scheme SCHEME --calib DATA.jsonl -o OUT` (fp8-dynamic, w8a8-int8, w4a16, ...), "
+                         "gate it, and serve OUT")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
