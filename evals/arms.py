@@ -11,16 +11,19 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lm_eval
+import torch
 from lm_eval.api.model import TemplateLM
 
 import engine
 import quant
 from engine import LLM, SamplingParams
+from engine.layers.cpu_kernels import cpu_signature
 from engine.loader import resolve_dtype
 from evals import data
 from evals.drift import ItemResult, ScoreChunks, items_from_samples
@@ -107,6 +110,19 @@ def gpu_share(policy: GatePolicy) -> float:
     candidate's, the baseline's and the noise floor's engines are alive at once on one device,
     a third (a half without a noise floor) of what one engine would take."""
     return policy.engine.gpu_memory_utilization or 0.9 / (3 if policy.noise_floor.enabled else 2)
+
+
+def machine(device: str) -> str:
+    """The hardware an arm's numerics depend on: a GPU's model, or the CPU's model and flags, which
+    pick torch's kernels and our C kernels' instructions (-march=native). Arms computed on an AVX2
+    and an AVX-512 CPU part at different near-ties, enough to move a borderline verdict."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    signature = cpu_signature()
+    model = next((line.split(":", 1)[1].strip() for line in signature.splitlines() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    return (f"{model}, {torch.backends.cpu.get_cpu_capability()} "
+            f"({hashlib.sha256(signature.encode()).hexdigest()[:12]})")
 
 
 def task_manager(data_dir: Path):
@@ -275,6 +291,7 @@ class BaselineCache:
             "engine_code": source_fingerprint(ENGINE_SOURCES),
             # the kernels and the activation dtype (auto on that device) move the last bits
             "device": "cuda" if device.startswith("cuda") else device,
+            "machine": machine(device),
             "dtype": str(resolve_dtype("auto", device)),
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()

@@ -338,6 +338,8 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
     import lm_eval
     import torch
 
+    from evals import arms
+
     return {
         "baseline_dir": str(Path(args.baseline).resolve()),
         "candidate_dir": str(Path(args.candidate).resolve()),
@@ -345,6 +347,7 @@ def _manifest(args, policy, baseline_hashes, candidate_hashes, data_hashes, base
         "candidate_weights_sha256": candidate_hashes,
         "candidate_config": json.loads((Path(args.candidate) / "config.json").read_text()).get("quantization_config"),
         "device": device,  # the in-process arms' (a --server candidate's is its server's)
+        "machine": arms.machine(device),
         **(serving or {"dtype": None, "kv_cache_dtype": None, "kv_scales": None}),
         "data_sha256": data_hashes,
         "tier2_prompts": _prompts_source(args, policy),

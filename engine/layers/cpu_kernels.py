@@ -36,7 +36,7 @@ def _flags() -> list[str]:
     return [*CFLAGS, "-fno-math-errno", "-DHAVE_LIBMVEC", "-lmvec"]
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -51,7 +51,7 @@ def _build(compiler: str, source: Path) -> Path:
     # every source, not just this one: a kernel may #include another (decode_step.c does)
     sources = [path.read_bytes() for path in sorted(SOURCES.glob("*.[ch]"))]
     for part in (source.name.encode(), *sources, " ".join([compiler, *_flags()]).encode(),
-                 _cpu_signature().encode()):
+                 cpu_signature().encode()):
         digest.update(part)
     target = driftgate_home() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():

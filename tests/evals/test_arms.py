@@ -72,6 +72,8 @@ def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypat
     (code / "csrc" / "kernel.c").write_text("int kernel;\n")
     (code / "NOTES.md").write_text("not code\n")
     monkeypatch.setattr(arms, "ENGINE_SOURCES", [code])
+    machines = {"cpu": "CPU A, AVX2", "cuda": "GPU A"}
+    monkeypatch.setattr(arms, "machine", lambda device: machines[device.split(":")[0]])
     policy = load_policy("quick")
 
     def key(prompts=((1, 2, 3),), device: str = "cpu") -> str:
@@ -86,6 +88,16 @@ def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypat
     assert key() == before
     (code / "csrc" / "kernel.c").write_text("int kernel = 1;\n")
     assert key() != before
+    edited = key()
+    machines["cpu"] = "CPU B, AVX512"  # another CPU: torch's and the C kernels' instructions differ
+    assert key() != edited
+
+
+def test_the_machine_names_the_cpu_and_the_instructions_its_kernels_use():
+    import torch
+
+    name = arms.machine("cpu")
+    assert torch.backends.cpu.get_cpu_capability() in name and name == arms.machine("cpu")
 
 
 def test_tier0_articles_shorter_than_the_policy_run_on_into_the_next(tiny_model_dir, data_dir):
