@@ -88,11 +88,7 @@ def test_prefix_shared_prompts_share_the_prefix(tokenizer):
     assert len({s.prompt.split("\n")[0] for s in several}) == 3
 
 
-def test_sharegpt_samples_are_pruned_and_reproducible(tokenizer):
-    try:
-        data_dir = datasets.find_data_dir(None)
-    except FileNotFoundError:
-        pytest.skip("no ../shared/data here")
+def test_sharegpt_samples_are_pruned_and_reproducible(tokenizer, data_dir):
     draw = [datasets.sharegpt(tokenizer, data_dir, 30, 64, False, np.random.default_rng(3)) for _ in range(2)]
     assert [s.prompt for s in draw[0]] == [s.prompt for s in draw[1]]
     assert all(4 <= s.prompt_len <= 1024 and 4 <= s.output_len <= 1024 for s in draw[0])
