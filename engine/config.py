@@ -14,6 +14,7 @@ KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come fro
 SCALED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # the ones kv_scales applies to
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C kernels on CPU
 DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU for one engine
 
 
 
@@ -21,6 +22,12 @@ def kv_cache_setting(kv_cache_dtype: str, kv_scales: str) -> dict[str, str | Non
     """What decides a KV cache's numbers, spelt one way (fp8_e4m3 is fp8; scales only where they apply)."""
     dtype = "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype
     return {"kv_cache_dtype": dtype, "kv_scales": kv_scales if dtype in SCALED_KV_CACHE_DTYPES else None}
+
+
+def check_gpu_memory_utilization(value: float) -> None:
+    """A share of a GPU's memory: in (0, 1] (ValueError otherwise)."""
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value}")
 
 
 def resolve_device(device: str) -> str:
@@ -62,7 +69,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA what gpu_memory_utilization leaves
     # CUDA: the share of the device's memory this engine may hold, weights and working memory
     # included (vLLM's); engines sharing one GPU (the gate's arms) each take their part
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -100,8 +107,7 @@ class EngineConfig:
                              "fp8_e5m2 takes no scales")
         if self.block_size < 1 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two up to 256, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

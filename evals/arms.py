@@ -23,6 +23,7 @@ from lm_eval.api.model import TemplateLM
 import engine
 import quant
 from engine import LLM, SamplingParams
+from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from engine.layers.cpu_kernels import cpu_signature
 from engine.loader import resolve_dtype
 from evals import data
@@ -109,7 +110,8 @@ def gpu_share(policy: GatePolicy) -> float:
     """Each arm's part of a GPU's memory (ignored on a CPU): the policy's, or else, as the
     candidate's, the baseline's and the noise floor's engines are alive at once on one device,
     a third (a half without a noise floor) of what one engine would take."""
-    return policy.engine.gpu_memory_utilization or 0.9 / (3 if policy.noise_floor.enabled else 2)
+    engines = 3 if policy.noise_floor.enabled else 2
+    return policy.engine.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION / engines
 
 
 def machine(device: str) -> str:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.config import check_gpu_memory_utilization
+
 POLICY_DIR = Path(__file__).resolve().parent / "policies"
 ENDPOINTS = ("pooled", "separate", "report")
 
@@ -79,8 +81,8 @@ class EnginePolicy:
                 raise ValueError(f"{name} must be positive")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None:
+            check_gpu_memory_utilization(self.gpu_memory_utilization)
 
 
 @dataclass(slots=True)
