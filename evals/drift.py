@@ -18,11 +18,14 @@ import torch
 
 from evals import stats
 
-# Token positions where KV-cache drift shows: it grows with how much cache a token attends to.
 # token_parity works through rows in chunks of about this many values: the float64 temporaries of a
 # whole [8192, 49k] pair at once took over 20 GB
 PARITY_CHUNK_VALUES = 1 << 25
+# Token positions where KV-cache drift shows: it grows with how much cache a token attends to.
 POSITION_BUCKETS: tuple[tuple[int, int | None], ...] = ((0, 256), (256, 1024), (1024, 4096), (4096, None))
+# Tier 0's intervals resample runs of this many consecutive positions (a bucket bound is a multiple
+# of it, so no run spans two buckets): a token's KL is correlated with its neighbours'.
+BOOTSTRAP_BLOCK_TOKENS = 64
 
 # token ids [T] -> the next-token log-probabilities of consecutive positions, a chunk at a time:
 # [rows, vocab] each (row t of the whole is the distribution after tokens[: t + 1]), with the residual
@@ -83,6 +86,9 @@ class LogitParity:
     overall: ParityStats
     by_position: dict[str, ParityStats]  # bucket name -> stats; empty buckets left out
     by_layer: LayerDrift | None = None  # when both arms report their layer states
+    # 95% block-bootstrap intervals of the figures the gate checks: kl_mean, kl_p99,
+    # top1_agreement (overall) and kl_growth (when two buckets are populated)
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -97,7 +103,7 @@ class _TokenArrays:
         return ParityStats(
             num_tokens=int(kl.size),
             kl_mean=float(kl.mean()),
-            kl_p99=float(np.quantile(kl, 0.99)),
+            kl_p99=_p99(kl),
             top1_agreement=float(np.concatenate(self.top1_equal).mean()),
             nll_delta_mean=float(nll.mean()) if nll.size else 0.0,
         )
@@ -238,11 +244,36 @@ def logit_parity(sequences: Iterable[Sequence[int]], baseline: ScoreChunks, cand
             arrays.nll_delta.append(part_nll[~np.isnan(part_nll)])
     if not overall.kl:
         raise ValueError("no tokens to compare")
+    populated = [a for a in buckets.values() if a.kl]
     return LogitParity(
         overall=overall.summarize(),
         by_position={bucket_name(b): a.summarize() for b, a in buckets.items() if a.kl},
         by_layer=layers.result(),
+        intervals=_parity_intervals(overall, populated[0], populated[-1] if len(populated) > 1 else None),
     )
+
+
+def _blocks(parts: list[np.ndarray]) -> list[np.ndarray]:
+    return [part[i:i + BOOTSTRAP_BLOCK_TOKENS] for part in parts for i in range(0, part.size, BOOTSTRAP_BLOCK_TOKENS)]
+
+
+def _p99(kl: np.ndarray) -> float:
+    return float(np.quantile(kl, 0.99))
+
+
+def _parity_intervals(overall: _TokenArrays, first: _TokenArrays,
+                      last: _TokenArrays | None) -> dict[str, tuple[float, float]]:
+    """How far each checked Tier 0 figure would move had other stretches of text been scored."""
+    kl = _blocks(overall.kl)
+    intervals = {
+        "kl_mean": stats.block_bootstrap_interval([kl], np.mean),
+        "kl_p99": stats.block_bootstrap_interval([kl], _p99),
+        "top1_agreement": stats.block_bootstrap_interval([_blocks(overall.top1_equal)], np.mean),
+    }
+    if last is not None:
+        intervals["kl_growth"] = stats.block_bootstrap_interval(
+            [_blocks(first.kl), _blocks(last.kl)], lambda a, b: _growth(_p99(a), _p99(b)))
+    return intervals
 
 
 # ---------------------------------------------------------------------------------------
@@ -497,6 +528,7 @@ class GenerationAgreement:
     divergence_positions: tuple[int, ...]  # one per diverging prompt
     mean_agreed_prefix: float  # tokens, counting identical generations at full length
     min_agreed_prefix: int
+    mean_agreed_prefix_interval: tuple[float, float]  # 95% bootstrap over the prompts
 
 
 def generation_agreement(
@@ -520,6 +552,7 @@ def generation_agreement(
         divergence_positions=tuple(positions),
         mean_agreed_prefix=float(np.mean(prefixes)),
         min_agreed_prefix=int(min(prefixes)),
+        mean_agreed_prefix_interval=stats.block_bootstrap_interval([[np.array([p]) for p in prefixes]], np.mean),
     )
 
 
@@ -587,5 +620,8 @@ def kl_growth(parity: LogitParity) -> float | None:
     names = [bucket_name(b) for b in POSITION_BUCKETS if bucket_name(b) in parity.by_position]
     if len(names) < 2:
         return None
-    first, last = parity.by_position[names[0]].kl_p99, parity.by_position[names[-1]].kl_p99
-    return math.inf if first == 0 and last > 0 else (last / first if first else 1.0)
+    return _growth(parity.by_position[names[0]].kl_p99, parity.by_position[names[-1]].kl_p99)
+
+
+def _growth(first_p99: float, last_p99: float) -> float:
+    return math.inf if first_p99 == 0 and last_p99 > 0 else (last_p99 / first_p99 if first_p99 else 1.0)

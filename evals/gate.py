@@ -38,6 +38,14 @@ class Check:
     detail: str
     value: float | None = None
     threshold: float | None = None
+    interval: tuple[float, float] | None = None  # 95% bootstrap interval of value, where one is known
+
+    @property
+    def marginal(self) -> bool:
+        """The threshold lies inside the value's interval: another sample of text, or another
+        machine's rounding, could put this check on the other side."""
+        return (self.interval is not None and self.threshold is not None
+                and self.interval[0] <= self.threshold <= self.interval[1])
 
 
 @dataclass(slots=True)
@@ -179,7 +187,8 @@ def decide(
         checks.append(Check("tier2.mean_agreed_prefix", PASS if ok else FAIL,
                             f"{agreement.num_identical}/{agreement.num_prompts} generations identical; "
                             f"mean tokens before divergence {agreement.mean_agreed_prefix:.1f}",
-                            agreement.mean_agreed_prefix, policy.tier2.min_mean_agreed_prefix))
+                            agreement.mean_agreed_prefix, policy.tier2.min_mean_agreed_prefix,
+                            agreement.mean_agreed_prefix_interval))
     if answers is not None:
         endpoint(EXPECTED_ANSWERS, answers, t1.max_pooled_drop)
     return checks
@@ -191,19 +200,22 @@ def _tier0_checks(policy: GatePolicy, parity: LogitParity | None, skip_reason: s
         return []
     if parity is None:
         return [Check("tier0", SKIPPED, skip_reason or "not run")]
-    o = parity.overall
+    o, within = parity.overall, parity.intervals.get
     checks = [
         Check("tier0.kl_mean", PASS if o.kl_mean <= t0.max_kl_mean else FAIL,
-              f"mean KL(baseline||candidate) over {o.num_tokens} tokens", o.kl_mean, t0.max_kl_mean),
-        Check("tier0.kl_p99", PASS if o.kl_p99 <= t0.max_kl_p99 else FAIL, "p99 per-token KL", o.kl_p99, t0.max_kl_p99),
+              f"mean KL(baseline||candidate) over {o.num_tokens} tokens", o.kl_mean, t0.max_kl_mean,
+              within("kl_mean")),
+        Check("tier0.kl_p99", PASS if o.kl_p99 <= t0.max_kl_p99 else FAIL, "p99 per-token KL", o.kl_p99, t0.max_kl_p99,
+              within("kl_p99")),
         Check("tier0.top1_agreement", PASS if o.top1_agreement >= t0.min_top1_agreement else FAIL,
-              "fraction of positions with the same argmax", o.top1_agreement, t0.min_top1_agreement),
+              "fraction of positions with the same argmax", o.top1_agreement, t0.min_top1_agreement,
+              within("top1_agreement")),
     ]
     growth = kl_growth(parity)
     if growth is not None:
         checks.append(Check("tier0.kl_growth", PASS if growth <= t0.max_kl_growth else FAIL,
                             "p99 KL of the last position bucket over the first (KV-cache drift signature)",
-                            growth, t0.max_kl_growth))
+                            growth, t0.max_kl_growth, within("kl_growth")))
     return checks
 
 

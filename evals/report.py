@@ -45,7 +45,7 @@ def build_report(outcome: GateOutcome, manifest: dict[str, Any], items: dict[str
     rows = [comparison_row(c, outcome.noise_floor.get(name)) for name, c in outcome.comparisons.items()]
     return {
         "verdict": "pass" if outcome.passed else "fail",
-        "checks": [asdict(c) for c in outcome.checks],
+        "checks": [{**asdict(c), "marginal": c.marginal} for c in outcome.checks],
         "tier1": {
             "tasks": rows,
             "pooled": comparison_row(outcome.pooled, outcome.noise_pooled) if outcome.pooled else None,
@@ -68,6 +68,11 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _interval(check: dict[str, Any]) -> str:
+    interval = check.get("interval")
+    return "" if interval is None else f"[{interval[0]:.4g}, {interval[1]:.4g}]"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     failed = [c for c in report["checks"] if c["status"] in ("fail", "inconclusive")]
     verdict = report["verdict"].upper()
@@ -79,9 +84,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     out = [f"# Gate verdict: **{verdict}**" + (f" — {reason}" if reason else ""), ""]
     if (manifest := report["manifest"]).get("dtype"):  # None when the candidate was a live server
         out += [f"Candidate judged on {manifest['device']} with {describe_setting(manifest)}.", ""]
-    out += ["## Checks", _table(["check", "status", "value", "threshold", "rule"], [
-        [c["name"], c["status"].upper(), "" if c["value"] is None else f"{c['value']:.4g}",
+    out += ["## Checks", _table(["check", "status", "value", "95% interval", "threshold", "rule"], [
+        [c["name"], c["status"].upper() + (" (marginal)" if c.get("marginal") else ""),
+         "" if c["value"] is None else f"{c['value']:.4g}", _interval(c),
          "" if c["threshold"] is None else f"{c['threshold']:.4g}", c["detail"]] for c in report["checks"]]), ""]
+    if marginal := [c["name"] for c in report["checks"] if c.get("marginal")]:
+        out += [f"Marginal: {', '.join(marginal)}. The threshold lies inside the value's 95% bootstrap interval "
+                "(Tier 0: runs of 64 positions resampled; Tier 2: prompts), so the verdict on it rests on which "
+                "text was scored: another sample, or another machine's rounding, can put it on the other side. "
+                "Score more text (the policy's Tier 0 sequences, Tier 2 prompts) to settle it.", ""]
     t1 = report["tier1"]
     rows = t1["tasks"] + ([t1["pooled"]] if t1["pooled"] else [])
     out += ["## Tier 1: paired task results (points; 95% one-sided bound via the two-sided 90% interval)",
@@ -260,12 +271,17 @@ def render_junit(report: dict[str, Any]) -> str:
         case = ElementTree.SubElement(suite, "testcase", classname="driftgate.gate", name=check["name"])
         if check in failing:
             failure = ElementTree.SubElement(case, "failure", message=f"{check['status']}: {check['detail']}")
-            failure.text = f"value {check['value']} against threshold {check['threshold']}"
+            failure.text = f"value {check['value']} against threshold {check['threshold']}{_marginal_note(check)}"
         elif check["status"] == "skipped":
             ElementTree.SubElement(case, "skipped", message=check["detail"])
         else:
-            ElementTree.SubElement(case, "system-out").text = f"{check['status']}: {check['detail']}"
+            ElementTree.SubElement(case, "system-out").text = (f"{check['status']}: {check['detail']}"
+                                                               f"{_marginal_note(check)}")
     return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _marginal_note(check: dict[str, Any]) -> str:
+    return f"; marginal: 95% interval {_interval(check)} holds the threshold" if check.get("marginal") else ""
 
 
 def write_reports(report: dict[str, Any], report_dir: Path) -> dict[str, Path]:

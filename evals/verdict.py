@@ -119,14 +119,34 @@ def check_verdict(model_dir: str | Path, serving: dict[str, Any] | None = None,
     return current
 
 
+def _recorded(model_dir: str | Path) -> dict[str, Any]:
+    """The folder's verdict as written, or {} when there is none to read (check_verdict says why)."""
+    try:
+        body = json.loads((Path(model_dir) / VERDICT_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def judged_context_len(model_dir: str | Path) -> int | None:
     """The longest context (prompt and output, in tokens) the folder's verdict judged: its policy's
     max_model_len; None when the verdict does not say."""
     try:
-        length = json.loads((Path(model_dir) / VERDICT_FILE).read_text())["policy"]["engine"]["max_model_len"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        length = _recorded(model_dir)["policy"]["engine"]["max_model_len"]
+    except (KeyError, TypeError):
         return None
     return length if isinstance(length, int) else None
+
+
+def marginal_checks(model_dir: str | Path) -> list[str]:
+    """The verdict's checks whose threshold lay inside their value's 95% interval (see
+    gate.Check.marginal), each as 'name value against threshold (95% interval [low, high])'."""
+    try:
+        return [f"{c['name']} {c['value']:.4g} against {c['threshold']:.4g} "
+                f"(95% interval [{c['interval'][0]:.4g}, {c['interval'][1]:.4g}])"
+                for c in _recorded(model_dir)["metrics"]["checks"] if c.get("marginal")]
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return []
 
 
 def _check_unchanged(kind: str, current: dict[str, str], recorded: dict[str, str]) -> None:

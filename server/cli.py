@@ -346,19 +346,23 @@ def _load_engine(args: argparse.Namespace, state: ServerState, server: _Draining
     if args.kv_scales == "dynamic":
         logger.warning("fp8 KV cache with dynamic scales (uncalibrated, from the first batch)")
     if args.require_gate:
-        _warn_of_unjudged_context(args.model, engine.max_model_len)
+        _warn_of_what_the_gate_left_open(args.model, engine.max_model_len)
 
 
-def _warn_of_unjudged_context(model: str, served_len: int) -> None:
-    """Drift can grow with the context (an fp8 KV cache's does); say when the server takes longer
-    ones than the gate judged."""
-    from evals.verdict import judged_context_len
+def _warn_of_what_the_gate_left_open(model: str, served_len: int) -> None:
+    """A passing verdict still has edges: drift can grow with the context (an fp8 KV cache's does),
+    so say when the server takes longer ones than the gate judged, and name checks passed by less
+    than their sampling uncertainty."""
+    from evals.verdict import judged_context_len, marginal_checks
 
     judged = judged_context_len(model)
     if judged is not None and served_len > judged:
         logger.warning("the gate judged contexts of up to %d tokens; this server takes up to %d (--max-model-len), "
                        "whose drift is not judged (gate with --policy long-context, or a policy whose [engine] "
                        "max_model_len covers them)", judged, served_len)
+    if marginal := marginal_checks(model):
+        logger.warning("the gate passed this checkpoint narrowly: %s; a gate scoring other or more text, or run on "
+                       "another machine, could fail it (see its report)", "; ".join(marginal))
 
 
 def lora_modules(specs: list[str]) -> dict[str, str]:

@@ -148,6 +148,31 @@ def test_logit_parity_buckets_by_position_and_flags_length_growth():
     assert parity.by_position["0-256"].kl_mean == pytest.approx(0.0, abs=1e-12)
     assert parity.by_position["256-1024"].kl_mean > 0.05
     assert drift.kl_growth(parity) == math.inf
+    assert parity.intervals["kl_growth"] == (math.inf, math.inf)  # no resample of the first 256 sees drift
+
+
+def test_logit_parity_intervals_bracket_the_checked_figures():
+    """Each checked figure gets a block-bootstrap interval around it; more text narrows it."""
+    torch.manual_seed(1)
+    vocab = 13
+
+    def parity_over(num_sequences):
+        sequences = [torch.randint(0, vocab, (1100,)).tolist() for _ in range(num_sequences)]
+        logits = {tuple(s): torch.randn(len(s), vocab) for s in sequences}
+        noise = {key: torch.randn_like(value) * torch.linspace(0.2, 0.6, len(key))[:, None]
+                 for key, value in logits.items()}  # drift that grows with position
+        return drift.logit_parity(sequences, lambda ids: [(logits[tuple(ids)], None)],
+                                  lambda ids: [(logits[tuple(ids)] + noise[tuple(ids)], None)])
+
+    few, many = parity_over(2), parity_over(8)
+    figures = {"kl_mean": many.overall.kl_mean, "kl_p99": many.overall.kl_p99,
+               "top1_agreement": many.overall.top1_agreement, "kl_growth": drift.kl_growth(many)}
+    assert set(many.intervals) == set(figures)
+    for name, value in figures.items():
+        low, high = many.intervals[name]
+        assert low <= value <= high, name
+        assert high - low < few.intervals[name][1] - few.intervals[name][0], name
+    assert many.intervals["kl_growth"][0] > 1  # the growth is real at this sample size
 
 
 def test_logit_parity_rejects_nan_rows():
@@ -204,6 +229,7 @@ def test_first_divergence_and_agreement_summary():
     summary = drift.generation_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 0, 6]])
     assert summary.num_identical == 1 and summary.divergence_positions == (1,)
     assert summary.mean_agreed_prefix == pytest.approx(2.0) and summary.min_agreed_prefix == 1
+    assert summary.mean_agreed_prefix_interval == (1.0, 3.0)  # resampling two prompts: both 1s .. both 3s
 
 
 def test_logit_parity_names_the_layer_that_adds_the_drift():

@@ -296,3 +296,47 @@ def test_report_shows_generative_accuracy_by_length(tmp_path):
     paths = report.write_reports(full, tmp_path)
     assert json.loads(paths["json"].read_text())["tier2_accuracy_by_length"]["gsm8k"][0]["num_items"] == 5
     assert "| 12–300 | 5 | 60.0 | 40.0 | -20.0 |" in paths["md"].read_text()
+
+
+def test_a_threshold_inside_the_interval_marks_the_check_marginal_in_every_report(tmp_path):
+    from xml.etree import ElementTree
+
+    from evals import report
+
+    assert gate.Check("a", gate.PASS, "d", 1.9, 2.0, (1.5, 2.4)).marginal
+    assert not gate.Check("a", gate.PASS, "d", 1.6, 2.0, (1.5, 1.8)).marginal
+    assert not gate.Check("a", gate.PASS, "d", 1.6, 2.0).marginal  # no interval, no claim
+
+    policy = policy_from_dict({**BASE_POLICY, "tier0": {"max_kl_growth": 2.0}, "tier2": {"enabled": False}})
+    early = drift.ParityStats(num_tokens=256, kl_mean=0.006, kl_p99=0.05, top1_agreement=0.95, nll_delta_mean=0.0)
+    late = drift.ParityStats(num_tokens=512, kl_mean=0.013, kl_p99=0.095, top1_agreement=0.93, nll_delta_mean=0.0)
+    parity = drift.LogitParity(overall=late, by_position={"0-256": early, "4096+": late},
+                               intervals={"kl_mean": (0.01, 0.016), "kl_p99": (0.08, 0.11),
+                                          "top1_agreement": (0.92, 0.94), "kl_growth": (1.5, 2.5)})
+    per_task, pooled = gate.compare_arms(policy, {"t": _arm([1, 0])}, {"t": _arm([1, 0])})
+    checks = gate.decide(policy, per_task, pooled, parity=parity)
+    growth = next(c for c in checks if c.name == "tier0.kl_growth")
+    assert growth.status == gate.PASS and growth.interval == (1.5, 2.5) and growth.marginal
+    assert [c.name for c in checks if c.marginal] == ["tier0.kl_growth"]
+
+    full = report.build_report(gate.outcome(checks, comparisons=per_task, pooled=pooled, parity=parity),
+                               {"baseline_scores": {}}, {})
+    paths = report.write_reports(full, tmp_path)
+    saved = {c["name"]: c for c in json.loads(paths["json"].read_text())["checks"]}
+    assert saved["tier0.kl_growth"]["marginal"] and saved["tier0.kl_growth"]["interval"] == [1.5, 2.5]
+    assert not saved["tier0.kl_mean"]["marginal"]
+    markdown = paths["md"].read_text()
+    assert "| tier0.kl_growth | PASS (marginal) | 1.9 | [1.5, 2.5] | 2 |" in markdown
+    assert "Marginal: tier0.kl_growth." in markdown
+    case = ElementTree.parse(paths["junit"]).getroot().find("testcase[@name='tier0.kl_growth']")
+    assert "marginal: 95% interval [1.5, 2.5] holds the threshold" in case.find("system-out").text
+
+
+def test_marginal_checks_reads_only_what_a_verdict_recorded(tmp_path):
+    assert verdict.marginal_checks(tmp_path) == []  # no verdict: check_verdict is the one to complain
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    old = [{"name": "tier0.kl_mean", "status": "pass", "value": 0.01, "threshold": 0.05}]  # before intervals
+    verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={"checks": old}, baseline_hashes={})
+    assert verdict.marginal_checks(tmp_path) == []
+    (tmp_path / verdict.VERDICT_FILE).write_text("[1, 2]")
+    assert verdict.marginal_checks(tmp_path) == [] and verdict.judged_context_len(tmp_path) is None

@@ -12,6 +12,7 @@ from scipy import stats as sps
 
 from evals.stats import (
     PairedTable,
+    block_bootstrap_interval,
     chance_threshold,
     holm_adjust,
     items_needed,
@@ -189,3 +190,27 @@ def test_chance_threshold():
 def test_holm_adjust_known_values():
     assert holm_adjust([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert holm_adjust([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+
+
+def test_block_bootstrap_resamples_whole_blocks_and_brackets_the_statistic():
+    rng = np.random.default_rng(6)
+    blocks = [rng.normal(loc, 0.1, size=64) for loc in rng.normal(0, 1, size=40)]  # correlated within a block
+    whole = np.concatenate(blocks)
+    low, high = block_bootstrap_interval([blocks], np.mean, seed=1)
+    assert (low, high) == block_bootstrap_interval([blocks], np.mean, seed=1)
+    assert low < whole.mean() < high
+    # resampling tokens as if independent would understate the spread 8x (sd ratio ~ sqrt(64 * 1 / 1.01))
+    by_token = block_bootstrap_interval([[np.array([v]) for v in whole]], np.mean, seed=1)
+    assert high - low > 5 * (by_token[1] - by_token[0])
+    assert block_bootstrap_interval([[np.full(64, 0.25)] * 3], np.mean) == (0.25, 0.25)
+
+
+def test_block_bootstrap_resamples_groups_independently_for_a_two_group_statistic():
+    rng = np.random.default_rng(7)
+    first = [rng.exponential(1.0, 64) for _ in range(30)]
+    last = [rng.exponential(2.0, 64) for _ in range(30)]
+    low, high = block_bootstrap_interval([first, last], lambda a, b: b.mean() / a.mean())
+    assert low < np.concatenate(last).mean() / np.concatenate(first).mean() < high
+    assert 1.5 < low and high < 2.6
+    with pytest.raises(ValueError, match="at least one block"):
+        block_bootstrap_interval([first, []], lambda a, b: 0.0)

@@ -384,9 +384,10 @@ def test_require_gate_refuses_numerics_the_gate_did_not_judge(tiny_model_dir: Pa
     assert "sha256 mismatch: tokenizer_config.json" in capsys.readouterr().err
 
 
-def test_require_gate_warns_of_contexts_longer_than_the_gate_judged(tiny_model_dir: Path, tmp_path: Path):
+def test_require_gate_warns_of_unjudged_contexts_and_narrow_passes(tiny_model_dir: Path, tmp_path: Path):
     """A gated checkpoint starts; when it takes longer contexts than its verdict's policy judged
-    (drift, an fp8 KV cache's above all, can grow with the context), the log says so."""
+    (drift, an fp8 KV cache's above all, can grow with the context), the log says so, and it names
+    the checks the verdict passed within their sampling uncertainty."""
     import shutil
 
     from engine.config import serving_setting
@@ -394,8 +395,13 @@ def test_require_gate_warns_of_contexts_longer_than_the_gate_judged(tiny_model_d
 
     model = tmp_path / "gated"
     shutil.copytree(tiny_model_dir, model)
-    verdict.write_verdict(model, passed=True, policy={"engine": {"max_model_len": 64}}, metrics={},
+    checks = [{"name": "tier0.kl_growth", "status": "pass", "value": 1.9, "threshold": 2.0, "interval": [1.5, 2.5],
+               "marginal": True},
+              {"name": "tier0.kl_mean", "status": "pass", "value": 0.01, "threshold": 0.05, "interval": [0.008, 0.012],
+               "marginal": False}]
+    verdict.write_verdict(model, passed=True, policy={"engine": {"max_model_len": 64}}, metrics={"checks": checks},
                           baseline_hashes={}, serving=serving_setting("auto", "cpu", "auto", "checkpoint"))
+    assert verdict.marginal_checks(model) == ["tier0.kl_growth 1.9 against 2 (95% interval [1.5, 2.5])"]
     logs = []
     for max_model_len in ("64", "128"):
         port = _free_port()
@@ -412,6 +418,8 @@ def test_require_gate_warns_of_contexts_longer_than_the_gate_judged(tiny_model_d
         logs.append(proc.communicate()[1])
     assert "gate judged" not in logs[0]
     assert "the gate judged contexts of up to 64 tokens; this server takes up to 128" in logs[1]
+    assert all("passed this checkpoint narrowly: tier0.kl_growth 1.9 against 2 (95% interval [1.5, 2.5]);" in log
+               and "kl_mean" not in log for log in logs)
 
 
 def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path: Path):
