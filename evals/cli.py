@@ -176,11 +176,12 @@ def _run(args: argparse.Namespace) -> int:
             base_llm = arms.build_engine(baseline_dir, policy, device=device, lora=lora_dir)
         sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
         print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
-        parity = drift.logit_parity(sequences, arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm))
+        parity = drift.logit_parity(sequences, arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm),
+                                    **_interval_settings(policy))
     agreement, divergences, answers = None, [], None
     if prompts and baseline.generations:
         base_generations = served.comparable(baseline.generations) if served else baseline.generations
-        agreement = drift.generation_agreement(base_generations, candidate.generations)
+        agreement = drift.generation_agreement(base_generations, candidate.generations, **_interval_settings(policy))
         tokenizer = served.tokenizer if served else cand_llm.tokenizer
         divergences = drift.earliest_divergences(prompts, base_generations, candidate.generations, tokenizer.decode)
         if own_prompts and any(p.expected for p in own_prompts):
@@ -218,6 +219,11 @@ def _run(args: argparse.Namespace) -> int:
     print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}; reports in {paths['md'].parent}; "
           f"{time.perf_counter() - started:.0f}s", flush=True)
     return EXIT_PASS if result.passed else EXIT_DRIFT
+
+
+def _interval_settings(policy) -> dict:
+    """Tier 0's and Tier 2's intervals, at the level whose ends are the policy's one-sided bounds (as Tier 1's)."""
+    return {"interval_level": policy.interval_level, "num_resamples": policy.bootstrap_resamples, "seed": policy.seed}
 
 
 def _numerics(args: argparse.Namespace) -> tuple[str, dict | None]:

@@ -86,7 +86,7 @@ class LogitParity:
     overall: ParityStats
     by_position: dict[str, ParityStats]  # bucket name -> stats; empty buckets left out
     by_layer: LayerDrift | None = None  # when both arms report their layer states
-    # 95% block-bootstrap intervals of the figures the gate checks: kl_mean, kl_p99,
+    # block-bootstrap intervals of the figures the gate checks: kl_mean, kl_p99,
     # top1_agreement (overall) and kl_growth (when two buckets are populated)
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -219,9 +219,10 @@ def _sequence_parity(tokens: Sequence[int], spans: Iterable[tuple[_Chunk, _Chunk
     return kl, top1, np.append(nll, np.nan)
 
 
-def logit_parity(sequences: Iterable[Sequence[int]], baseline: ScoreChunks, candidate: ScoreChunks) -> LogitParity:
+def logit_parity(sequences: Iterable[Sequence[int]], baseline: ScoreChunks, candidate: ScoreChunks, *,
+                 interval_level: float = 0.9, num_resamples: int = 1000, seed: int = 0) -> LogitParity:
     """Score each sequence with both arms, a chunk of each at a time, and summarize, overall and by
-    position bucket.
+    position bucket, with two-sided `interval_level` bootstrap intervals of the checked figures.
 
     When both arms also return layer states the result says, per layer, how far the hidden
     states drifted, and which layer added the most.
@@ -249,7 +250,8 @@ def logit_parity(sequences: Iterable[Sequence[int]], baseline: ScoreChunks, cand
         overall=overall.summarize(),
         by_position={bucket_name(b): a.summarize() for b, a in buckets.items() if a.kl},
         by_layer=layers.result(),
-        intervals=_parity_intervals(overall, populated[0], populated[-1] if len(populated) > 1 else None),
+        intervals=_parity_intervals(overall, populated[0], populated[-1] if len(populated) > 1 else None,
+                                    confidence=interval_level, num_resamples=num_resamples, seed=seed),
     )
 
 
@@ -261,18 +263,18 @@ def _p99(kl: np.ndarray) -> float:
     return float(np.quantile(kl, 0.99))
 
 
-def _parity_intervals(overall: _TokenArrays, first: _TokenArrays,
-                      last: _TokenArrays | None) -> dict[str, tuple[float, float]]:
+def _parity_intervals(overall: _TokenArrays, first: _TokenArrays, last: _TokenArrays | None,
+                      **bootstrap) -> dict[str, tuple[float, float]]:
     """How far each checked Tier 0 figure would move had other stretches of text been scored."""
     kl = _blocks(overall.kl)
     intervals = {
-        "kl_mean": stats.block_bootstrap_interval([kl], np.mean),
-        "kl_p99": stats.block_bootstrap_interval([kl], _p99),
-        "top1_agreement": stats.block_bootstrap_interval([_blocks(overall.top1_equal)], np.mean),
+        "kl_mean": stats.block_bootstrap_interval([kl], np.mean, **bootstrap),
+        "kl_p99": stats.block_bootstrap_interval([kl], _p99, **bootstrap),
+        "top1_agreement": stats.block_bootstrap_interval([_blocks(overall.top1_equal)], np.mean, **bootstrap),
     }
     if last is not None:
         intervals["kl_growth"] = stats.block_bootstrap_interval(
-            [_blocks(first.kl), _blocks(last.kl)], lambda a, b: _growth(_p99(a), _p99(b)))
+            [_blocks(first.kl), _blocks(last.kl)], lambda a, b: _growth(_p99(a), _p99(b)), **bootstrap)
     return intervals
 
 
@@ -528,13 +530,15 @@ class GenerationAgreement:
     divergence_positions: tuple[int, ...]  # one per diverging prompt
     mean_agreed_prefix: float  # tokens, counting identical generations at full length
     min_agreed_prefix: int
-    mean_agreed_prefix_interval: tuple[float, float]  # 95% bootstrap over the prompts
+    mean_agreed_prefix_interval: tuple[float, float]  # bootstrap over the prompts
 
 
 def generation_agreement(
-    baseline: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]
+    baseline: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]], *,
+    interval_level: float = 0.9, num_resamples: int = 1000, seed: int = 0,
 ) -> GenerationAgreement:
-    """Summarize where each prompt's greedy generations first part ways."""
+    """Summarize where each prompt's greedy generations first part ways (the mean agreed prefix
+    with a two-sided `interval_level` bootstrap interval over the prompts)."""
     if len(baseline) != len(candidate) or not baseline:
         raise ValueError("need the same, non-zero number of generations per arm")
     prefixes: list[int] = []
@@ -552,7 +556,9 @@ def generation_agreement(
         divergence_positions=tuple(positions),
         mean_agreed_prefix=float(np.mean(prefixes)),
         min_agreed_prefix=int(min(prefixes)),
-        mean_agreed_prefix_interval=stats.block_bootstrap_interval([[np.array([p]) for p in prefixes]], np.mean),
+        mean_agreed_prefix_interval=stats.block_bootstrap_interval(
+            [[np.array([p]) for p in prefixes]], np.mean, confidence=interval_level, num_resamples=num_resamples,
+            seed=seed),
     )
 
 

@@ -38,7 +38,9 @@ class Check:
     detail: str
     value: float | None = None
     threshold: float | None = None
-    interval: tuple[float, float] | None = None  # 95% bootstrap interval of value, where one is known
+    # value's two-sided bootstrap interval, where one is known, at the policy's interval_level: its ends
+    # are the one-sided bounds at the policy's confidence, the level Tier 1's endpoints are held to
+    interval: tuple[float, float] | None = None
 
     @property
     def marginal(self) -> bool:

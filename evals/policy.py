@@ -172,6 +172,11 @@ class GatePolicy:
         if self.bootstrap_resamples < 100:
             raise ValueError("bootstrap_resamples must be at least 100")
 
+    @property
+    def interval_level(self) -> float:
+        """The two-sided level whose interval ends are the one-sided `confidence` bounds (0.95 -> 0.9)."""
+        return 1 - 2 * (1 - self.confidence)
+
 
 _SECTIONS = {"engine": EnginePolicy, "tier0": Tier0Policy, "tier1": Tier1Policy, "tier2": Tier2Policy,
              "noise_floor": NoiseFloorPolicy}

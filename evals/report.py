@@ -84,18 +84,22 @@ def render_markdown(report: dict[str, Any]) -> str:
     out = [f"# Gate verdict: **{verdict}**" + (f" — {reason}" if reason else ""), ""]
     if (manifest := report["manifest"]).get("dtype"):  # None when the candidate was a live server
         out += [f"Candidate judged on {manifest['device']} with {describe_setting(manifest)}.", ""]
-    out += ["## Checks", _table(["check", "status", "value", "95% interval", "threshold", "rule"], [
+    one_sided = report["manifest"].get("policy", {}).get("confidence", 0.95)
+    two_sided = f"{1 - 2 * (1 - one_sided):.0%}"
+    out += ["## Checks", _table(["check", "status", "value", f"{two_sided} interval", "threshold", "rule"], [
         [c["name"], c["status"].upper() + (" (marginal)" if c.get("marginal") else ""),
          "" if c["value"] is None else f"{c['value']:.4g}", _interval(c),
          "" if c["threshold"] is None else f"{c['threshold']:.4g}", c["detail"]] for c in report["checks"]]), ""]
     if marginal := [c["name"] for c in report["checks"] if c.get("marginal")]:
-        out += [f"Marginal: {', '.join(marginal)}. The threshold lies inside the value's 95% bootstrap interval "
-                "(Tier 0: runs of 64 positions resampled; Tier 2: prompts), so the verdict on it rests on which "
-                "text was scored: another sample, or another machine's rounding, can put it on the other side. "
-                "Score more text (the policy's Tier 0 sequences, Tier 2 prompts) to settle it.", ""]
+        out += [f"Marginal: {', '.join(marginal)}. The threshold lies inside the value's two-sided {two_sided} "
+                f"bootstrap interval (Tier 0: runs of 64 positions resampled; Tier 2: prompts), so its one-sided "
+                f"{one_sided:.0%} bound, the one Tier 1's endpoints are held to, is on the other side: the verdict on "
+                "it rests on which text was scored, and other text, or another machine's rounding, can flip it. "
+                "Score more (the policy's tier0.num_documents, tier2.num_prompts) to settle it.", ""]
     t1 = report["tier1"]
     rows = t1["tasks"] + ([t1["pooled"]] if t1["pooled"] else [])
-    out += ["## Tier 1: paired task results (points; 95% one-sided bound via the two-sided 90% interval)",
+    out += [f"## Tier 1: paired task results (points; {one_sided:.0%} one-sided bound via the two-sided {two_sided} "
+            "interval)",
             _table(["task", "n", "baseline", "candidate", "delta", "CI (Newcombe)", "CI (bootstrap)", "McNemar p",
                     "R->W / W->R", "flip %", "floor flip %", "confident flips", "choice KL mean/p95", "MDE"], [
                 [r["task"], str(r["n"]), f"{100 * r['baseline_acc']:.2f}", f"{100 * r['candidate_acc']:.2f}",
@@ -281,7 +285,7 @@ def render_junit(report: dict[str, Any]) -> str:
 
 
 def _marginal_note(check: dict[str, Any]) -> str:
-    return f"; marginal: 95% interval {_interval(check)} holds the threshold" if check.get("marginal") else ""
+    return f"; marginal: interval {_interval(check)} holds the threshold" if check.get("marginal") else ""
 
 
 def write_reports(report: dict[str, Any], report_dir: Path) -> dict[str, Path]:

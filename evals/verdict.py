@@ -139,11 +139,11 @@ def judged_context_len(model_dir: str | Path) -> int | None:
 
 
 def marginal_checks(model_dir: str | Path) -> list[str]:
-    """The verdict's checks whose threshold lay inside their value's 95% interval (see
-    gate.Check.marginal), each as 'name value against threshold (95% interval [low, high])'."""
+    """The verdict's checks whose threshold lay inside their value's interval (see
+    gate.Check.marginal), each as 'name value against threshold (interval [low, high])'."""
     try:
         return [f"{c['name']} {c['value']:.4g} against {c['threshold']:.4g} "
-                f"(95% interval [{c['interval'][0]:.4g}, {c['interval'][1]:.4g}])"
+                f"(interval [{c['interval'][0]:.4g}, {c['interval'][1]:.4g}])"
                 for c in _recorded(model_dir)["metrics"]["checks"] if c.get("marginal")]
     except (KeyError, TypeError, IndexError, AttributeError):
         return []

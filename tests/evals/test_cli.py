@@ -116,6 +116,8 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     report = json.loads((root / "report" / "report.json").read_text())
     assert report["verdict"] == "pass"
     assert report["tier1"]["pooled"]["right_to_wrong"] == 0 and report["tier1"]["pooled"]["wrong_to_right"] == 0
+    point_checks = [c for c in report["checks"] if c["name"].startswith(("tier0.", "tier2."))]
+    assert len(point_checks) >= 4 and all(c["interval"] is not None and not c["marginal"] for c in point_checks)
     assert (root / "report" / "report.md").read_text().startswith("# Gate verdict: **PASS**")
     assert "data:image/png;base64" in (root / "report" / "report.html").read_text()
     assert ElementTree.parse(root / "report" / "report.junit.xml").getroot().get("failures") == "0"

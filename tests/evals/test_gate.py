@@ -19,6 +19,7 @@ def test_shipped_policies_load():
     long = load_policy("long-context")  # Tier 0 reaches the 4096+ position bucket, within the engine's context
     assert long.tier0.max_tokens_per_sequence == long.engine.max_model_len == 8192
     assert long.tier1 == load_policy("quick").tier1
+    assert load_policy("quick").interval_level == pytest.approx(0.9)  # ends: one-sided 95% bounds
 
 
 @pytest.mark.parametrize(("raw", "named"), [
@@ -327,9 +328,9 @@ def test_a_threshold_inside_the_interval_marks_the_check_marginal_in_every_repor
     assert not saved["tier0.kl_mean"]["marginal"]
     markdown = paths["md"].read_text()
     assert "| tier0.kl_growth | PASS (marginal) | 1.9 | [1.5, 2.5] | 2 |" in markdown
-    assert "Marginal: tier0.kl_growth." in markdown
+    assert "Marginal: tier0.kl_growth." in markdown and "| 90% interval |" in markdown
     case = ElementTree.parse(paths["junit"]).getroot().find("testcase[@name='tier0.kl_growth']")
-    assert "marginal: 95% interval [1.5, 2.5] holds the threshold" in case.find("system-out").text
+    assert "marginal: interval [1.5, 2.5] holds the threshold" in case.find("system-out").text
 
 
 def test_marginal_checks_reads_only_what_a_verdict_recorded(tmp_path):
