@@ -147,13 +147,16 @@ def decide(
         endpoint("tier1.pooled_drop", pooled, t1.max_pooled_drop)
         floor = noise_pooled.table.flip_rate if noise_pooled is not None else 0.0
         excess = pooled.table.flip_rate - floor
+        num_items = pooled.table.num_items
+        low, high = stats.wilson_interval(pooled.table.num_flips, num_items, policy.interval_level)
         checks.append(Check("tier1.flip_rate_above_floor", PASS if excess <= t1.max_flip_rate_above_floor else FAIL,
                             f"flip rate {pooled.table.flip_rate:.4f} - noise floor {floor:.4f}",
-                            excess, t1.max_flip_rate_above_floor))
-        confident_rate = pooled.num_confident_flips / pooled.table.num_items
+                            excess, t1.max_flip_rate_above_floor, (low - floor, high - floor)))
+        confident_rate = pooled.num_confident_flips / num_items
         checks.append(Check("tier1.confident_flips", PASS if confident_rate <= t1.max_confident_flip_rate else FAIL,
                             f"{pooled.num_confident_flips} right->wrong flips with baseline margin > "
-                            f"{t1.confident_margin}", confident_rate, t1.max_confident_flip_rate))
+                            f"{t1.confident_margin}", confident_rate, t1.max_confident_flip_rate,
+                            stats.wilson_interval(pooled.num_confident_flips, num_items, policy.interval_level)))
 
     secondary = [s for s in t1.tasks if s.endpoint != "separate"]
     holm = stats.holm_adjust([comparisons[s.name].mcnemar_drop_p for s in secondary]) if secondary else []

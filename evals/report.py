@@ -92,7 +92,8 @@ def render_markdown(report: dict[str, Any]) -> str:
          "" if c["threshold"] is None else f"{c['threshold']:.4g}", c["detail"]] for c in report["checks"]]), ""]
     if marginal := [c["name"] for c in report["checks"] if c.get("marginal")]:
         out += [f"Marginal: {', '.join(marginal)}. The threshold lies inside the value's two-sided {two_sided} "
-                f"bootstrap interval (Tier 0: runs of 64 positions resampled; Tier 2: prompts), so its one-sided "
+                f"interval (Tier 0: a bootstrap over runs of 64 positions; Tier 2: over prompts; Tier 1's flip "
+                f"rates: Wilson's, the noise floor's rate taken as measured), so its one-sided "
                 f"{one_sided:.0%} bound, the one Tier 1's endpoints are held to, is on the other side: the verdict on "
                 "it rests on which text was scored, and other text, or another machine's rounding, can flip it. "
                 "Score more (the policy's tier0.num_documents, tier2.num_prompts) to settle it.", ""]
