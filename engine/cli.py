@@ -124,20 +124,26 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
 
 
-def build_parser(command: str | None) -> argparse.ArgumentParser:
+def build_parser(command: str | None, argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser with `command`'s arguments; for those taking serve's flags, argv's `--config FILE`
+    sets their defaults."""
     parser = argparse.ArgumentParser(prog="driftgate", description="Serve quantized LLMs that provably did not drift.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, add_fn, _, help_text) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text)
         if name == command:
             getattr(importlib.import_module(module), add_fn)(sp)
+            if name in ("serve", "run-batch") and argv:
+                from server.flags import apply_config_file
+
+                apply_config_file(sp, argv)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    args = build_parser(command if command in COMMANDS else None, argv).parse_args(argv)
     module, _, run_fn, _ = COMMANDS[args.command]
     return getattr(importlib.import_module(module), run_fn)(args)
 

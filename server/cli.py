@@ -36,6 +36,7 @@ from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from server.app import build_app
 from server.config import ServerConfig
+from server.flags import apply_config_file, human_int
 from server.reasoning import REASONING_PARSERS
 from server.state import ServerState
 from server.tools import TOOL_CALL_PARSERS
@@ -117,7 +118,12 @@ def _chat_template(value: str | None) -> str | None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's flags (the console script in engine/cli.py dispatches here)."""
-    parser.add_argument("model", help="model folder (HF layout, bf16 or a driftgate/compressed-tensors checkpoint)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model folder (HF layout, bf16 or a driftgate/compressed-tensors checkpoint); may "
+                             "come from --config instead")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="read flags from a YAML file of long flag names (and `model`) to values, as vLLM's "
+                             "serve does; flags on the command line win over the file")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000, help="0: any free port (the log says which)")
     parser.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
@@ -170,9 +176,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "scales; fp8_e5m2 takes none (less precise)")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=human_int, default=None, help="tokens, e.g. 8192 or 8K")
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=human_int, default=2048)
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=0,
                         help="while any stream decodes, prompt chunks take at most this many tokens per step, "
                              "bounding the stall a long prompt adds to every stream's next token (0: no cap)")
@@ -186,8 +192,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              'as a classifier: \'{"architectures": ["Qwen3ForSequenceClassification"], '
                              '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'')
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="the KV cache's size (default: 1 GiB on a CPU; on CUDA what --gpu-memory-utilization leaves)")
+    parser.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
+                        help="the KV cache's size, e.g. 4G (default: 1 GiB on a CPU; on CUDA what "
+                             "--gpu-memory-utilization leaves)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                         help="on CUDA, the share of the device's memory this engine may hold: weights, working "
                              "memory and the KV cache (vLLM's; default 0.9)")
@@ -401,6 +408,8 @@ def _check_vllm_flags(args: argparse.Namespace) -> None:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The serve arguments checked and turned into the app's config; ValueError says what is wrong."""
+    if args.model is None:
+        raise ValueError("no model: name its folder first (driftgate serve MODEL_DIR), or as `model:` in --config")
     if not Path(args.model).is_dir():
         raise ValueError(f"model folder not found: {args.model}")
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
@@ -489,8 +498,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m server.cli MODEL_DIR ...` (the same as `driftgate serve`)."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="driftgate serve", description=__doc__.splitlines()[0])
     add_serve_args(parser)
+    apply_config_file(parser, argv)
     return run_serve(parser.parse_args(argv))
 
 

@@ -1,0 +1,112 @@
+"""serve's flags from a YAML file (`--config`, vLLM's) and sizes with suffixes (`--max-model-len 8K`)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.cli import add_serve_args
+from server.flags import apply_config_file, human_int
+from tests.server.test_serve_cli import _free_port, _wait_until_healthy
+
+
+@pytest.mark.parametrize(("text", "value"), [("8192", 8192), ("8K", 8192), ("8k", 8000), ("25.6k", 25600),
+                                             ("1G", 2**30), ("2m", 2_000_000), (" 32K ", 32768)])
+def test_human_int_reads_decimal_and_binary_suffixes(text, value):
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize(("text", "says"), [("1.5K", "whole number"), ("0.5", "not a whole number"),
+                                            ("12x", "not an integer"), ("-4", "not an integer"), ("", "not")])
+def test_human_int_refuses_what_is_not_a_whole_size(text, says):
+    with pytest.raises(argparse.ArgumentTypeError, match=says):
+        human_int(text)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="driftgate serve", exit_on_error=False)
+    add_serve_args(parser)
+    apply_config_file(parser, argv)
+    return parser.parse_args(argv)
+
+
+def test_the_file_sets_defaults_and_the_command_line_wins(tmp_path: Path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("""
+model: /models/from-file
+port: 9001
+served_model_name: [smollm2, small]      # underscores or dashes, as vLLM's
+max-model-len: 4K
+kv-cache-dtype: bfloat16
+enable-prefix-caching: false
+hf-overrides: {rope_theta: 20000}
+max-num-seqs: 8
+""")
+    args = _parse(["--config", str(config)])
+    assert (args.model, args.port, args.served_model_name) == ("/models/from-file", 9001, ["smollm2", "small"])
+    assert (args.max_model_len, args.kv_cache_dtype, args.max_num_seqs) == (4096, "bfloat16", 8)
+    assert args.no_prefix_caching is True and args.hf_overrides == {"rope_theta": 20000}
+    args = _parse(["/models/from-cli", f"--config={config}", "--port", "9002", "--max-model-len", "2048"])
+    assert (args.model, args.port, args.max_model_len, args.max_num_seqs) == ("/models/from-cli", 9002, 2048, 8)
+    assert args.port == 9002 and _parse(["--port", "9003", "--config", str(config)]).port == 9003  # either order
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ("max-num-seq: 8", "unknown option 'max-num-seq' (did you mean 'max-num-seqs'?)"),
+    ("kv-cache-dtype: fp16", "kv-cache-dtype: 'fp16' is not one of"),
+    ("port: 99999", "port: port must be 0-65535"),
+    ("max-model-len: 1.5K", "max-model-len: '1.5K'"),
+    ("require-gate: yes please", "require-gate: true or false"),
+    ("port: [1, 2]", "port: one value, not a list"),
+    ("- port", "should map flag names to values, not be a list"),
+    ("port: : 1", "not valid YAML"),
+])
+def test_a_bad_file_is_exit_2_naming_the_file_and_the_key(tmp_path: Path, capsys, body, says):
+    config = tmp_path / "serve.yaml"
+    config.write_text(body)
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["--config", str(config)])
+    assert exit_info.value.code == 2
+    assert f"--config {config}: {says}" in capsys.readouterr().err
+
+
+def test_a_missing_file_or_a_missing_model_is_exit_2(tmp_path: Path, capsys):
+    from engine.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--config", str(tmp_path / "absent.yaml")])
+    assert exit_info.value.code == 2 and "No such file or directory" in capsys.readouterr().err
+    (tmp_path / "empty.yaml").write_text("port: 0\n")
+    assert main(["serve", "--config", str(tmp_path / "empty.yaml")]) == 2
+    assert "no model: name its folder first" in capsys.readouterr().err
+    (tmp_path / "batch.yaml").write_text(f"model: {tmp_path / 'no-such-model'}\n")  # run-batch takes serve's flags
+    (tmp_path / "in.jsonl").write_text("")
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                 "--config", str(tmp_path / "batch.yaml")]) == 2
+    assert f"model folder not found: {tmp_path / 'no-such-model'}" in capsys.readouterr().err
+
+
+def test_driftgate_serve_runs_from_a_config_file(tiny_model_dir: Path, tmp_path: Path):
+    """The console script, with nothing but the file and one override: the server answers as configured."""
+    port = _free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {tiny_model_dir}\nport: {port}\nserved-model-name: from-file\nmax-model-len: 0.1k\n"
+                      "device: cpu\n")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--config", str(config),
+                             "--served-model-name", "from-cli"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_until_healthy(proc, f"http://127.0.0.1:{port}")
+        card = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
+        assert (card["id"], card["max_model_len"]) == ("from-cli", 100)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
