@@ -18,6 +18,7 @@ from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect_while_connected
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs, token_namer
 from server.params import (
+    apply_server_defaults,
     check_prompt_ids,
     engine_params,
     refuse_unsupported,
@@ -231,8 +232,9 @@ def _thinking_budget(max_tokens: int, parser: str | None, params: SamplingParams
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.driftgate
-    job = prepare_chat(body, state)
     config = state.config
+    apply_server_defaults(body, config)
+    job = prepare_chat(body, state)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     record = RequestRecord(request_id)
     request.state.record = record

@@ -221,6 +221,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--require-gate", action="store_true",
                         help="refuse to serve unless the checkpoint's verdict.json passes and matches its weights")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--uvicorn-log-level", default=None, choices=["trace", "debug", "info", "warning", "error",
+                                                                      "critical"],
+                        help="the HTTP server's (uvicorn's) own log level (default: --log-level)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no line per HTTP request on driftgate.server.access (vLLM's name; /metrics still "
+                             "counts them)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprob entries name tokens \"token_id:N\" for every request, as a request's own "
+                             "return_tokens_as_token_ids does (exact where a token's text is not)")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream ends with a usage chunk, as if stream_options.include_usage were set")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt, token ids and sampling fields (a JSON line on "
                              "driftgate.server.requests); prompts may be private, so off by default")
@@ -247,6 +258,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                       help="no effect: prompts are always prefilled in chunks of --max-num-batched-tokens")
     vllm.add_argument("--disable-log-requests", action="store_true",
                       help="no effect: prompts are logged only with --enable-log-requests")
+    vllm.add_argument("--root-path", default="", metavar="PATH",
+                      help="the prefix of a reverse proxy that strips it before passing requests on (e.g. /llm); "
+                           "the routes, the key check and /metrics see the path without it")
+    vllm.add_argument("--disable-fastapi-docs", action="store_true",
+                      help="no effect: the OpenAPI docs pages are never served here")
 
 
 def _check_gate(args: argparse.Namespace) -> str | None:
@@ -430,6 +446,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         metrics_public=args.metrics_public, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_n=args.max_n,
         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+        access_log=not args.disable_uvicorn_access_log, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
         sampling_defaults=sampling_defaults(args.model, args.generation_config, args.override_generation_config),
         chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
@@ -471,7 +489,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return 1
     app = build_app(None, config)
     state: ServerState = app.state.driftgate
-    server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, root_path=args.root_path,
+                                            log_level=args.uvicorn_log_level or args.log_level,
                                             access_log=False, timeout_graceful_shutdown=args.drain_timeout,
                                             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                                             ssl_ca_certs=args.ssl_ca_certs,

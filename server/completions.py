@@ -12,6 +12,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from server.generation import EngineRequest, Generation, collect_while_connected
 from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs, token_namer
 from server.params import (
+    apply_server_defaults,
     check_prompt_ids,
     engine_params,
     refuse_unsupported,
@@ -119,6 +120,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state: ServerState = request.app.state.driftgate
     engine = state.ready_engine()
     config = state.config
+    apply_server_defaults(body, config)
     lora = requested_adapter(body.model, config)
     refuse_unsupported(body)
     prompts = []

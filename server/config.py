@@ -28,6 +28,11 @@ class ServerConfig:
     log_requests: bool = False  # log each request's prompt and sampling fields (server.generation.log_received)
     max_log_len: int | None = None  # ... cut to this many characters and token ids
     retry_after_s: int = 1  # advertised in 429 responses
+    access_log: bool = True  # one JSON line per HTTP request on driftgate.server.access
+    # vLLM's server-wide defaults for request fields: logprob tokens named "token_id:N", and a usage
+    # chunk closing every stream whether or not stream_options asks for it
+    return_tokens_as_token_ids: bool = False
+    force_include_usage: bool = False
     # what a request that leaves a sampling field out gets (the model's generation_config.json)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's (--chat-template)

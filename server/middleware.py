@@ -20,6 +20,12 @@ access_logger = logging.getLogger("driftgate.server.access")
 _PUBLIC_WHEN_METRICS_PUBLIC = frozenset({"/health", "/ping", "/metrics"})
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path below the server's --root-path (the prefix a proxy may or may not strip)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 async def _send_json(send: Send, status: int, body: dict, headers: list[tuple[bytes, bytes]]) -> None:
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
@@ -40,7 +46,7 @@ class AuthMiddleware:
         config = self.state.config
         if scope["type"] != "http" or config.api_key is None:
             return await self.app(scope, receive, send)
-        if config.metrics_public and scope["path"] in _PUBLIC_WHEN_METRICS_PUBLIC:
+        if config.metrics_public and route_path(scope) in _PUBLIC_WHEN_METRICS_PUBLIC:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
@@ -54,7 +60,8 @@ class AuthMiddleware:
 
 
 class AccessLogMiddleware:
-    """One structured line per HTTP request: route, status, tokens, TTFT, total time."""
+    """One structured line per HTTP request (route, status, tokens, TTFT, total time), and its count
+    by route and status; --disable-uvicorn-access-log keeps the count and drops the line."""
 
     def __init__(self, app: ASGIApp, state: ServerState, routes: frozenset[str]) -> None:
         self.app = app
@@ -83,8 +90,11 @@ class AccessLogMiddleware:
             self._log(scope, status if completed else 499, time.monotonic() - started)
 
     def _log(self, scope: Scope, status: int, total_s: float) -> None:
-        route = scope["path"] if scope["path"] in self.routes else "other"
+        route = route_path(scope)
+        route = route if route in self.routes else "other"
         self.state.metrics.http_requests.labels(route, str(status)).inc()
+        if not self.state.config.access_log:
+            return
         record: RequestRecord | None = scope["state"].get("record")
         line = {"event": "request", "method": scope["method"], "route": route, "status": status,
                 "total_s": round(total_s, 4)}

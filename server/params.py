@@ -10,7 +10,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputs
 from server.config import ServerConfig
 from server.errors import APIError, ContextLengthError
-from server.protocol import SamplingFields
+from server.protocol import SamplingFields, StreamOptions
 
 _INT64 = 2**63
 # fields that would change the output and that this server cannot honour: refused by name, never
@@ -24,6 +24,14 @@ _UNSUPPORTED = {
     "web_search_options": "web search is not available here",
     "chat_template": "a request's own chat_template is not accepted; the server's is set with --chat-template",
 }
+
+
+def apply_server_defaults(body: SamplingFields, config: ServerConfig) -> None:
+    """Lay the server's request-field defaults over the body (serve --return-tokens-as-token-ids,
+    --enable-force-include-usage): each turns a field on that the request left off."""
+    body.return_tokens_as_token_ids |= config.return_tokens_as_token_ids
+    if config.force_include_usage and body.stream and not (body.stream_options and body.stream_options.include_usage):
+        body.stream_options = StreamOptions(include_usage=True)
 
 
 def refuse_unsupported(body: SamplingFields) -> None:

@@ -13,13 +13,13 @@ from fastapi import FastAPI
 
 
 @contextmanager
-def serve_in_thread(app: FastAPI, *, timeout_s: float = 10.0) -> Iterator[str]:
+def serve_in_thread(app: FastAPI, *, timeout_s: float = 10.0, root_path: str = "") -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) while the app serves; stop it afterwards."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, root_path=root_path,
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import signal
 import subprocess
 import sys
@@ -110,3 +112,59 @@ def test_driftgate_serve_runs_from_a_config_file(tiny_model_dir: Path, tmp_path:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_server_wide_token_ids_and_usage_apply_to_requests_that_leave_them_off(engine):
+    """--return-tokens-as-token-ids and --enable-force-include-usage, as vLLM's: defaults a request
+    cannot miss; without them the same requests get text tokens and no usage chunk."""
+    from tests.server.conftest import MODEL_NAME, serve
+
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0}
+    for forced in (True, False):
+        with serve(engine, return_tokens_as_token_ids=forced, force_include_usage=forced) as url:
+            done = httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4,
+                                                            "logprobs": 1, "temperature": 0}).json()
+            named = done["choices"][0]["logprobs"]["tokens"]
+            assert all(t.startswith("token_id:") for t in named) is forced and len(named) == 4
+            answer = httpx.post(f"{url}/v1/chat/completions", json={**chat, "logprobs": True}).json()
+            named = [e["token"] for e in answer["choices"][0]["logprobs"]["content"]]
+            assert all(t.startswith("token_id:") for t in named) is forced
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**chat, "stream": True}) as stream:
+                events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+            last = json.loads(events[-2])  # before [DONE]
+            assert (last.get("usage") is not None) is forced
+            if forced:
+                assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+
+
+def test_no_access_log_lines_still_counts_requests(engine, caplog):
+    from tests.server.conftest import serve
+
+    for access_log in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="driftgate.server.access"), serve(engine, access_log=access_log) as url:
+            assert httpx.get(f"{url}/v1/models").status_code == 200
+            metrics = httpx.get(f"{url}/metrics").text
+        lines = [r for r in caplog.records if r.name == "driftgate.server.access"]
+        assert bool(lines) is access_log
+        assert 'route="/v1/models",status="200"' in metrics
+
+
+def test_behind_a_proxy_that_strips_the_root_path_routes_keys_and_metrics_see_the_plain_path(engine):
+    """uvicorn puts --root-path in front of the path it hands on; the public /health, the route
+    labels of /metrics and the routes themselves must still see the plain path."""
+    from server.app import build_app
+    from server.config import ServerConfig
+    from server.middleware import route_path
+    from tests.server.live import serve_in_thread
+
+    assert route_path({"path": "/llm/v1/models", "root_path": "/llm"}) == "/v1/models"
+    assert route_path({"path": "/llmx/health", "root_path": "/llm"}) == "/llmx/health"
+    assert route_path({"path": "/health"}) == "/health"
+    app = build_app(engine, ServerConfig(served_model_name="tiny", api_key="k", metrics_public=True))
+    with serve_in_thread(app, root_path="/llm") as url:  # the proxy stripped /llm: requests come without it
+        assert httpx.get(f"{url}/health").status_code == 200  # public without the key
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "tiny"
+        assert 'route="/v1/models",status="200"' in httpx.get(f"{url}/metrics").text
