@@ -7,6 +7,9 @@ and the CLI decide when to start and stop it.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
@@ -30,6 +33,7 @@ from server.pooling import create_classification, create_rerank, create_score
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from server.responses import cancel_response, create_response, delete_response, retrieve_response
 from server.state import Phase, ServerState
+from server.stats_log import log_stats_every
 
 if TYPE_CHECKING:
     from engine.serving import ServingEngine
@@ -44,8 +48,19 @@ def _package_version() -> str:
 
 def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     """An OpenAI-compatible app serving `engine` under `config.served_model_name`."""
-    app = FastAPI(title="driftgate", version=_package_version(), docs_url=None, redoc_url=None)
     state = ServerState(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None if config.log_stats_interval_s is None else asyncio.create_task(
+            log_stats_every(config.log_stats_interval_s, state.engine_stats))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    app = FastAPI(title="driftgate", version=_package_version(), docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.driftgate = state
     install_error_handlers(app)
 

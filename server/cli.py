@@ -224,6 +224,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default=None, choices=["trace", "debug", "info", "warning", "error",
                                                                       "critical"],
                         help="the HTTP server's (uvicorn's) own log level (default: --log-level)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no line every 10 s of throughput, queue and KV-cache use (logged only while busy)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no line per HTTP request on driftgate.server.access (vLLM's name; /metrics still "
                              "counts them)")
@@ -446,7 +448,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         metrics_public=args.metrics_public, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_n=args.max_n,
         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-        access_log=not args.disable_uvicorn_access_log, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        access_log=not args.disable_uvicorn_access_log, log_stats_interval_s=None if args.disable_log_stats else 10.0,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
         sampling_defaults=sampling_defaults(args.model, args.generation_config, args.override_generation_config),
         chat_template=_chat_template(args.chat_template), allowed_origins=tuple(args.allowed_origins),

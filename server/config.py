@@ -29,6 +29,7 @@ class ServerConfig:
     max_log_len: int | None = None  # ... cut to this many characters and token ids
     retry_after_s: int = 1  # advertised in 429 responses
     access_log: bool = True  # one JSON line per HTTP request on driftgate.server.access
+    log_stats_interval_s: float | None = None  # a throughput/load line this often (server.stats_log); None: off
     # vLLM's server-wide defaults for request fields: logprob tokens named "token_id:N", and a usage
     # chunk closing every stream whether or not stream_options asks for it
     return_tokens_as_token_ids: bool = False
@@ -72,6 +73,8 @@ class ServerConfig:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len cannot be negative, got {self.max_log_len}")
+        if self.log_stats_interval_s is not None and self.log_stats_interval_s <= 0:
+            raise ValueError(f"log_stats_interval_s must be positive, got {self.log_stats_interval_s}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.retry_after_s < 1:

@@ -8,6 +8,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -168,3 +169,33 @@ def test_behind_a_proxy_that_strips_the_root_path_routes_keys_and_metrics_see_th
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "tiny"
         assert 'route="/v1/models",status="200"' in httpx.get(f"{url}/metrics").text
+
+
+def test_stats_report_gives_rates_over_each_interval_and_stays_quiet_while_idle():
+    from engine.outputs import EngineStats
+    from server.stats_log import StatsReport
+
+    report = StatsReport(EngineStats(), now=0.0)
+    busy = EngineStats(num_running=3, num_waiting=1, num_blocks_total=100, num_blocks_used=25, num_prompt_tokens=400,
+                       num_generation_tokens=100, prefix_cache_queries=400, prefix_cache_hits=100, num_preemptions=2)
+    assert report.line(busy, now=10.0) == (
+        "prompt throughput 40.0 tokens/s, generation throughput 10.0 tokens/s, running 3 reqs, waiting 1 reqs, "
+        "KV cache usage 25.0%, prefix cache hit rate 25.0%, preempted 2")
+    finished = EngineStats(num_blocks_total=100, num_prompt_tokens=400, num_generation_tokens=150,
+                           prefix_cache_queries=400, prefix_cache_hits=100, num_preemptions=2)
+    assert report.line(finished, now=20.0).startswith("prompt throughput 0.0 tokens/s, generation throughput 5.0")
+    assert report.line(finished, now=30.0) is None  # idle: nothing ran, waited or finished
+
+
+def test_a_busy_server_logs_its_stats_line(engine, caplog):
+    from tests.server.conftest import MODEL_NAME, serve
+
+    with caplog.at_level(logging.INFO, logger="driftgate.server.stats"), serve(engine, log_stats_interval_s=0.2) as url:
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 5
+        while not any("generation throughput" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "no stats line within 5 s of a request"
+            time.sleep(0.05)
+    line = next(r.getMessage() for r in caplog.records if "generation throughput" in r.getMessage())
+    assert float(line.split("generation throughput ")[1].split()[0]) > 0
