@@ -263,6 +263,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--root-path", default="", metavar="PATH",
                       help="the prefix of a reverse proxy that strips it before passing requests on (e.g. /llm); "
                            "the routes, the key check and /metrics see the path without it")
+    vllm.add_argument("--enable-prompt-tokens-details", action="store_true",
+                      help="no effect: usage always carries prompt_tokens_details.cached_tokens")
     vllm.add_argument("--disable-fastapi-docs", action="store_true",
                       help="no effect: the OpenAPI docs pages are never served here")
 

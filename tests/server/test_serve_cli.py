@@ -472,8 +472,8 @@ def test_gpu_memory_utilization_reaches_the_engine_and_is_said_to_do_nothing_on_
 
 def test_vllm_flags_run_where_they_mean_what_happens_here_and_say_what_to_do_where_not(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch, capsys):
-    """A vLLM command line's -tp 1, --trust-remote-code, --enable-chunked-prefill and
-    --disable-log-requests start the server; parallelism and load-time quantization are exit 2
+    """A vLLM command line's -tp 1, --trust-remote-code, --enable-chunked-prefill, --disable-log-requests
+    and its logging and docs flags start the server; parallelism and load-time quantization are exit 2
     saying what to use instead."""
     import server.cli
     from server.cli import main
@@ -487,8 +487,10 @@ def test_vllm_flags_run_where_they_mean_what_happens_here_and_say_what_to_do_whe
     monkeypatch.setattr(server.cli, "build_app", record)
     with pytest.raises(SystemExit):
         main([str(tiny_model_dir), "--port", str(_free_port()), "-tp", "1", "--pipeline-parallel-size", "1",
-              "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests"])
-    assert len(started) == 1 and not started[0].log_requests
+              "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests",
+              "--enable-prompt-tokens-details", "--disable-fastapi-docs", "--disable-log-stats",
+              "--uvicorn-log-level", "warning", "--root-path", "/llm"])
+    assert len(started) == 1 and not started[0].log_requests and started[0].log_stats_interval_s is None
     assert main([str(tiny_model_dir), "--port", "0", "--tensor-parallel-size", "2"]) == 2
     assert "--tensor-parallel-size 2: a model runs whole on one device here" in capsys.readouterr().err
     assert main([str(tiny_model_dir), "--port", "0", "-pp", "2"]) == 2
