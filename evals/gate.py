@@ -9,7 +9,7 @@ prompts, more unparseable or runaway outputs, confident flips) fail regardless.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from evals import stats
 from evals.drift import (
@@ -196,7 +196,17 @@ def decide(
                             agreement.mean_agreed_prefix_interval))
     if answers is not None:
         endpoint(EXPECTED_ANSWERS, answers, t1.max_pooled_drop)
+    if policy.point_checks == "interval":
+        checks = [_undecided(c, inconclusive_status) if c.marginal else c for c in checks]
     return checks
+
+
+def _undecided(check: Check, inconclusive_status: str) -> Check:
+    """A point check whose interval holds its threshold, under point_checks = "interval": neither
+    side is shown, as for an endpoint whose bound straddles its margin."""
+    return replace(check, status=INCONCLUSIVE if inconclusive_status == FAIL else WARN,
+                   detail=f"{check.detail}; the interval holds the threshold (policy: point_checks = interval, "
+                          f"inconclusive -> {inconclusive_status})")
 
 
 def _tier0_checks(policy: GatePolicy, parity: LogitParity | None, skip_reason: str | None) -> list[Check]:

@@ -155,6 +155,10 @@ class GatePolicy:
 
     name: str = "custom"
     inconclusive: str = "fail"  # what an undecided endpoint does: "fail" (closed) or "pass"
+    # what decides a point check (Tier 0's KL figures, Tier 1's flip rates, Tier 2's prefix): "value",
+    # its interval only marking it marginal; or "interval", a threshold inside it leaving the check
+    # undecided (then `inconclusive` rules), as Tier 1's endpoints are held to their bounds
+    point_checks: str = "value"
     confidence: float = 0.95  # one-sided level of the drop bound
     seed: int = 0
     bootstrap_resamples: int = 2000
@@ -167,6 +171,8 @@ class GatePolicy:
     def __post_init__(self) -> None:
         if self.inconclusive not in ("fail", "pass"):
             raise ValueError(f"inconclusive must be 'fail' or 'pass', got {self.inconclusive!r}")
+        if self.point_checks not in ("value", "interval"):
+            raise ValueError(f"point_checks must be 'value' or 'interval', got {self.point_checks!r}")
         if not 0.5 < self.confidence < 1.0:
             raise ValueError(f"confidence must be in (0.5, 1), got {self.confidence}")
         if self.bootstrap_resamples < 100:

@@ -346,3 +346,28 @@ def test_marginal_checks_reads_only_what_a_verdict_recorded(tmp_path):
     assert verdict.marginal_checks(tmp_path) == []
     (tmp_path / verdict.VERDICT_FILE).write_text("[1, 2]")
     assert verdict.marginal_checks(tmp_path) == [] and verdict.judged_context_len(tmp_path) is None
+
+
+@pytest.mark.parametrize(("inconclusive", "status"), [("fail", gate.INCONCLUSIVE), ("pass", gate.WARN)])
+def test_point_checks_by_interval_leave_a_marginal_check_undecided(inconclusive, status):
+    """point_checks = "interval": a threshold inside a check's interval is no pass (nor fail), as
+    Tier 1's endpoints are held to their bounds; the default lets the value decide."""
+    raw = {**BASE_POLICY, "tier0": {"max_kl_growth": 2.0}, "tier2": {"enabled": False}, "inconclusive": inconclusive}
+    early = drift.ParityStats(num_tokens=256, kl_mean=0.006, kl_p99=0.05, top1_agreement=0.95, nll_delta_mean=0.0)
+    late = drift.ParityStats(num_tokens=512, kl_mean=0.013, kl_p99=0.095, top1_agreement=0.93, nll_delta_mean=0.0)
+    parity = drift.LogitParity(overall=late, by_position={"0-256": early, "4096+": late},
+                               intervals={"kl_growth": (1.5, 2.5), "kl_mean": (0.01, 0.016)})
+    steady = _arm([1] * 300 + [0] * 100)  # well above chance: only the point checks can fail
+    decided = {}
+    for point_checks in ("value", "interval"):
+        policy = policy_from_dict({**raw, "point_checks": point_checks})
+        per_task, pooled = gate.compare_arms(policy, {"t": steady}, {"t": steady})
+        decided[point_checks] = {c.name: c for c in gate.decide(policy, per_task, pooled, parity=parity)}
+    assert decided["value"]["tier0.kl_growth"].status == gate.PASS
+    growth = decided["interval"]["tier0.kl_growth"]
+    assert growth.status == status and "point_checks = interval" in growth.detail and growth.marginal
+    assert decided["interval"]["tier0.kl_mean"].status == gate.PASS  # its interval clears the threshold
+    assert gate.outcome(list(decided["interval"].values()), comparisons={}, pooled=None).passed is (
+        inconclusive == "pass")
+    with pytest.raises(PolicyError, match="point_checks"):
+        policy_from_dict({**raw, "point_checks": "bound"})
