@@ -83,13 +83,22 @@ def build_app(engine: ServingEngine | None, config: ServerConfig) -> FastAPI:
     app.post("/v1/load_lora_adapter")(load_lora_adapter)
     app.post("/v1/unload_lora_adapter")(unload_lora_adapter)
 
+    def model_cards() -> list[ModelCard]:
+        engine = state.ready_engine()
+        return ([ModelCard(id=name, root=config.model_root, max_model_len=engine.max_model_len)
+                 for name in config.model_names]
+                + [ModelCard(id=name, root=path, parent=config.served_model_name, max_model_len=engine.max_model_len)
+                   for name, path in config.lora_modules.items()])
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        engine = state.ready_engine()
-        return ModelList(data=[ModelCard(id=name, root=config.model_root, max_model_len=engine.max_model_len)
-                               for name in config.model_names]
-                         + [ModelCard(id=name, root=path, parent=config.served_model_name,
-                                      max_model_len=engine.max_model_len) for name, path in config.lora_modules.items()])
+        return ModelList(data=model_cards())
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve; `path`: served names may hold slashes
+    async def retrieve_model(model: str) -> ModelCard:
+        if (card := next((c for c in model_cards() if c.id == model), None)) is None:
+            raise APIError(404, f"model {model!r} is not served here", param="model")
+        return card
 
     @app.get("/health")
     async def health() -> Response:

@@ -7,10 +7,11 @@ import logging
 import re
 
 import httpx
+import openai
 import pytest
 
 from server.config import ServerConfig
-from tests.server.conftest import MODEL_NAME, wait_until_idle
+from tests.server.conftest import MODEL_NAME, serve, wait_until_idle
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -246,6 +247,17 @@ def test_models_tokenize_detokenize_version(base_url):
         assert chat_tokens["count"] > tokens["count"]
         assert http.get("/version").json()["version"]
         assert http.get("/tokenizer_info").json()["eos_token"]
+
+
+def test_retrieve_a_model_as_openai_clients_do(client, engine):
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.models.retrieve("gpt-4o")
+    with serve(engine, aliases=("org/model-v1",)) as url, httpx.Client(base_url=url, timeout=10) as http:
+        card = http.get("/v1/models/org/model-v1").json()  # a hub-style name keeps its slash
+        assert card["id"] == "org/model-v1" and card["object"] == "model"
+        missing = http.get("/v1/models/org")
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
 def test_metrics_exposition(client, base_url):
