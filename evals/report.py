@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
-from evals.drift import LayerDrift, TaskComparison
+from evals.drift import BOOTSTRAP_BLOCK_TOKENS, LayerDrift, TaskComparison
 from evals.gate import GateOutcome
 from evals.verdict import describe_setting
 
@@ -92,7 +92,8 @@ def render_markdown(report: dict[str, Any]) -> str:
          "" if c["threshold"] is None else f"{c['threshold']:.4g}", c["detail"]] for c in report["checks"]]), ""]
     if marginal := [c["name"] for c in report["checks"] if c.get("marginal")]:
         out += [f"Marginal: {', '.join(marginal)}. The threshold lies inside the value's two-sided {two_sided} "
-                f"interval (Tier 0: a bootstrap over runs of 64 positions; Tier 2: over prompts; Tier 1's flip "
+                f"interval (Tier 0: a bootstrap over runs of {BOOTSTRAP_BLOCK_TOKENS} positions; Tier 2: over prompts; "
+                "Tier 1's flip "
                 f"rates: Wilson's, the noise floor's rate taken as measured), so its one-sided "
                 f"{one_sided:.0%} bound, the one Tier 1's endpoints are held to, is on the other side: the verdict on "
                 "it rests on which text was scored, and other text, or another machine's rounding, can flip it. "
