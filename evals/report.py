@@ -93,8 +93,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if marginal := [c["name"] for c in report["checks"] if c.get("marginal")]:
         out += [f"Marginal: {', '.join(marginal)}. The threshold lies inside the value's two-sided {two_sided} "
                 f"interval (Tier 0: a bootstrap over runs of {BOOTSTRAP_BLOCK_TOKENS} positions; Tier 2: over prompts; "
-                "Tier 1's flip "
-                f"rates: Wilson's, the noise floor's rate taken as measured), so its one-sided "
+                "Tier 1's flip rates: Wilson's, the noise floor's rate taken as measured), so its one-sided "
                 f"{one_sided:.0%} bound, the one Tier 1's endpoints are held to, is on the other side: the verdict on "
                 "it rests on which text was scored, and other text, or another machine's rounding, can flip it. "
                 "Score more (the policy's tier0.num_documents, tier2.num_prompts) to settle it.", ""]
