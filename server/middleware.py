@@ -21,7 +21,8 @@ _PUBLIC_WHEN_METRICS_PUBLIC = frozenset({"/health", "/ping", "/metrics"})
 
 
 def route_path(scope: Scope) -> str:
-    """The request's path below the server's --root-path (the prefix a proxy may or may not strip)."""
+    """The request's path below the server's --root-path, which uvicorn puts back in front of the
+    path the proxy passed on (the ASGI convention)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
 
