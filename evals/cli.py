@@ -216,8 +216,10 @@ def _run(args: argparse.Namespace) -> int:
                           base_hashes=candidate_hashes if lora_dir is not None else None,
                           serving=serving)
     print(report.render_markdown(full).split("\n## Worst")[0])
-    print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}; reports in {paths['md'].parent}; "
-          f"{time.perf_counter() - started:.0f}s", flush=True)
+    marginal = [c.name for c in result.checks if c.marginal]
+    print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}"
+          + (f" (marginal: {', '.join(marginal)})" if marginal else "")
+          + f"; reports in {paths['md'].parent}; {time.perf_counter() - started:.0f}s", flush=True)
     return EXIT_PASS if result.passed else EXIT_DRIFT
 
 

@@ -118,6 +118,7 @@ def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     assert report["tier1"]["pooled"]["right_to_wrong"] == 0 and report["tier1"]["pooled"]["wrong_to_right"] == 0
     point_checks = [c for c in report["checks"] if c["name"].startswith(("tier0.", "tier2."))]
     assert len(point_checks) >= 4 and all(c["interval"] is not None and not c["marginal"] for c in point_checks)
+    assert "[gate] verdict PASS; reports in" in capsys.readouterr().out  # a marginal check would be named here
     assert (root / "report" / "report.md").read_text().startswith("# Gate verdict: **PASS**")
     assert "data:image/png;base64" in (root / "report" / "report.html").read_text()
     assert ElementTree.parse(root / "report" / "report.junit.xml").getroot().get("failures") == "0"
@@ -200,7 +201,7 @@ def test_the_candidate_is_judged_in_the_dtype_it_will_be_served(setup, capsys):
 
 
 @pytest.mark.slow
-def test_damaged_checkpoint_fails_with_a_failing_verdict(setup):
+def test_damaged_checkpoint_fails_with_a_failing_verdict(setup, capsys):
     root, baseline, policy = setup
     damaged = root / "damaged"
     shutil.copytree(baseline, damaged)
@@ -214,6 +215,10 @@ def test_damaged_checkpoint_fails_with_a_failing_verdict(setup):
     report = json.loads((root / "report" / "report.json").read_text())
     failed = {c["name"] for c in report["checks"] if c["status"] in ("fail", "inconclusive")}
     assert failed & {"tier1.pooled_drop", "tier1.flip_rate_above_floor", "tier2.mean_agreed_prefix"}
+    marginal = [c["name"] for c in report["checks"] if c["marginal"]]
+    verdict_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[gate] verdict"))
+    assert verdict_line.startswith("[gate] verdict FAIL" + (f" (marginal: {', '.join(marginal)})" if marginal else "")
+                                   + "; reports in")
     (parted,) = report["tier2_divergences"]  # the one Tier 2 prompt, shown where the arms part
     assert f"parts after {parted['position']} tokens" in (root / "report" / "report.md").read_text()
     suite = ElementTree.parse(root / "report" / "report.junit.xml").getroot()  # for CI test reporters
