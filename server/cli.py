@@ -116,6 +116,16 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
+# vLLM's switches that ask for what happens here anyway, accepted so a copied command line runs
+_NO_EFFECT = {
+    "--trust-remote-code": "every architecture is driftgate's own code; no checkpoint code runs",
+    "--enable-chunked-prefill": "prompts are always prefilled in chunks of --max-num-batched-tokens",
+    "--disable-log-requests": "prompts are logged only with --enable-log-requests",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
+    "--disable-fastapi-docs": "the OpenAPI docs pages are never served here",
+}
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's flags (the console script in engine/cli.py dispatches here)."""
     parser.add_argument("model", nargs="?", default=None,
@@ -254,19 +264,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--quantization", "-q", default=None, metavar="METHOD",
                       help="only the checkpoint's own (compressed-tensors): quantize with `driftgate quantize`, "
                            "gate, and serve its output")
-    vllm.add_argument("--trust-remote-code", action="store_true",
-                      help="no effect: every architecture is driftgate's own code; no checkpoint code runs")
-    vllm.add_argument("--enable-chunked-prefill", action="store_true",
-                      help="no effect: prompts are always prefilled in chunks of --max-num-batched-tokens")
-    vllm.add_argument("--disable-log-requests", action="store_true",
-                      help="no effect: prompts are logged only with --enable-log-requests")
     vllm.add_argument("--root-path", default="", metavar="PATH",
                       help="the prefix of a reverse proxy that strips it before passing requests on (e.g. /llm); "
                            "the routes, the key check and /metrics see the path without it")
-    vllm.add_argument("--enable-prompt-tokens-details", action="store_true",
-                      help="no effect: usage always carries prompt_tokens_details.cached_tokens")
-    vllm.add_argument("--disable-fastapi-docs", action="store_true",
-                      help="no effect: the OpenAPI docs pages are never served here")
+    for flag, why in _NO_EFFECT.items():
+        vllm.add_argument(flag, action="store_true", help=f"no effect: {why}")
 
 
 def _check_gate(args: argparse.Namespace) -> str | None:
