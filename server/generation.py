@@ -157,9 +157,12 @@ class Generation:
                 raise item
             self._observe(index, item)
             if item.finished:
-                self._unfinished.discard(self._requests[index].request_id)
-                for completion in item.outputs:
-                    self._state.metrics.request_success.labels(completion.finish_reason or "unknown").inc()
+                request, metrics = self._requests[index], self._state.metrics
+                self._unfinished.discard(request.request_id)
+                for completion in item.outputs:  # each of n samples counts as a request, as in vLLM
+                    metrics.request_success.labels(completion.finish_reason or "unknown").inc()
+                    metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))
+                    metrics.request_generation_tokens.observe(len(completion.token_ids))
             yield index, item
 
     async def aclose(self) -> None:

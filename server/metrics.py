@@ -18,6 +18,8 @@ from engine.outputs import ClusterStats, EngineStats
 PREFIX = "driftgate:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# token counts, 1-2-5 per decade as vLLM's request_prompt_tokens / request_generation_tokens
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 
 class _EngineCollector:
@@ -132,6 +134,14 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Arrival to last output token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Prompt tokens of each finished request.",
+            buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Tokens each finished request generated.",
+            buckets=_TOKEN_BUCKETS, registry=self.registry,
         )
         self.registry.register(_EngineCollector(read_stats))
 
