@@ -65,7 +65,7 @@ class _RequestState:
         ranks = list(self.prompt_logprob_ranks) if self.prompt_logprob_ranks is not None else None
         embedding = None if self.embedding is None else self.embedding.tolist()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, prompt_lp, cached, ranks, embedding)
+                             self.finished, prompt_lp, cached, ranks, embedding, self.sequences[0].request.queue_time_s)
 
 
 class LLMEngine:

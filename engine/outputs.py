@@ -39,6 +39,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank (1 = most probable)
     embedding: list[float] | None = None  # an embedding request's pooled final hidden state (not normalized)
+    queue_time_s: float | None = None  # arrival to first admission in the engine's queue (None: still waiting)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ priority, the least urgent first, before the step is scheduled.
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections import deque
 from collections.abc import Sequence
@@ -165,6 +166,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens < 0:  # count each request's prompt once, not on resume
                 request.num_cached_tokens = num_hit
+                request.queue_time_s = time.monotonic() - request.arrival_time
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_hit
             request.num_computed_tokens = num_hit

@@ -28,7 +28,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "stop_reason", "grammar", "spec_token_ids",
-                 "priority", "num_released_blocks", "lora", "lora_index")
+                 "priority", "num_released_blocks", "lora", "lora_index", "queue_time_s")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, grammar=None, priority: int = 0,
@@ -47,6 +47,7 @@ class Request:
         self.num_released_blocks = 0  # leading block_ids a sliding window left behind (BlockManager.release_before)
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of all_token_ids, in order
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not yet admitted)
+        self.queue_time_s: float | None = None  # arrival to first admission (None: not yet admitted)
         self.stop_reason: int | str | None = None
         self.grammar = grammar  # params.structured_outputs compiled for this tokenizer, or None
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (speculative decoding)

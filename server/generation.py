@@ -159,6 +159,8 @@ class Generation:
             if item.finished:
                 request, metrics = self._requests[index], self._state.metrics
                 self._unfinished.discard(request.request_id)
+                if item.queue_time_s is not None:  # a beam search's has none: its steps queue one by one
+                    metrics.request_queue_time.observe(item.queue_time_s)
                 for completion in item.outputs:  # each of n samples counts as a request, as in vLLM
                     metrics.request_success.labels(completion.finish_reason or "unknown").inc()
                     metrics.request_prompt_tokens.observe(len(request.prompt_token_ids))

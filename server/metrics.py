@@ -135,6 +135,10 @@ class ServerMetrics:
             PREFIX + "e2e_request_latency_seconds", "Arrival to last output token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Arrival to first admission, in the engine's waiting queue.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
         self.request_prompt_tokens = Histogram(
             PREFIX + "request_prompt_tokens", "Prompt tokens of each finished request.",
             buckets=_TOKEN_BUCKETS, registry=self.registry,

@@ -70,6 +70,26 @@ def test_max_num_seqs_caps_running():
     assert len(out.chunks) == 2 and len(sched.waiting) == 2
 
 
+def test_queue_time_runs_from_arrival_to_first_admission_only():
+    """What /metrics' request_queue_time_seconds reads: a resume after preemption does not reset it."""
+    sched = make_scheduler(num_blocks=64, max_num_seqs=1)
+    first, second = make_requests(2, 3, max_tokens=2)
+    first.arrival_time -= 5.0  # as if it had arrived 5 s ago
+    sched.add_request(first)
+    sched.add_request(second)
+    assert first.queue_time_s is None
+    _run_step(sched)
+    assert 5.0 <= first.queue_time_s < 6.0 and second.queue_time_s is None  # max_num_seqs=1: still waiting
+    while first.num_output_tokens < 2:
+        _run_step(sched)
+    _run_step(sched)
+    admitted_after = second.queue_time_s
+    assert admitted_after is not None and admitted_after >= 0
+    sched._preempt(sched.running.pop())
+    _run_step(sched)
+    assert second.queue_time_s == admitted_after
+
+
 def test_preemption_recomputes_and_puts_victim_first():
     sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
     reqs = make_requests(2, 7, max_tokens=10)  # 17 tokens: each alone fits in 5 blocks, not both

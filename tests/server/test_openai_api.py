@@ -260,15 +260,16 @@ def test_retrieve_a_model_as_openai_clients_do(client, engine):
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
-def test_token_count_histograms_count_each_sample(engine):
-    """vLLM's request_prompt_tokens / request_generation_tokens: one observation per finished sample."""
+def test_token_count_and_queue_time_histograms(engine):
+    """vLLM's request_prompt_tokens / request_generation_tokens: one observation per finished sample;
+    request_queue_time_seconds: one per engine request (its n samples are admitted together)."""
     with serve(engine) as url:
         body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "n": 2, "ignore_eos": True}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
         text = httpx.get(f"{url}/metrics", timeout=10).text
     for line in ("driftgate:request_prompt_tokens_count 2.0", "driftgate:request_prompt_tokens_sum 10.0",
                  'driftgate:request_prompt_tokens_bucket{le="5.0"} 2.0', 'driftgate:request_prompt_tokens_bucket{le="2.0"} 0.0',
-                 "driftgate:request_generation_tokens_sum 6.0"):
+                 "driftgate:request_generation_tokens_sum 6.0", "driftgate:request_queue_time_seconds_count 1.0"):
         assert line in text, line
 
 
