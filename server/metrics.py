@@ -123,30 +123,22 @@ class ServerMetrics:
             PREFIX + "request_success", "Finished generation requests by finish reason.",
             ["finished_reason"], registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Arrival to first output token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
-            buckets=_ITL_BUCKETS, registry=self.registry,
-        )
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Arrival to last output token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.request_queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Arrival to first admission, in the engine's waiting queue.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.request_prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens", "Prompt tokens of each finished request.",
-            buckets=_TOKEN_BUCKETS, registry=self.registry,
-        )
-        self.request_generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens", "Tokens each finished request generated.",
-            buckets=_TOKEN_BUCKETS, registry=self.registry,
-        )
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first output token.",
+                                             _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                                             _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to last output token.",
+                                             _LATENCY_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Arrival to first admission, in the engine's waiting queue.",
+                                            _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Tokens each finished request generated.", _TOKEN_BUCKETS)
         self.registry.register(_EngineCollector(read_stats))
 
     def render(self) -> bytes:
