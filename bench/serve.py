@@ -19,6 +19,7 @@ import math
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,17 +51,40 @@ class RequestResult:
         return time_per_output_token(self.ttft, self.latency, self.output_len)
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    """mean/median/std/p90/p99 in milliseconds (zeros when there is nothing to summarize)."""
+def _summary(values: list[float], percentiles: Sequence[float]) -> dict[str, float]:
+    """mean/median/std and each percentile (`p90`, `p99.9`) in milliseconds (zeros when there is
+    nothing to summarize)."""
     arr = np.asarray(values, dtype=np.float64) * 1000.0
     if arr.size == 0:
-        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p:g}": 0.0 for p in percentiles}}
     return {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std()),
-            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+            **{f"p{p:g}": float(np.percentile(arr, p)) for p in percentiles}}
 
 
-def compute_metrics(results: list[RequestResult], duration_s: float, slo: dict[str, float]) -> dict:
-    """The `vllm bench serve` summary for one run."""
+def metric_percentiles(text: str) -> tuple[float, ...]:
+    """argparse type for --metric-percentiles: comma-separated percentiles in (0, 100], e.g. 50,90,99.9."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers, e.g. 50,90,99; got {text!r}") from None
+    if not all(0 < p <= 100 for p in values):
+        raise argparse.ArgumentTypeError(f"percentiles lie in (0, 100]; got {text!r}")
+    return values
+
+
+def percentile_metrics(text: str) -> tuple[str, ...]:
+    """argparse type for --percentile-metrics: a comma-separated subset of ttft,tpot,itl,e2el."""
+    names = tuple(part.strip() for part in text.split(","))
+    if unknown := [n for n in names if n not in _METRICS]:
+        raise argparse.ArgumentTypeError(f"unknown metric(s) {', '.join(unknown)}; choose from {','.join(_METRICS)}")
+    return names
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float, slo: dict[str, float],
+                    percentiles: Sequence[float] = PERCENTILES) -> dict:
+    """The `vllm bench serve` summary for one run (50, 90 and 99 always among the percentiles: the
+    plots read them)."""
+    percentiles = sorted(set(PERCENTILES) | set(percentiles))
     done = [r for r in results if r.error is None]
     total_out = sum(r.output_len for r in done)
     total_in = sum(r.prompt_len for r in done)
@@ -75,11 +99,11 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slo: dict[s
         "output_throughput": total_out / duration_s if duration_s > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration_s if duration_s > 0 else 0.0,
         "goodput": (good / duration_s if duration_s > 0 else 0.0) if slo else None,
-        "ttft_ms": _summary([r.ttft for r in done]),
+        "ttft_ms": _summary([r.ttft for r in done], percentiles),
         # TPOT is defined only where there is a second token
-        "tpot_ms": _summary([r.tpot for r in done if r.output_len > 1]),
-        "itl_ms": _summary([gap for r in done for gap in r.itl]),
-        "e2el_ms": _summary([r.latency for r in done]),
+        "tpot_ms": _summary([r.tpot for r in done if r.output_len > 1], percentiles),
+        "itl_ms": _summary([gap for r in done for gap in r.itl], percentiles),
+        "e2el_ms": _summary([r.latency for r in done], percentiles),
         "errors": sorted({r.error for r in results if r.error})[:10],
     }
 
@@ -205,7 +229,7 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
     for result in results:
         if result.latency == 0.0 and result.error is None:
             result.error = "cancelled: --max-duration reached"
-    metrics = compute_metrics(results, duration, parse_slo(args.slo))
+    metrics = compute_metrics(results, duration, parse_slo(args.slo), args.metric_percentiles)
     metrics["request_rate"] = rate
     metrics["server"] = server_side(counters_before, counters_after)
     metrics["requests"] = [asdict(r) for r in results]
@@ -304,17 +328,17 @@ def plot(runs: list[dict], path: Path) -> list[Path]:
     return written
 
 
-def print_summary(metrics: dict) -> None:
+def print_summary(metrics: dict, names: Sequence[str] = _METRICS, percentiles: Sequence[float] = PERCENTILES) -> None:
     print(f"{'=' * 16} rate {metrics['request_rate']:g} {'=' * 16}")
     for key in ("completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
                 "request_throughput", "output_throughput", "total_token_throughput", "goodput"):
         value = metrics[key]
         if value is not None:
             print(f"{key:<26}{value:>12.2f}" if isinstance(value, float) else f"{key:<26}{value:>12}")
-    for name in _METRICS:
+    for name in names:
         stats = metrics[f"{name}_ms"]
-        print(f"{name.upper() + ' ms':<10} mean {stats['mean']:9.1f}  p50 {stats['median']:9.1f}  "
-              f"p90 {stats['p90']:9.1f}  p99 {stats['p99']:9.1f}")
+        print(f"{name.upper() + ' ms':<10} mean {stats['mean']:9.1f}"
+              + "".join(f"  p{p:g} {stats[f'p{p:g}']:9.1f}" for p in percentiles))
     for error in metrics["errors"]:  # why requests failed (an unreachable server fails them all alike)
         print(f"{'failed with':<26}{error}")
     server = metrics.get("server", {})
@@ -349,6 +373,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft:2000,tpot:100")
+    parser.add_argument("--metric-percentiles", type=metric_percentiles, default=PERCENTILES, metavar="P,P,...",
+                        help="percentiles printed (and kept in the JSON beside 50, 90, 99), as vLLM's, e.g. 50,99.9")
+    parser.add_argument("--percentile-metrics", type=percentile_metrics, default=_METRICS, metavar="NAME,...",
+                        help="which of ttft,tpot,itl,e2el are printed (the JSON holds all)")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="--slo as vLLM's bench spells it: ttft:2000 tpot:100")
     parser.add_argument("--seed", type=int, default=0)
@@ -407,7 +435,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     runs = []
     for rate in rates:
         metrics = asyncio.run(run_load(samples, args, rate, tokenizer))
-        print_summary(metrics)
+        print_summary(metrics, args.percentile_metrics, args.metric_percentiles)
         runs.append(metrics)
     result = {
         "base_url": args.base_url, "endpoint": args.endpoint, "model": args.model, "dataset": args.dataset,

@@ -163,3 +163,19 @@ def test_unreachable_server_exits_2_saying_why(tiny_model_dir: Path, capsys):
     args.slo, args.goodput = "ttft:100", ["tpot:5"]
     assert run_bench_serve(args) == 2
     assert "give the SLOs once: --slo or --goodput" in capsys.readouterr().err
+
+
+def test_chosen_percentiles_are_computed_printed_and_checked(capsys):
+    from bench.serve import metric_percentiles, percentile_metrics, print_summary
+
+    results = [RequestResult(prompt_len=10, output_len=3, ttft=t / 1000, latency=t / 100, itl=[0.01, 0.02])
+               for t in range(1, 101)]
+    m = compute_metrics(results, duration_s=1.0, slo={}, percentiles=metric_percentiles("99.9,25")) | {"request_rate": 2.0}
+    assert set(m["ttft_ms"]) == {"mean", "median", "std", "p25", "p50", "p90", "p99", "p99.9"}  # 50/90/99 kept
+    assert m["ttft_ms"]["p25"] == pytest.approx(np.percentile(np.arange(1, 101), 25))
+    print_summary(m, percentile_metrics("ttft,e2el"), (25, 99.9))
+    out = capsys.readouterr().out
+    assert "TTFT ms" in out and "E2EL ms" in out and "ITL ms" not in out and "p99.9" in out and "p90" not in out
+    for bad, says in ((metric_percentiles, "0,50"), (metric_percentiles, "fifty"), (percentile_metrics, "ttft,latency")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bad(says)
