@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,8 @@ class _Flight:
     withdrawal: asyncio.Future[bool] | None = None  # a withdraw in flight, or its answer
     started: bool = False  # a withdraw said it started: never ask again
     tasks: set[asyncio.Task] = field(default_factory=set)
+    arrived_at: float = field(default_factory=time.monotonic)
+    dispatched_at: float | None = None  # when the router last placed it (its queue wait ends there)
 
 
 def _sum_stats(reports: list[EngineStats]) -> EngineStats:
@@ -254,6 +257,9 @@ class ClusterEngine:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                if item.queue_time_s is not None and flight.dispatched_at is not None:
+                    # the replica counts from when it got the request: the router's queue came first
+                    item.queue_time_s += flight.dispatched_at - flight.arrived_at
                 yield item
         finally:
             if not ended:
@@ -398,6 +404,7 @@ class ClusterEngine:
                 self._place(self.router.on_complete(d.replica_id, d.request_id))
                 continue
             flight.replica_id = d.replica_id
+            flight.dispatched_at = time.monotonic()
             flight.placed.set_result(d.replica_id)
 
     def _enqueue(self, flight: _Flight, dispatches: Callable[[], list[Dispatch]]) -> asyncio.Future[int]:

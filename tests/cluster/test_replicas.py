@@ -199,6 +199,38 @@ def test_a_caller_leaving_while_its_request_waits_in_the_router_takes_it_out(clu
     assert sum(engine.num_dispatched) == 2  # the late one never reached a replica
 
 
+def test_queue_time_counts_the_routers_queue_and_the_replicas(cluster):
+    """A request that waited in the router's queue before any replica could take it reports that
+    wait in its queue time (what /metrics' request_queue_time_seconds shows), not only the replica's."""
+    actors, tokenizer = cluster
+    engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def last(stream):
+        outs = [out async for out in stream]
+        return outs[-1]
+
+    async def scenario():
+        engine.start()
+        try:
+            big = [asyncio.create_task(last(engine.generate([3 + i, 7, 9], params, f"q-big-{i}"))) for i in range(2)]
+            while sum(engine.num_dispatched) < 2:
+                await asyncio.sleep(0.01)
+            submitted = time.monotonic()
+            late = asyncio.create_task(last(engine.generate([4, 8, 12], params, "q-late")))  # fits nowhere yet
+            while sum(engine.num_dispatched) < 3:  # it waits in the router until a big one finishes
+                await asyncio.sleep(0.01)
+            waited = time.monotonic() - submitted
+            outs = await asyncio.wait_for(asyncio.gather(*big, late), 60)
+            return waited, outs
+        finally:
+            engine.shutdown()
+
+    waited, outs = asyncio.run(scenario())
+    assert all(o.queue_time_s is not None and o.queue_time_s >= 0 for o in outs)
+    assert waited > 0.1 and outs[-1].queue_time_s >= 0.9 * waited
+
+
 def test_a_request_id_in_use_is_refused(cluster):
     actors, tokenizer = cluster
     engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
