@@ -444,7 +444,7 @@ def compare_items(
     base_correct = np.array([b.correct for b in base])
     cand_correct = np.array([c.correct for c in cand])
     table = stats.PairedTable.from_outcomes(base_correct, cand_correct)
-    two_sided = 1 - 2 * (1 - confidence)
+    two_sided = stats.two_sided_level(confidence)
     margins = [top_margin(b.choice_scores) if b.choice_scores else None for b in base]
     confident = np.array([m is not None and m > confident_margin for m in margins])
     right_to_wrong = base_correct & ~cand_correct

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import check_gpu_memory_utilization
+from evals.stats import two_sided_level
 
 POLICY_DIR = Path(__file__).resolve().parent / "policies"
 ENDPOINTS = ("pooled", "separate", "report")
@@ -181,7 +182,7 @@ class GatePolicy:
     @property
     def interval_level(self) -> float:
         """The two-sided level whose interval ends are the one-sided `confidence` bounds (0.95 -> 0.9)."""
-        return 1 - 2 * (1 - self.confidence)
+        return two_sided_level(self.confidence)
 
 
 _SECTIONS = {"engine": EnginePolicy, "tier0": Tier0Policy, "tier1": Tier1Policy, "tier2": Tier2Policy,

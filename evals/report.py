@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+from evals import stats
 from evals.drift import BOOTSTRAP_BLOCK_TOKENS, LayerDrift, TaskComparison
 from evals.gate import GateOutcome
 from evals.verdict import describe_setting
@@ -85,7 +86,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if (manifest := report["manifest"]).get("dtype"):  # None when the candidate was a live server
         out += [f"Candidate judged on {manifest['device']} with {describe_setting(manifest)}.", ""]
     one_sided = report["manifest"].get("policy", {}).get("confidence", 0.95)
-    two_sided = f"{1 - 2 * (1 - one_sided):.0%}"
+    two_sided = f"{stats.two_sided_level(one_sided):.0%}"
     out += ["## Checks", _table(["check", "status", "value", f"{two_sided} interval", "threshold", "rule"], [
         [c["name"], c["status"].upper() + (" (marginal)" if c.get("marginal") else ""),
          "" if c["value"] is None else f"{c['value']:.4g}", _interval(c),

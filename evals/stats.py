@@ -21,6 +21,11 @@ import numpy as np
 _NORMAL = NormalDist()
 
 
+def two_sided_level(one_sided: float) -> float:
+    """The two-sided level whose interval ends are one-sided bounds at `one_sided` (0.95 -> 0.9)."""
+    return 1 - 2 * (1 - one_sided)
+
+
 def z_quantile(probability: float) -> float:
     """Standard normal quantile, e.g. 0.975 -> 1.96."""
     return _NORMAL.inv_cdf(probability)
