@@ -381,6 +381,27 @@ static inline void lookahead_step(Lookahead *ahead) {
     }
 }
 
+/* The 16 sums of one panel's W8A8 epilogue, loaded once for every row that ends there. */
+typedef struct {
+    __m512i bias_sums;
+    __m512 weight_scales, bias;
+} W8A8Epilogue;
+
+static inline __attribute__((always_inline)) W8A8Epilogue w8a8_epilogue(const int32_t *bias_sums,
+                                                                        const float *weight_scales, const float *bias) {
+    return (W8A8Epilogue){_mm512_loadu_si512((const void *)bias_sums), _mm512_loadu_ps(weight_scales),
+                          bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps()};
+}
+
+/* y[0..15] = (acc - 128 · row sums) · channel scales · row scale + bias: every W8A8 route ends here,
+ * so the same integers give the same floats whichever instructions summed them. */
+static inline __attribute__((always_inline)) void store_w8a8_row(float *y, __m512i acc, W8A8Epilogue e,
+                                                                float row_scale) {
+    const __m512i dot = _mm512_sub_epi32(acc, e.bias_sums);
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), e.weight_scales), _mm512_set1_ps(row_scale));
+    _mm512_storeu_ps(y, _mm512_add_ps(v, e.bias));
+}
+
 static inline __attribute__((always_inline)) void row_tile_w8a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const int8_t *restrict panel,
     const int32_t *bias_sums, const float *weight_scales, const float *bias, int rows, int K, int N,
@@ -409,14 +430,8 @@ static inline __attribute__((always_inline)) void row_tile_w8a8(
             acc[0][i] = _mm512_dpbusd_epi32(acc[0][i], _mm512_set1_epi32(four), w);
         }
     }
-    __m512i sums = _mm512_loadu_si512((const void *)bias_sums);
-    __m512 wscale = _mm512_loadu_ps(weight_scales);
-    __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int i = 0; i < rows; i++) {
-        __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(acc[0][i], acc[1][i]), sums);
-        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), wscale), _mm512_set1_ps(row_scales[i]));
-        _mm512_storeu_ps(y + (int64_t)i * N, _mm512_add_ps(v, b));
-    }
+    const W8A8Epilogue e = w8a8_epilogue(bias_sums, weight_scales, bias);
+    for (int i = 0; i < rows; i++) store_w8a8_row(y + (int64_t)i * N, _mm512_add_epi32(acc[0][i], acc[1][i]), e, row_scales[i]);
 }
 
 /* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
@@ -466,6 +481,117 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
         _mm512_storeu_ps(y + (int64_t)i * N, _mm512_fmadd_ps(total[i], _mm512_set1_ps(row_scales[i]), b));
 }
 
+/* AMX (Intel's tile unit, from Sapphire Rapids on) multiplies a 16 x 64 tile of unsigned activation
+ * bytes by a 64 x 16 tile of signed weight bytes given as 16 rows of 16 lanes x 4 consecutive k,
+ * into 16 x 16 int32 sums: vpdpbusd's arithmetic, 16 rows at a time. That weight tile is 16 steps
+ * of a W8A8 panel as they lie, so prefill-sized products need no other layout, and the integers,
+ * hence the floats after `store_w8a8_row`, are the VNNI route's exactly. Linux grants the tile
+ * state only to a process that asks; DRIFTGATE_AMX=0 (or `use_amx(0)`) keeps to VNNI. */
+enum { AMX_ROWS = 16, AMX_DEPTH = 64 }; /* a tile: 16 rows of 64 bytes */
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_permitted = -1, amx_wanted = -1;
+
+static int amx_on(void) {
+    if (amx_permitted < 0) /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA */
+        amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    if (amx_wanted < 0) {
+        const char *env = getenv("DRIFTGATE_AMX");
+        amx_wanted = !(env && strcmp(env, "0") == 0);
+    }
+    return amx_permitted && amx_wanted;
+}
+
+/* Turn the AMX route on (1) or off (0, for comparisons), or only ask (-1); returns whether W8A8
+ * products take it. */
+int use_amx(int on) {
+    if (on >= 0) amx_wanted = on;
+    return amx_on();
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: the sums of row block r on panel q at 2r + q; 4-5: the two row blocks' activations;
+ * 6-7: the two panels' 16 steps. Each tile loaded serves two products. */
+static void amx_configure(void) {
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = AMX_ROWS;
+        config.bytes_per_row[t] = AMX_DEPTH;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Rows m.. of a panel and the next (panels[1] NULL: none), 32 or 16 rows at a time while 16 remain;
+ * returns the first row left undone. A K that is not a multiple of 64 ends on vpdpbusd steps. */
+static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const int8_t *panels[2],
+                    const int32_t *bias_sums, const float *weight_scales, const float *bias, int m, int end,
+                    int K, int N) {
+    int32_t sums[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
+    const int deep = K / AMX_DEPTH * AMX_DEPTH, two_panels = panels[1] != 0;
+    W8A8Epilogue e[2];
+    for (int q = 0; q <= two_panels; q++)
+        e[q] = w8a8_epilogue(bias_sums + q * PANEL, weight_scales + q * PANEL, bias ? bias + q * PANEL : 0);
+    for (; end - m >= AMX_ROWS; m += AMX_ROWS * (1 + (end - m >= 2 * AMX_ROWS))) {
+        const int blocks = end - m >= 2 * AMX_ROWS ? 2 : 1;
+        const uint8_t *a = xq + (int64_t)m * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int k = 0; k < deep; k += AMX_DEPTH) {
+            _tile_loadd(4, a + k, K);
+            _tile_loadd(6, panels[0] + (int64_t)k * PANEL, AMX_DEPTH);
+            _tile_dpbusd(0, 4, 6);
+            if (two_panels) {
+                _tile_loadd(7, panels[1] + (int64_t)k * PANEL, AMX_DEPTH);
+                _tile_dpbusd(1, 4, 7);
+            }
+            if (blocks == 2) {
+                _tile_loadd(5, a + (int64_t)AMX_ROWS * K + k, K);
+                _tile_dpbusd(2, 5, 6);
+                if (two_panels) _tile_dpbusd(3, 5, 7);
+            }
+        }
+        _tile_stored(0, sums[0], PANEL * sizeof(int32_t));
+        _tile_stored(1, sums[1], PANEL * sizeof(int32_t));
+        _tile_stored(2, sums[2], PANEL * sizeof(int32_t));
+        _tile_stored(3, sums[3], PANEL * sizeof(int32_t));
+        for (int q = 0; q <= two_panels; q++)
+            for (int i = 0; i < blocks * AMX_ROWS; i++) {
+                __m512i acc = _mm512_load_si512((const void *)sums[2 * (i / AMX_ROWS) + q][i % AMX_ROWS]);
+                for (int k = deep; k < K; k += 4) {
+                    int32_t four;
+                    __builtin_memcpy(&four, a + (int64_t)i * K + k, 4);
+                    acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four),
+                                              _mm512_loadu_si512((const void *)(panels[q] + (int64_t)k * PANEL)));
+                }
+                store_w8a8_row(y + (int64_t)(m + i) * N + q * PANEL, acc, e[q], row_scales[m + i]);
+            }
+    }
+    return m;
+}
+
+static void amx_release(void) { _tile_release(); }
+#else
+static int amx_on(void) { return 0; }
+static void amx_configure(void) {}
+static void amx_release(void) {}
+static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const int8_t *panels[2],
+                    const int32_t *bias_sums, const float *weight_scales, const float *bias, int m, int end,
+                    int K, int N) {
+    return m;
+}
+#endif
+
 /* One tile of rows on one panel, W4A8 (nibbles) or W8A8: the branch is the same for a whole call. */
 #define TAIL_INT8(r) case r: TILE_INT8(r); break;
 #define TILE_INT8(r)                                                                                                \
@@ -478,6 +604,17 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
                           scales_p, bias_p, r, K, N, &ahead);                                                      \
     } while (0)
 
+/* Rows m..end of one panel in tiles of up to ROW_TILE_W8A8 rows. */
+static inline __attribute__((always_inline)) void int8_panel_rows(
+    float *y_p, const uint8_t *xq, const float *row_scales, const uint8_t *panel, const int32_t *sums_p,
+    const float *scales_p, const float *bias_p, int m, int end, int K, int N, int G, int nibbles, Lookahead ahead) {
+    for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8) TILE_INT8(ROW_TILE_W8A8);
+    switch (end - m) {
+        TAIL_INT8(1) TAIL_INT8(2) TAIL_INT8(3) TAIL_INT8(4) TAIL_INT8(5) TAIL_INT8(6) TAIL_INT8(7)
+        default: break;
+    }
+}
+
 /* W8A8 (G = K, bytes) and W4A8 (nibbles): each row quantized to int8, then the tiles. Returns 0, or
  * -1 when the row buffer could not be allocated. */
 static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, const int32_t *sums,
@@ -487,31 +624,38 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
     if (!xq) return -1;
     float *row_scales = (float *)(xq + (size_t)M * K);
     const int groups = K / G;
+    const int amx = !nibbles && M >= AMX_ROWS && amx_on(), width = amx ? 2 : 1; /* panels a task takes */
 #pragma omp parallel num_threads(threads)
     {
+        if (amx) amx_configure();
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
         /* tasks in row-block-major order: each thread's contiguous share keeps one block of
          * activations in its L2 while every panel passes over it */
         const int num_panels = N / PANEL, row_blocks = (M + W8A8_ROW_BLOCK - 1) / W8A8_ROW_BLOCK;
+        const int units = (num_panels + width - 1) / width;
         const int64_t panel_bytes = (int64_t)K * PANEL >> nibbles;
 #pragma omp for schedule(static)
-        for (int task = 0; task < row_blocks * num_panels; task++) {
-            const int p = task % num_panels, first = task / num_panels * W8A8_ROW_BLOCK;
+        for (int task = 0; task < row_blocks * units; task++) {
+            const int first_panel = task % units * width, first = task / units * W8A8_ROW_BLOCK;
             const int end = first + W8A8_ROW_BLOCK < M ? first + W8A8_ROW_BLOCK : M;
-            const uint8_t *panel = panels + p * panel_bytes;
-            const int32_t *sums_p = sums + (int64_t)p * groups * PANEL;
-            const float *scales_p = scales + (int64_t)p * groups * PANEL, *bias_p = bias ? bias + p * PANEL : 0;
-            float *y_p = y + p * PANEL;
-            const int has_next = task + 1 < row_blocks * num_panels;
-            Lookahead ahead = lookahead(has_next ? panels + (task + 1) % num_panels * panel_bytes : 0, panel_bytes);
+            const int last_panel = first_panel + width < num_panels ? first_panel + width : num_panels;
             int m = first;
-            for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8) TILE_INT8(ROW_TILE_W8A8);
-            switch (end - m) {
-                TAIL_INT8(1) TAIL_INT8(2) TAIL_INT8(3) TAIL_INT8(4) TAIL_INT8(5) TAIL_INT8(6) TAIL_INT8(7)
-                default: break;
+            if (amx) {
+                const int8_t *first_of_pair = (const int8_t *)(panels + first_panel * panel_bytes);
+                const int8_t *pair[2] = {first_of_pair, last_panel - first_panel == 2 ? first_of_pair + panel_bytes : 0};
+                m = amx_rows(y + first_panel * PANEL, xq, row_scales, pair, sums + first_panel * PANEL,
+                             scales + first_panel * PANEL, bias ? bias + first_panel * PANEL : 0, m, end, K, N);
+            }
+            for (int p = first_panel; p < last_panel; p++) {
+                const int has_next = p + 1 < num_panels || task + 1 < row_blocks * units;
+                int8_panel_rows(y + p * PANEL, xq, row_scales, panels + p * panel_bytes,
+                                sums + (int64_t)p * groups * PANEL, scales + (int64_t)p * groups * PANEL,
+                                bias ? bias + p * PANEL : 0, m, end, K, N, G, nibbles,
+                                lookahead(has_next ? panels + (p + 1) % num_panels * panel_bytes : 0, panel_bytes));
             }
         }
+        if (amx) amx_release();
     }
     free(xq);
     return 0;
@@ -528,6 +672,12 @@ int panel_matmul_w4a8(float *y, const float *x, const uint8_t *panels, const int
 }
 #else
 int w8a8_available(void) { return 0; }
+#endif
+#if !(defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__))
+int use_amx(int on) {
+    (void)on;
+    return 0;
+}
 #endif
 
 /* bf16 activations times bf16 weights, accumulated in float32 (AVX-512 BF16's vdpbf16ps: two

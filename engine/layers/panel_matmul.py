@@ -244,6 +244,14 @@ def w8a8_available() -> bool:
     return probe is not None and probe() == 1
 
 
+def use_amx(enabled: bool | None = None) -> bool:
+    """Whether W8A8 products of 16 rows or more run on AMX tiles: by default where the CPU has them
+    and DRIFTGATE_AMX is not 0. `enabled` turns the route on or off (the outputs are equal either
+    way: for comparisons); None only asks."""
+    switch = cpu_kernels.kernel("panel_matmul", "use_amx", (ctypes.c_int,), ctypes.c_int)
+    return switch is not None and switch(-1 if enabled is None else int(enabled)) == 1
+
+
 def w8a8_fits(n: int, k: int) -> bool:
     """Whether an int8 [N, K] W8A8 weight can run on the kernel."""
     return w8a8_available() and n % PANEL == 0 and k % 4 == 0

@@ -90,6 +90,27 @@ def test_int8_panel_kernel_is_the_per_token_reference(k, sizes, m, seed, loud):
         assert rel_err(y[row], ref[row]) < FAST_TOL[torch.float32]
 
 
+needs_amx = pytest.mark.skipif(not panel_matmul.use_amx(), reason="no AMX-INT8 on this CPU (or DRIFTGATE_AMX=0)")
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [64, 100, 576])
+@pytest.mark.parametrize(("m", "panels"), [(16, 1), (17, 2), (33, 3), (70, 4), (263, 5)])
+def test_w8a8_amx_route_gives_the_vnni_floats(k, m, panels, seed=0):
+    """AMX tiles and vpdpbusd sum the same int8 products exactly and both end in one epilogue, so
+    the floats are equal. Rows 16-70 cover 32- and 16-row tile blocks and the rows after them, an
+    odd panel count the unpaired last panel, K = 100 the vpdpbusd steps after the tiles."""
+    module, _ = build(preset("w8a8-int8"), k, [panel_matmul.PANEL * panels], seed=seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    on_tiles = module(x)
+    try:
+        assert not panel_matmul.use_amx(False)
+        on_vnni = module(x)
+    finally:
+        assert panel_matmul.use_amx(True)
+    assert torch.equal(on_tiles, on_vnni)
+
+
 @needs_w8a8_panel
 @quick
 @given(k=st.sampled_from([32, 64, 576]), group=st.sampled_from([8, 32, None]),
