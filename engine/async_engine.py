@@ -93,7 +93,7 @@ class AsyncEngine:
             self._streams[request_id] = (loop, stream)
         self._commands.put(("add", state))
         self._wake.set()
-        ended = False  # finished or withdrawn: nothing left to abort
+        ended = False  # finished, withdrawn or failed: nothing left to abort
         try:
             while True:
                 item = await stream.get()
@@ -101,6 +101,7 @@ class AsyncEngine:
                     ended = True
                     return
                 if isinstance(item, BaseException):
+                    ended = True  # refused, failed or aborted: the engine no longer holds it
                     raise item
                 yield item
                 if item.finished:
@@ -182,6 +183,9 @@ class AsyncEngine:
                     done.set_exception(exc)
             else:
                 self.engine.abort_request(arg)
+                # aborted from outside (a router whose caller left): its stream must end too, or
+                # whoever still iterates it waits forever; a consumer that left took its stream along
+                self._deliver(arg, EngineError("the request was aborted"))
 
     def _loop(self) -> None:
         while not self._stopping:

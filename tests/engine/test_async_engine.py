@@ -1,4 +1,5 @@
-"""AsyncEngine's withdraw on a tiny random model: only a request that never started comes back."""
+"""AsyncEngine's withdraw and abort on a tiny random model: only a request that never started comes
+back; an abort ends the request's stream."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine.async_engine import EngineError
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +48,24 @@ def test_withdraw_a_waiting_request_but_not_a_running_one(one_slot_engine):
     last = asyncio.run(scenario())
     assert last.finished and len(last.outputs[0].token_ids) == 40
     assert "waiting" not in engine.engine.requests and not engine.engine.has_unfinished()
+
+
+def test_an_abort_from_outside_ends_the_stream_and_frees_the_request(one_slot_engine):
+    """A router aborts a replica's request while its stream is still open (the cluster's caller
+    left): the stream ends with an error rather than waiting forever, and the id is free again."""
+    engine = one_slot_engine
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def scenario() -> list:
+        stream = engine.generate([5, 6, 7], params, "aborted")
+        outputs = [await anext(stream)]
+        engine.abort("aborted")
+        with pytest.raises(EngineError, match="aborted"):
+            async for out in stream:
+                outputs.append(out)
+        again = [out async for out in engine.generate([5, 6, 7], params, "aborted")]  # the id is free
+        return outputs, again
+
+    outputs, again = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert not outputs[-1].finished and again[-1].finished
+    assert not engine.engine.has_unfinished()
