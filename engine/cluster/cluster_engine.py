@@ -107,6 +107,14 @@ def init_ray(address: str | None = None, num_replicas: int = 1) -> None:
         ray.init(address=address)
 
 
+def _replica_error(exc: RayTaskError) -> Exception:
+    """What a replica's method raised, as the engine raised it: a ValueError (the request's or the
+    call's own fault) or an EngineError, with the message and not Ray's remote traceback."""
+    if isinstance(exc.cause, ValueError):
+        return ValueError(str(exc.cause))
+    return EngineError(str(exc.cause) if exc.cause is not None else "a replica failed")
+
+
 class ClusterEngine:
     """Routes requests over replica actors and keeps the router's view of them current."""
 
@@ -116,8 +124,9 @@ class ClusterEngine:
         try:
             shapes: list[ReplicaShape] = ray.get([a.shape.remote() for a in actors])
         except RayTaskError as exc:
-            if isinstance(exc.cause, ValueError):  # the engine's own reason, without the remote traceback
-                raise ValueError(f"a replica refused to start: {exc.cause}") from None
+            error = _replica_error(exc)
+            if isinstance(error, ValueError):  # the engine's own reason
+                raise ValueError(f"a replica refused to start: {error}") from None
             raise
         if any(s.block_size != router_config.block_size for s in shapes):
             raise ValueError("the router's block_size must equal every replica's")
@@ -130,7 +139,8 @@ class ClusterEngine:
         self.max_model_len = min(s.max_model_len for s in shapes)
         self.max_logprobs = min(s.max_logprobs for s in shapes)
         self.eos_token_ids = shapes[0].eos_token_ids
-        self.lora_names = frozenset(shapes[0].lora_names)
+        self.lora_names = frozenset(shapes[0].lora_paths)
+        self._startup_loras = dict(shapes[0].lora_paths)  # name → folder, what every replica's config loads
         self._runtime_loras: dict[str, LoRARequest] = {}  # loaded since start: a restarted replica gets them again
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
@@ -276,29 +286,38 @@ class ClusterEngine:
         self.lora_names = self.lora_names | {request.lora_name}
 
     async def remove_lora(self, name: str) -> None:
-        """Unload a LoRA adapter from every replica; refused while any of them serves a request with it."""
+        """Unload a LoRA adapter from every replica; refused while any request uses it. A replica
+        that refuses (a request the router had not yet seen) makes the others load it again, so
+        the adapter stays whole or goes everywhere."""
         if name not in self.lora_names:
             raise ValueError(f"unknown LoRA adapter {name!r}")
+        if users := sum(f.request.lora == name for f in list(self._flights.values())):
+            raise ValueError(f"LoRA adapter {name!r} serves {users} request(s) in flight; retry once they end")
         self.lora_names = self.lora_names - {name}  # no new requests for it while replicas unload it
-        failed = [r for r in await self._on_replicas("remove_lora", name) if isinstance(r, ValueError)]
-        if failed:
+        results = await self._on_replicas("remove_lora", name)
+        if failed := [r for r in results if isinstance(r, ValueError)]:
+            request = self._runtime_loras.get(name) or LoRARequest(name, 0, self._startup_loras[name])
+            await self._on_replicas("add_lora", request,
+                                    only=[i for i, r in enumerate(results) if not isinstance(r, ValueError)])
             self.lora_names = self.lora_names | {name}
             raise failed[0]
         self._runtime_loras.pop(name, None)
 
-    async def _on_replicas(self, method: str, arg: object) -> list[object]:
-        """Call an actor method on every replica: each one's result, its ValueError, or None where it is dead."""
+    async def _on_replicas(self, method: str, arg: object, only: list[int] | None = None) -> list[object]:
+        """Call an actor method on every replica (or those in `only`): each one's result, its
+        ValueError, or None where it is dead."""
         async def call(actor) -> object:
             try:
                 return await _get(getattr(actor, method).remote(arg))
             except RayTaskError as exc:
-                if isinstance(exc.cause, ValueError):
-                    return ValueError(str(exc.cause))
+                if isinstance(error := _replica_error(exc), ValueError):
+                    return error
                 raise
             except RayActorError:
                 return None
 
-        return list(await asyncio.gather(*(call(a) for a in self.actors)))
+        actors = self.actors if only is None else [self.actors[i] for i in only]
+        return list(await asyncio.gather(*(call(a) for a in actors)))
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is: the router's queue, a withdrawal, or a replica."""
@@ -460,6 +479,9 @@ class ClusterEngine:
             if withdrawn:
                 return _Outcome.WITHDRAWN
             raise EngineError(f"replica {replica_id} ended request {request_id!r} before it finished")
+        except RayTaskError as exc:  # the replica's engine refused it or failed: say why, not Ray's traceback
+            over = True
+            raise _replica_error(exc) from None
         except RayActorError as e:
             over = True  # nothing left to abort on a dead replica
             if self.router.replicas[replica_id].is_alive:

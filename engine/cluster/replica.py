@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -40,7 +40,7 @@ class ReplicaShape:
     max_model_len: int
     eos_token_ids: list[int]
     max_logprobs: int
-    lora_names: tuple[str, ...] = ()  # the LoRA adapters it loaded (every replica the same)
+    lora_paths: dict[str, str] = field(default_factory=dict)  # the LoRA adapters it loaded: name → folder
 
 
 class Replica:
@@ -64,7 +64,7 @@ class Replica:
         lora = self.engine.engine.lora
         return ReplicaShape(self._block_manager.num_blocks, self._block_manager.block_size,
                             self.engine.config.max_num_seqs, self.engine.max_model_len, self.engine.eos_token_ids,
-                            self.engine.max_logprobs, tuple(lora.paths) if lora is not None else ())
+                            self.engine.max_logprobs, dict(lora.paths) if lora is not None else {})
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:

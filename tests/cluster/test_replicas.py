@@ -131,9 +131,68 @@ def test_adapters_load_and_unload_on_every_replica_at_run_time(cluster, tiny_mod
     with pytest.raises(ValueError, match="folder not found"):
         asyncio.run(engine.add_lora(LoRARequest("bad", 3, str(tmp_path / "none"))))
     asyncio.run(engine.remove_lora("extra"))
-    assert all(ray.get(a.shape.remote()).lora_names == ("sql",) for a in actors)
+    assert all(set(ray.get(a.shape.remote()).lora_paths) == {"sql"} for a in actors)
     with pytest.raises(ValueError, match="unknown LoRA adapter 'extra'"):
         run(ClusterEngine(actors, RouterConfig(block_size=BLOCK_SIZE), tokenizer, 0.01), prompts[:1], lora="extra")
+
+
+def test_a_refused_unload_leaves_the_adapter_whole_on_every_replica(cluster, tiny_model_dir, tmp_path):
+    """remove_lora while a request uses the adapter is refused as a whole: by the cluster itself
+    for a request it routed, and where only one replica knows of the request (here sent to it
+    directly), the replicas that had already unloaded it load it again, so it still serves
+    everywhere. A replica's refusal of a request reaches the caller as the engine's ValueError,
+    not Ray's remote traceback."""
+    from engine import LoRARequest
+    from tests.helpers import write_lora_adapter
+
+    actors, tokenizer = cluster
+    folder = write_lora_adapter(tiny_model_dir, tmp_path / "held", ["o_proj"], seed=3)
+    engine = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def loaded_on_replicas() -> list[bool]:
+        return ["held" in (await a.shape.remote()).lora_paths for a in actors]
+
+    async def drain(outputs) -> None:
+        with contextlib.suppress(EngineError):
+            async for _ in outputs:
+                pass
+
+    async def scenario() -> None:
+        engine.start()
+        try:
+            await engine.add_lora(LoRARequest("held", 5, str(folder)))
+            direct = actors[0].generate.options(num_returns="streaming").remote([5, 6, 7], long, "direct", 0, "held")
+            first = await (await direct.__anext__())
+            with pytest.raises(ValueError, match="in flight"):
+                await engine.remove_lora("held")
+            assert not first.finished and await loaded_on_replicas() == [True, True] and "held" in engine.lora_names
+            await actors[0].abort.remote("direct")
+            with pytest.raises(EngineError, match="aborted"):  # the replica's stream ends
+                async for ref in direct:
+                    await ref
+
+            routed = engine.generate([5, 6, 7], long, "routed", lora="held")
+            await routed.__anext__()
+            with pytest.raises(ValueError, match="serves 1 request"):
+                await engine.remove_lora("held")
+            engine.abort("routed")
+            await drain(routed)
+            for i in range(2):  # round-robin: one on each replica
+                outs = [o async for o in engine.generate([9, 8, 7 + i], short, f"after-{i}", lora="held")]
+                assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+            await engine.remove_lora("held")
+            assert await loaded_on_replicas() == [False, False]
+            engine.lora_names = engine.lora_names | {"ghost"}  # a name the replicas do not have
+            with pytest.raises(ValueError, match="unknown LoRA adapter 'ghost'") as refused:
+                await drain(engine.generate([5, 6], short, "ghost", lora="ghost"))
+            assert "ray::" not in str(refused.value) and "Traceback" not in str(refused.value)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
 
 
 def test_the_router_learns_output_lengths_from_requests_that_stop_on_their_own(cluster):
@@ -356,7 +415,7 @@ def test_killing_a_replica_mid_load_loses_no_request_and_it_rejoins(cluster, tin
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             while not engine.router.replicas[0].is_alive:  # Ray restarts it; a report readmits it
                 await asyncio.sleep(0.1)
-            assert "late" in (await actors[0].shape.remote()).lora_names
+            assert "late" in (await actors[0].shape.remote()).lora_paths
             before = engine.num_dispatched[0]
             again = [asyncio.create_task(one(10 + i)) for i in range(4)]
             outcomes += await asyncio.wait_for(asyncio.gather(*again), 120)
