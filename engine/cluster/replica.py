@@ -119,7 +119,8 @@ def launch_replicas(config: EngineConfig, num_replicas: int, num_cpus: float = 1
     """Start `num_replicas` replica actors, spread across the Ray cluster's nodes.
 
     Ray restarts a replica that dies (forever); calls in flight fail rather than being retried,
-    because only the caller knows whether a stream already sent tokens.
+    because only the caller knows whether a stream already sent tokens. Replica i's engine is
+    seeded with `config.seed + i`.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
@@ -128,4 +129,6 @@ def launch_replicas(config: EngineConfig, num_replicas: int, num_cpus: float = 1
         config = dataclasses.replace(config, device="cuda")  # its one visible GPU, whatever cuda:N said
     actor = ray.remote(Replica).options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy="SPREAD",
                                         max_restarts=-1, max_task_retries=0)
-    return [actor.remote(config) for _ in range(num_replicas)]
+    # unseeded sampling draws from the engine's generator: replicas seeded alike would give two such
+    # requests landing on different replicas the same tokens
+    return [actor.remote(dataclasses.replace(config, seed=config.seed + i)) for i in range(num_replicas)]

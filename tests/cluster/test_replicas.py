@@ -71,6 +71,19 @@ def test_requests_complete_with_every_policy(cluster, policy):
     assert not engine.router.queue and all(not r.in_flight for r in engine.router.replicas.values())
 
 
+def test_unseeded_samples_differ_between_replicas_and_seeded_ones_agree(cluster):
+    """Each replica's engine draws unseeded samples from its own stream (seed + its index), so one
+    request sampled on both replicas differs; a request's own seed gives the same tokens on either."""
+    actors, tokenizer = cluster
+    prompt = [5, 9, 13, 17, 21]
+    for seed in (None, 7):
+        engine = ClusterEngine(actors, RouterConfig(policy="round-robin", block_size=BLOCK_SIZE), tokenizer, 0.01)
+        params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=seed)
+        first, second = run(engine, [prompt, prompt], params=params)
+        assert engine.num_dispatched == [1, 1]
+        assert (first.outputs[0].token_ids == second.outputs[0].token_ids) is (seed is not None)
+
+
 def test_pooling_requests_return_each_prompts_pooled_state_through_the_replicas(cluster, tiny_model_dir):
     """What /v1/embeddings, /score and /classify send (pooling requests) comes back from whichever
     replica served it, as the offline engine pools it."""
