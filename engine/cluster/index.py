@@ -150,6 +150,7 @@ class InFlight:
     max_tokens: int  # output budget: it grows by up to this many tokens
     num_prefill_tokens: int  # tokens the replica must compute before the first token
     num_predicted_tokens: int  # output it is expected to stop at, ≤ max_tokens (see lengths.py)
+    priority: int = 0  # lower is more urgent (non-zero only under the "priority" policy)
     num_output_tokens: int = 0  # generated so far, as last reported to the router
     num_charged: int = 0  # prefix blocks charged to it (see ReplicaState.held)
 
@@ -228,13 +229,13 @@ class ReplicaState:
         self.num_reported_waiting = num_waiting
 
     def on_dispatch(self, request_id: str, prefix: Sequence[bytes], num_tail_tokens: int, max_tokens: int,
-                    num_prefill_tokens: int, num_predicted_tokens: int | None = None) -> None:
+                    num_prefill_tokens: int, num_predicted_tokens: int | None = None, priority: int = 0) -> None:
         """Record a request sent here, holding `prefix` (its prompt's shareable blocks); its
         output is planned at `num_predicted_tokens` (default: all of max_tokens)."""
         self.release(request_id)  # a re-dispatch replaces the old entry
         self._changed()
         predicted = max_tokens if num_predicted_tokens is None else min(num_predicted_tokens, max_tokens)
-        entry = InFlight(list(prefix), num_tail_tokens, max_tokens, num_prefill_tokens, predicted)
+        entry = InFlight(list(prefix), num_tail_tokens, max_tokens, num_prefill_tokens, predicted, priority)
         self.in_flight[request_id] = entry
         for h in entry.prefix:
             holders = self.held.setdefault(h, set())
@@ -304,6 +305,12 @@ class ReplicaState:
         if self._timeline is None or self._timeline.block_size != block_size:
             self._timeline = KVTimeline([e.now_and_remaining(block_size) for e in self.in_flight.values()], block_size)
         return min(now, self.num_total_blocks - self._timeline.peak_with(num_new, num_output_tokens))
+
+    def num_preemptible_for(self, priority: int) -> int:
+        """How many more requests of `priority` this replica's scheduler would run now by preempting
+        less urgent ones: those in flight here less urgent, less the ones already over its seats."""
+        less_urgent = sum(e.priority > priority for e in self.in_flight.values())
+        return less_urgent - max(self.num_in_flight - self.max_num_seqs, 0)
 
     def unstarted_request_ids(self) -> list[str]:
         """Requests with no first token yet, newest first (the cheapest to move)."""

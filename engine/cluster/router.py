@@ -16,6 +16,8 @@ Three policies:
   imbalanced (max − min > balance_abs and max > balance_rel · min), so affinity cannot pile
   everything onto one replica. The queue is served in arrival order, except that up to
   `max_overtakes` later requests may pass a head that fits nowhere yet (see `dispatch_ready`).
+  Under the `priority` scheduling policy the queue is in priority order, and a request that fits
+  nowhere still goes to a replica running something less urgent, whose scheduler preempts it.
 
 Migration: when a replica's reported free KV falls below `migrate_below_free_fraction` while it
 still has waiting requests (its next admission or decode growth would preempt), the router asks
@@ -170,7 +172,7 @@ class Router:
             bs = self.config.block_size
             replica.on_dispatch(request.request_id, hashes, len(request.token_ids) - len(hashes) * bs,
                                 request.max_tokens, len(request.token_ids) - hit * bs,
-                                self.output_lengths.predict(request.max_tokens))
+                                self.output_lengths.predict(request.max_tokens), request.priority)
             dispatches.append(Dispatch(request.request_id, replica.replica_id))
         return dispatches
 
@@ -268,6 +270,8 @@ class Router:
             request.excluded.clear()
             return self._choose_coordinated(request, replicas)
         if not candidates:
+            if (urgent := self._preempting(request, replicas)) is not None:
+                return urgent
             # it waits, and will be looked at again on every event: keep what was computed
             for r in fresh:
                 request.free_seen[r.replica_id] = (r.version, num_output, free[r.replica_id])
@@ -289,6 +293,18 @@ class Router:
 
         # ties (e.g. an idle cluster) go to the fewest in-flight, then the lowest id
         return max(candidates, key=lambda r: (score(r), -r.num_in_flight, -r.replica_id))
+
+    def _preempting(self, request: RouteRequest, replicas: list[ReplicaState]) -> ReplicaState | None:
+        """Under the priority policy, a request that fits nowhere still goes where something less
+        urgent runs: that replica's scheduler preempts it, as one engine's would (holding it here
+        would leave it behind the very requests it outranks). The replica with the most such
+        room, then the fewest in flight."""
+        if self.config.scheduling_policy != "priority":
+            return None
+        room = {r.replica_id: r.num_preemptible_for(request.priority) for r in replicas
+                if r.replica_id not in request.excluded}
+        return max((r for r in replicas if room.get(r.replica_id, 0) > 0), default=None,
+                   key=lambda r: (room[r.replica_id], -r.num_in_flight, -r.replica_id))
 
 
 def _priority(request: RouteRequest) -> int:

@@ -397,6 +397,30 @@ def test_the_global_queue_keeps_priority_order_and_migrants_lead_their_class():
     assert router.on_complete(0, "resident") == [Dispatch("urgent", 0)]
 
 
+@pytest.mark.parametrize("scheduling_policy", ["priority", "fcfs"])
+def test_under_priority_a_request_that_fits_nowhere_goes_where_it_would_preempt(scheduling_policy):
+    """A full cluster still takes an urgent request where something less urgent runs, since that
+    replica's scheduler preempts for it as one engine's would: as many such requests as there are
+    less urgent ones to displace, and none under fcfs, or for a request only as urgent."""
+    router = make_router(num_replicas=2, max_num_seqs=1, scheduling_policy=scheduling_policy)
+
+    def submit(rid: str, priority: int, seed: int) -> list[Dispatch]:
+        request = req(rid, seed=seed)
+        request.priority = priority
+        return router.submit(request)
+
+    assert submit("low0", 10, 1) + submit("low1", 10, 2) == [Dispatch("low0", 0), Dispatch("low1", 1)]
+    assert submit("as-low", 10, 3) == []
+    if scheduling_policy == "fcfs":
+        assert submit("urgent0", -10, 4) == []
+        return
+    assert submit("urgent0", -10, 4) == [Dispatch("urgent0", 0)]
+    assert submit("urgent1", -10, 5) == [Dispatch("urgent1", 1)]
+    assert submit("urgent2", -10, 6) == []  # both low ones are displaced already
+    assert [r.request_id for r in router.queue] == ["urgent2", "as-low"]
+    assert router.on_complete(0, "urgent0") == [Dispatch("urgent2", 0)]  # low0 is there to displace again
+
+
 def test_baselines_never_migrate():
     router = make_router("least-loaded", num_replicas=2)
     router.replicas[0].on_dispatch("a", [], 12, 4, 12)
