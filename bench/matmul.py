@@ -9,9 +9,13 @@ run so the machine's noise lands on all of them:
             the weights are bf16 values, as in a BF16 checkpoint, so the panels hold bf16);
 - `panel-f32`: the same kernel on float32 panels (what a checkpoint with fp32 weights gets);
 - `onednn`: torch's oneDNN linear on its blocked prepacked weight (the engine's previous layout);
-- `linear`: `F.linear` on the plain row-major weight.
+- `linear`: `F.linear` on the plain row-major weight;
+- `w8a8` / `w8a8-vnni` (CPUs with AVX-512 VNNI): the weight quantized to int8 per channel, each
+            row to int8 per token (engine/csrc/panel_matmul.c's W8A8 kernel), on AMX tiles from
+            16 rows where the CPU has them, and kept to vpdpbusd (the two give equal floats).
 
-Each contender's output is checked against `F.linear` before it is timed.
+Each contender's output is checked against `F.linear` before it is timed (to 1e-4, or to the
+int8 rounding's 3% for W8A8).
 """
 
 from __future__ import annotations
@@ -50,6 +54,23 @@ def layer_shapes(args: LlamaArgs) -> list[tuple[int, int]]:
             (2 * args.intermediate_size, args.hidden_size), (args.hidden_size, args.intermediate_size)]
 
 
+def _w8a8_layout(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-channel int8 weights packed for the W8A8 kernel: (panels, 128 · row sums, scales)."""
+    scales = w.abs().amax(1).clamp(min=1e-8) / 127
+    panels, sums = panel_matmul.pack_w8a8(torch.round(w / scales[:, None]).to(torch.int8))
+    return panels, sums, scales
+
+
+def _w8a8(amx: bool) -> Matmul:
+    def matmul(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        panel_matmul.use_amx(amx)
+        return panel_matmul.matmul_w8a8(x, *packed)
+    return matmul
+
+
+TOLERANCE = {"w8a8": 3e-2, "w8a8-vnni": 3e-2}  # int8 rounding of weights and rows; the rest 1e-4
+
+
 def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Matmul]]:
     """name → (weight layout, matmul on that layout)."""
     out: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Matmul]] = {}
@@ -60,6 +81,10 @@ def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Mat
         out["onednn"] = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 32),
                          lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     out["linear"] = (lambda w: w, F.linear)
+    if panel_matmul.w8a8_available():
+        if panel_matmul.use_amx():
+            out["w8a8"] = (_w8a8_layout, _w8a8(amx=True))
+        out["w8a8-vnni"] = (_w8a8_layout, _w8a8(amx=False))
     return out
 
 
@@ -70,15 +95,31 @@ def run_matmul(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(0)
     plain = [(torch.randn(n, k, generator=g) * 0.05).bfloat16().float() for n, k in [*shapes, lm_head]]
     contenders = _contenders()
+    amx = panel_matmul.use_amx()
+    try:
+        rows_out = _time_contenders(args, contenders, plain, shapes, lm_head, g)
+    finally:
+        panel_matmul.use_amx(amx)  # the W8A8 contenders switch it
+    result = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "runs": args.runs,
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "model": str(args.model), "num_layers": model_args.num_layers, "layer_shapes": layer_shapes(model_args),
+              "lm_head": lm_head, "rows": rows_out}
+    save_result(result, args.result_json, args.plot, _plot)
+    return 0
+
+
+def _time_contenders(args: argparse.Namespace, contenders: dict, plain: list[torch.Tensor],
+                     shapes: list[tuple[int, int]], lm_head: tuple[int, int], g: torch.Generator) -> list[dict]:
     weights = {name: [layout(w) for w in plain] for name, (layout, _) in contenders.items()}
-    layer_bytes = {name: sum(w.numel() * w.element_size() for w in ws[:-1]) for name, ws in weights.items()}
+    layer_bytes = {name: sum(_nbytes(w) for w in ws[:-1]) for name, ws in weights.items()}
     rows_out = []
     for rows in args.rows:
         x = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in [*shapes, lm_head]}}
         for name, (_, matmul) in contenders.items():  # every layout computes the same product
             for w, w_plain in zip(weights[name][:4], plain[:4], strict=True):
-                torch.testing.assert_close(matmul(x[w_plain.shape[1]], w), F.linear(x[w_plain.shape[1]], w_plain),
-                                           rtol=1e-4, atol=1e-4)
+                y, reference = matmul(x[w_plain.shape[1]], w), F.linear(x[w_plain.shape[1]], w_plain)
+                tolerance = TOLERANCE.get(name, 1e-4)
+                torch.testing.assert_close(y, reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
         for _ in range(args.runs):
             for name, (_, matmul) in contenders.items():
@@ -93,17 +134,17 @@ def run_matmul(args: argparse.Namespace) -> int:
             rows_out.append({"rows": rows, "kernel": name, "layers_ms": layers_s * 1e3,
                              "lm_head_ms": statistics.median(r[1] for r in runs) * 1e3,
                              "layers_gb_s": layer_bytes[name] / layers_s / 1e9, "runs": runs})
-            print(f"rows {rows:4d} {name:7s} layers {layers_s * 1e3:7.2f} ms ({rows_out[-1]['layers_gb_s']:5.1f} GB/s)"
+            print(f"rows {rows:4d} {name:9s} layers {layers_s * 1e3:7.2f} ms ({rows_out[-1]['layers_gb_s']:5.1f} GB/s)"
                   f"  lm_head {rows_out[-1]['lm_head_ms']:6.2f} ms", flush=True)
-    result = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "runs": args.runs,
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "model": str(args.model), "num_layers": model_args.num_layers, "layer_shapes": layer_shapes(model_args),
-              "lm_head": lm_head, "rows": rows_out}
-    save_result(result, args.result_json, args.plot, _plot)
-    return 0
+    return rows_out
+
+
+def _nbytes(weight: torch.Tensor | tuple[torch.Tensor, ...]) -> int:
+    parts = weight if isinstance(weight, tuple) else (weight,)
+    return sum(t.numel() * t.element_size() for t in parts)
 
 
 def _plot(result: dict, path: Path) -> None:
     plot_kernels(result["rows"], "rows", lambda r: r["layers_ms"] + r["lm_head_ms"], path, log_y=True,
                  xlabel="activation rows (decode batch / prefill chunk)", ylabel="ms per forward (all Linears + lm_head)",
-                 title=f"fp32 matmuls, {result['num_layers']} layers, {result['threads']} threads")
+                 title=f"matmuls, {result['num_layers']} layers, {result['threads']} threads")
