@@ -447,11 +447,32 @@ static inline __attribute__((always_inline)) void row_tile_w8a8(
  *   group_scales [N / 16, K / G, 16] float32
  * K and the group size G must be multiples of 8 (G = K: per channel), N of 16.
  */
+/* W4A8's float steps, shared by every route so that the same integers give the same floats: a
+ * group's integer dot, less 128 times its weight sum, times its scales onto the running total;
+ * then the row's scale and the bias. */
+static inline __attribute__((always_inline)) __m512 w4a8_add_group(__m512 total, __m512i acc, __m512i sums,
+                                                                   __m512 scale) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, sums)), scale, total);
+}
+
+static inline __attribute__((always_inline)) __m512 w4a8_row(__m512 total, float row_scale, __m512 bias) {
+    return _mm512_fmadd_ps(total, _mm512_set1_ps(row_scale), bias);
+}
+
+/* One 64-byte block of nibbles → the two VNNI steps it holds (q = nibble - 8): low nibbles are
+ * k .. k + 3, high ones k + 4 .. k + 7. */
+static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, __m512i *first,
+                                                                  __m512i *second) {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    const __m512i both = _mm512_loadu_si512((const void *)block);
+    *first = _mm512_sub_epi8(_mm512_and_si512(both, low_nibbles), eight);
+    *second = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles), eight);
+}
+
 static inline __attribute__((always_inline)) void row_tile_w4a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const uint8_t *restrict panel,
     const int32_t *group_sums, const float *group_scales, const float *bias, int rows, int K, int N, int G,
     Lookahead *ahead) {
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     __m512 total[ROW_TILE_W8A8];
     __m512i acc[ROW_TILE_W8A8];
     for (int i = 0; i < rows; i++) total[i] = _mm512_setzero_ps();
@@ -460,9 +481,8 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
         for (int k = g * G; k < (g + 1) * G; k += 8, panel += 64) {
             lookahead_step(ahead);
             __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
-            const __m512i both = _mm512_loadu_si512((const void *)panel);
-            const __m512i first = _mm512_sub_epi8(_mm512_and_si512(both, low_nibbles), eight);
-            const __m512i second = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles), eight);
+            __m512i first, second;
+            unpack_w4_block(panel, &first, &second);
             for (int i = 0; i < rows; i++) {
                 int32_t lo, hi;
                 __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
@@ -473,20 +493,19 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
         }
         const __m512i sums = _mm512_loadu_si512((const void *)(group_sums + g * PANEL));
         const __m512 scale = _mm512_loadu_ps(group_scales + g * PANEL);
-        for (int i = 0; i < rows; i++)
-            total[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], sums)), scale, total[i]);
+        for (int i = 0; i < rows; i++) total[i] = w4a8_add_group(total[i], acc[i], sums, scale);
     }
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int i = 0; i < rows; i++)
-        _mm512_storeu_ps(y + (int64_t)i * N, _mm512_fmadd_ps(total[i], _mm512_set1_ps(row_scales[i]), b));
+    for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (int64_t)i * N, w4a8_row(total[i], row_scales[i], b));
 }
 
 /* AMX (Intel's tile unit, from Sapphire Rapids on) multiplies a 16 x 64 tile of unsigned activation
  * bytes by a 64 x 16 tile of signed weight bytes given as 16 rows of 16 lanes x 4 consecutive k,
  * into 16 x 16 int32 sums: vpdpbusd's arithmetic, 16 rows at a time. That weight tile is 16 steps
- * of a W8A8 panel as they lie, so prefill-sized products need no other layout, and the integers,
- * hence the floats after `store_w8a8_row`, are the VNNI route's exactly. Linux grants the tile
- * state only to a process that asks; DRIFTGATE_AMX=0 (or `use_amx(0)`) keeps to VNNI. */
+ * of a W8A8 panel as they lie (W4A8's nibbles are unpacked into it), so prefill-sized products need
+ * no other layout, and the integers, hence the floats after the shared epilogues, are the VNNI
+ * route's exactly. Linux grants the tile state only to a process that asks; DRIFTGATE_AMX=0 (or
+ * `use_amx(0)`) keeps to VNNI. */
 enum { AMX_ROWS = 16, AMX_DEPTH = 64 }; /* a tile: 16 rows of 64 bytes */
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -507,7 +526,7 @@ static int amx_on(void) {
 }
 
 /* Turn the AMX route on (1) or off (0, for comparisons), or only ask (-1); returns whether W8A8
- * products take it. */
+ * and W4A8 products take it. */
 int use_amx(int on) {
     if (on >= 0) amx_wanted = on;
     return amx_on();
@@ -530,52 +549,91 @@ static void amx_configure(void) {
     _tile_loadconfig(&config);
 }
 
+/* The weight tile for k .. k + 63 of a panel: W8A8's bytes as they lie, or W4A8's 8 nibble
+ * blocks unpacked into `buffer`. */
+static inline const int8_t *amx_weight_tile(const uint8_t *panel, int k, int nibbles, int8_t buffer[AMX_ROWS][64]) {
+    if (!nibbles) return (const int8_t *)panel + (int64_t)k * PANEL;
+    const uint8_t *blocks = panel + (int64_t)k * PANEL / 2;
+    for (int b = 0; b < AMX_DEPTH / 8; b++) {
+        __m512i first, second;
+        unpack_w4_block(blocks + 64 * b, &first, &second);
+        _mm512_store_si512((void *)buffer[2 * b], first);
+        _mm512_store_si512((void *)buffer[2 * b + 1], second);
+    }
+    return buffer[0];
+}
+
 /* Rows m.. of a panel and the next (panels[1] NULL: none), 32 or 16 rows at a time while 16 remain;
- * returns the first row left undone. A K that is not a multiple of 64 ends on vpdpbusd steps. */
-static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const int8_t *panels[2],
-                    const int32_t *bias_sums, const float *weight_scales, const float *bias, int m, int end,
-                    int K, int N) {
-    int32_t sums[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
-    const int deep = K / AMX_DEPTH * AMX_DEPTH, two_panels = panels[1] != 0;
-    W8A8Epilogue e[2];
-    for (int q = 0; q <= two_panels; q++)
-        e[q] = w8a8_epilogue(bias_sums + q * PANEL, weight_scales + q * PANEL, bias ? bias + q * PANEL : 0);
+ * returns the first row left undone. W8A8 (G = K): a K that is not a multiple of 64 ends on
+ * vpdpbusd steps. W4A8 (nibbles; G a multiple of 64): each group's tiles are summed, then scaled
+ * onto float totals as row_tile_w4a8 does. `sums`, `scales` are the first panel's (the second's
+ * follow, `groups` x 16 on). */
+static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
+                    const int32_t *sums, const float *scales, const float *bias, int m, int end, int K, int N,
+                    int G, int nibbles) {
+    int32_t tiles[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
+    int8_t unpacked[2][AMX_ROWS][64] __attribute__((aligned(64)));
+    __m512 total[2][2 * AMX_ROWS];
+    const int deep = K / AMX_DEPTH * AMX_DEPTH, two_panels = panels[1] != 0, groups = K / G;
+    /* what is summed in int32 before the floats: each W4A8 group, or all of W8A8's whole tiles */
+    const int passes = nibbles ? groups : 1, span = nibbles ? G : deep;
     for (; end - m >= AMX_ROWS; m += AMX_ROWS * (1 + (end - m >= 2 * AMX_ROWS))) {
         const int blocks = end - m >= 2 * AMX_ROWS ? 2 : 1;
         const uint8_t *a = xq + (int64_t)m * K;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int k = 0; k < deep; k += AMX_DEPTH) {
-            _tile_loadd(4, a + k, K);
-            _tile_loadd(6, panels[0] + (int64_t)k * PANEL, AMX_DEPTH);
-            _tile_dpbusd(0, 4, 6);
-            if (two_panels) {
-                _tile_loadd(7, panels[1] + (int64_t)k * PANEL, AMX_DEPTH);
-                _tile_dpbusd(1, 4, 7);
+        for (int g = 0; g < passes; g++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int k = g * span; k < (g + 1) * span; k += AMX_DEPTH) {
+                _tile_loadd(4, a + k, K);
+                _tile_loadd(6, amx_weight_tile(panels[0], k, nibbles, unpacked[0]), AMX_DEPTH);
+                _tile_dpbusd(0, 4, 6);
+                if (two_panels) {
+                    _tile_loadd(7, amx_weight_tile(panels[1], k, nibbles, unpacked[1]), AMX_DEPTH);
+                    _tile_dpbusd(1, 4, 7);
+                }
+                if (blocks == 2) {
+                    _tile_loadd(5, a + (int64_t)AMX_ROWS * K + k, K);
+                    _tile_dpbusd(2, 5, 6);
+                    if (two_panels) _tile_dpbusd(3, 5, 7);
+                }
             }
-            if (blocks == 2) {
-                _tile_loadd(5, a + (int64_t)AMX_ROWS * K + k, K);
-                _tile_dpbusd(2, 5, 6);
-                if (two_panels) _tile_dpbusd(3, 5, 7);
+            _tile_stored(0, tiles[0], PANEL * sizeof(int32_t));
+            _tile_stored(1, tiles[1], PANEL * sizeof(int32_t));
+            _tile_stored(2, tiles[2], PANEL * sizeof(int32_t));
+            _tile_stored(3, tiles[3], PANEL * sizeof(int32_t));
+            for (int q = 0; nibbles && q <= two_panels; q++) {
+                const int64_t at = ((int64_t)q * groups + g) * PANEL;
+                const __m512i group_sums = _mm512_loadu_si512((const void *)(sums + at));
+                const __m512 group_scales = _mm512_loadu_ps(scales + at);
+                for (int i = 0; i < blocks * AMX_ROWS; i++) {
+                    const __m512i acc = _mm512_load_si512((const void *)tiles[2 * (i / AMX_ROWS) + q][i % AMX_ROWS]);
+                    total[q][i] = w4a8_add_group(g ? total[q][i] : _mm512_setzero_ps(), acc, group_sums, group_scales);
+                }
             }
         }
-        _tile_stored(0, sums[0], PANEL * sizeof(int32_t));
-        _tile_stored(1, sums[1], PANEL * sizeof(int32_t));
-        _tile_stored(2, sums[2], PANEL * sizeof(int32_t));
-        _tile_stored(3, sums[3], PANEL * sizeof(int32_t));
-        for (int q = 0; q <= two_panels; q++)
+        for (int q = 0; q <= two_panels; q++) {
+            const float *bias_q = bias ? bias + q * PANEL : 0;
+            if (nibbles) {
+                const __m512 b = bias_q ? _mm512_loadu_ps(bias_q) : _mm512_setzero_ps();
+                for (int i = 0; i < blocks * AMX_ROWS; i++)
+                    _mm512_storeu_ps(y + (int64_t)(m + i) * N + q * PANEL, w4a8_row(total[q][i], row_scales[m + i], b));
+                continue;
+            }
+            const W8A8Epilogue e = w8a8_epilogue(sums + q * PANEL, scales + q * PANEL, bias_q);
+            const int8_t *panel = (const int8_t *)panels[q];
             for (int i = 0; i < blocks * AMX_ROWS; i++) {
-                __m512i acc = _mm512_load_si512((const void *)sums[2 * (i / AMX_ROWS) + q][i % AMX_ROWS]);
+                __m512i acc = _mm512_load_si512((const void *)tiles[2 * (i / AMX_ROWS) + q][i % AMX_ROWS]);
                 for (int k = deep; k < K; k += 4) {
                     int32_t four;
                     __builtin_memcpy(&four, a + (int64_t)i * K + k, 4);
                     acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four),
-                                              _mm512_loadu_si512((const void *)(panels[q] + (int64_t)k * PANEL)));
+                                              _mm512_loadu_si512((const void *)(panel + (int64_t)k * PANEL)));
                 }
-                store_w8a8_row(y + (int64_t)(m + i) * N + q * PANEL, acc, e[q], row_scales[m + i]);
+                store_w8a8_row(y + (int64_t)(m + i) * N + q * PANEL, acc, e, row_scales[m + i]);
             }
+        }
     }
     return m;
 }
@@ -585,9 +643,9 @@ static void amx_release(void) { _tile_release(); }
 static int amx_on(void) { return 0; }
 static void amx_configure(void) {}
 static void amx_release(void) {}
-static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const int8_t *panels[2],
-                    const int32_t *bias_sums, const float *weight_scales, const float *bias, int m, int end,
-                    int K, int N) {
+static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
+                    const int32_t *sums, const float *scales, const float *bias, int m, int end, int K, int N,
+                    int G, int nibbles) {
     return m;
 }
 #endif
@@ -624,7 +682,8 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
     if (!xq) return -1;
     float *row_scales = (float *)(xq + (size_t)M * K);
     const int groups = K / G;
-    const int amx = !nibbles && M >= AMX_ROWS && amx_on(), width = amx ? 2 : 1; /* panels a task takes */
+    /* tiles hold 64 k: W4A8 only where each group is whole tiles */
+    const int amx = M >= AMX_ROWS && (!nibbles || G % AMX_DEPTH == 0) && amx_on(), width = amx ? 2 : 1;
 #pragma omp parallel num_threads(threads)
     {
         if (amx) amx_configure();
@@ -642,10 +701,11 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
             const int last_panel = first_panel + width < num_panels ? first_panel + width : num_panels;
             int m = first;
             if (amx) {
-                const int8_t *first_of_pair = (const int8_t *)(panels + first_panel * panel_bytes);
-                const int8_t *pair[2] = {first_of_pair, last_panel - first_panel == 2 ? first_of_pair + panel_bytes : 0};
-                m = amx_rows(y + first_panel * PANEL, xq, row_scales, pair, sums + first_panel * PANEL,
-                             scales + first_panel * PANEL, bias ? bias + first_panel * PANEL : 0, m, end, K, N);
+                const uint8_t *first_of_pair = panels + first_panel * panel_bytes;
+                const uint8_t *pair[2] = {first_of_pair, last_panel - first_panel == 2 ? first_of_pair + panel_bytes : 0};
+                const int64_t at = (int64_t)first_panel * groups * PANEL;
+                m = amx_rows(y + first_panel * PANEL, xq, row_scales, pair, sums + at, scales + at,
+                             bias ? bias + first_panel * PANEL : 0, m, end, K, N, G, nibbles);
             }
             for (int p = first_panel; p < last_panel; p++) {
                 const int has_next = p + 1 < num_panels || task + 1 < row_blocks * units;

@@ -245,9 +245,10 @@ def w8a8_available() -> bool:
 
 
 def use_amx(enabled: bool | None = None) -> bool:
-    """Whether W8A8 products of 16 rows or more run on AMX tiles: by default where the CPU has them
-    and DRIFTGATE_AMX is not 0. `enabled` turns the route on or off (the outputs are equal either
-    way: for comparisons); None only asks."""
+    """Whether W8A8 and W4A8 products of 16 rows or more run on AMX tiles (W4A8 where its groups
+    are multiples of 64 columns): by default where the CPU has them and DRIFTGATE_AMX is not 0.
+    `enabled` turns the route on or off (the outputs are equal either way: for comparisons); None
+    only asks."""
     switch = cpu_kernels.kernel("panel_matmul", "use_amx", (ctypes.c_int,), ctypes.c_int)
     return switch is not None and switch(-1 if enabled is None else int(enabled)) == 1
 
