@@ -21,6 +21,7 @@ from calibration.pipeline import CalibrationResult, calibrate
 from calibration.quantizers import WeightQuantizer
 from calibration.report import build_report
 from calibration.targets import LinearTarget, TargetError, layer_linears, resolve_group_size, select_targets
+from engine.output_paths import check_output_path
 from quant import fp4
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
@@ -41,6 +42,21 @@ def _read_model_config(model_dir: Path) -> dict:
         return read_config(model_dir)
     except ValueError as exc:
         raise QuantizeError(str(exc)) from None
+
+
+def _check_output(options: QuantizeOptions) -> None:
+    """Before calibrating: the output folder must be writable, not replace what exists unasked,
+    and never be (or hold) the model being read."""
+    out, model = options.output_dir.resolve(), options.model_dir.resolve()
+    if model.is_relative_to(out):
+        raise QuantizeError(f"output folder {options.output_dir} is (or holds) the model folder {options.model_dir}; "
+                            "write the checkpoint elsewhere")
+    try:
+        check_output_path(options.output_dir, folder=True)
+    except ValueError as exc:
+        raise QuantizeError(str(exc)) from None
+    if options.output_dir.exists() and not options.overwrite:
+        raise QuantizeError(f"output folder {options.output_dir} exists; pass --overwrite to replace it")
 
 
 def _plan(options: QuantizeOptions, config: dict) -> tuple[list[LinearTarget], list[str], int | None]:
@@ -125,8 +141,10 @@ def quantize(options: QuantizeOptions) -> Path:
 
     started = time.perf_counter()
     config = _read_model_config(options.model_dir)
-    if options.output_dir.exists() and not options.overwrite:
-        raise QuantizeError(f"output folder {options.output_dir} exists; pass --overwrite to replace it")
+    _check_output(options)
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("format") or config["quantization_config"].get("quant_method")
+        raise QuantizeError(f"{options.model_dir} is already quantized ({method}); quantize the model it came from")
     if options.device == "cuda" and not torch.cuda.is_available():
         raise QuantizeError("--device cuda was asked for, but no CUDA device is available")
     targets, ignore, group_size = _plan(options, config)
@@ -146,7 +164,10 @@ def quantize(options: QuantizeOptions) -> Path:
           f"{len(calib.heldout)} held out")
     # Held at the checkpoint's own precision; the pipeline upcasts one layer at a time.
     stored = config.get("torch_dtype") or config.get("dtype")
-    model, _ = load_model(options.model_dir, dtype=stored if stored in _STORED_DTYPES else "float32", device="cpu")
+    try:
+        model, _ = load_model(options.model_dir, dtype=stored if stored in _STORED_DTYPES else "float32", device="cpu")
+    except (ValueError, OSError) as exc:  # a truncated or missing weight file, a tensor of the wrong shape
+        raise QuantizeError(f"{options.model_dir}: {exc}") from None
     scheme = _scheme(options, group_size)
     quantizer = (WeightQuantizer(scheme, options.algorithm, smoothquant_alpha=options.smoothquant)
                  if scheme is not None else None)

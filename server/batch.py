@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from tqdm import tqdm
 
 from engine.json_object import numbered_lines, parse_json_object
+from engine.output_paths import check_output_path
 from server.app import build_app
 from server.cli import add_serve_args, build_engine, is_cluster, server_config
 
@@ -102,6 +103,7 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         config = server_config(args)
         lines = numbered_lines(args.input_file, "batch input file")
+        check_output_path(args.output_file, folder=False)  # before the answers, not after
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 
@@ -74,6 +75,7 @@ def test_group_size_that_does_not_divide(tmp_path, tiny_model_dir, calib_file, c
     (["--scheme", "w4a16", "--group-size", "48"], "--group-size must be auto or one of"),
     (["--scheme", "w4a16", "--ignore", "model.layers.0.mlp.down_proj"], "keep lm_head in --ignore"),
     (["--scheme", "w4a16", "--ignore", "lm_head", "model.layers.0.self_attn.q_proj"], "all or none"),
+    (["--scheme", "w4a16", "--ignore", "lm_head", "re:["], "'re:[' is not a regular expression"),
 ])
 def test_argument_combinations_that_cannot_work(tmp_path, tiny_model_dir, calib_file, capsys, args, message):
     assert _quantize(tiny_model_dir, calib_file, tmp_path / "out", *args) == 2
@@ -94,6 +96,59 @@ def test_existing_output_is_kept_without_overwrite(tmp_path, tiny_model_dir, cal
     # RTN with no KV scales reads no activations: only the held-out samples ran, for the error report
     assert report["dataset"]["num_tokens_observed"] == 0 and report["layers"][0]["input_absmax"] == {}
     assert report["layers"][0]["output_error"] > 0
+
+
+def _file_digests(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_an_output_that_is_or_holds_the_model_is_refused(tmp_path, tiny_model_dir, calib_file, capsys):
+    """--overwrite onto the model folder, or onto a folder holding it, would delete what is being read."""
+    model = tmp_path / "work" / "model"
+    shutil.copytree(tiny_model_dir, model)
+    before = _file_digests(model)
+    for out in (model, model.parent):
+        assert _quantize(model, calib_file, out, "--scheme", "w8a16", "--overwrite") == 2
+        assert "is (or holds) the model folder" in _one_line_error(capsys)
+    assert _file_digests(model) == before
+
+
+def test_an_output_that_cannot_be_written_stops_before_calibrating(tmp_path, tiny_model_dir, calib_file, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert _quantize(tiny_model_dir, calib_file, a_file / "out", "--scheme", "w8a16") == 2
+    assert f"{a_file} is a file, not a folder" in _one_line_error(capsys)
+    assert _quantize(tiny_model_dir, calib_file, a_file, "--scheme", "w8a16", "--overwrite") == 2
+    assert f"{a_file} is a file, not a folder" in _one_line_error(capsys)
+    assert a_file.read_text() == "mine"
+
+
+def test_a_quantized_checkpoint_is_not_quantized_again(tmp_path, tiny_model_dir, calib_file, capsys):
+    assert _quantize(tiny_model_dir, calib_file, tmp_path / "q", "--scheme", "w8a16") == 0
+    capsys.readouterr()
+    assert _quantize(tmp_path / "q", calib_file, tmp_path / "qq", "--scheme", "w8a16") == 2
+    assert "is already quantized (pack-quantized); quantize the model it came from" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "no num_attention_heads", "a list for a config"])
+def test_a_damaged_model_folder_is_one_line(tmp_path, tiny_model_dir, calib_file, capsys, damage):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights, config_path = model / "model.safetensors", model / "config.json"
+    config = json.loads(config_path.read_text())
+    if damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        expected = "model.safetensors"
+    elif damage == "no num_attention_heads":
+        del config["num_attention_heads"]
+        config_path.write_text(json.dumps(config))
+        expected = "config.json lacks 'num_attention_heads'"
+    else:
+        config_path.write_text(json.dumps([config]))
+        expected = "holds a JSON list"
+    assert _quantize(model, calib_file, tmp_path / "out", "--scheme", "w8a16") == 2
+    assert expected in _one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
 
 
 def test_console_script_exit_code(tmp_path, tiny_model_dir):

@@ -85,3 +85,8 @@ def test_a_missing_input_or_model_is_one_line_and_exit_2(tmp_path, tiny_model_di
     assert main(["run-batch", "-i", str(source), "-o", str(out), str(tmp_path / "no-model")]) == 2
     assert "model folder not found" in capsys.readouterr().err
     assert not out.exists()
+    # an output that cannot be written is found before any request is answered, not after
+    assert main(["run-batch", "-i", str(source), "-o", str(latin / "answers.jsonl"), str(tiny_model_dir)]) == 2
+    assert f"{latin} is a file, not a folder" in capsys.readouterr().err
+    assert main(["run-batch", "-i", str(source), "-o", str(tmp_path), str(tiny_model_dir)]) == 2
+    assert f"{tmp_path} is a folder; give a file name" in capsys.readouterr().err
