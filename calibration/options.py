@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,12 @@ class QuantizeOptions:
             raise ValueError(f"unknown device {self.device!r}; choose cpu or cuda")
         if "lm_head" not in self.ignore:
             raise ValueError("quantizing lm_head is not supported; keep lm_head in --ignore")
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as exc:
+                    raise ValueError(f"--ignore {pattern!r} is not a regular expression: {exc}") from None
 
     @property
     def is_grouped(self) -> bool:

@@ -41,9 +41,14 @@ def read_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json; is it a Hugging Face model folder?")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not the object of a model's settings")
+    return config
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -64,6 +64,12 @@ def classifier_labels(config: dict) -> tuple[str, ...]:
     return tuple(label for _, label in sorted(id2label.items(), key=lambda item: int(item[0])))
 
 
+# LlamaArgs' sizes → the config.json keys they come from (or are derived from)
+_SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+          "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+          "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+
+
 @dataclass(frozen=True, slots=True)
 class LlamaArgs:
     """The hyper-parameters this file reads from an HF config.json."""
@@ -142,6 +148,22 @@ class LlamaArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict, max_model_len: int | None = None) -> LlamaArgs:
+        """The arguments of an HF config.json; a key it lacks, or a size that is not a positive
+        integer, is a ValueError naming it (not a KeyError, or a TypeError deep in torch)."""
+        try:
+            args = cls._from_hf_config(config, max_model_len)
+        except KeyError as exc:
+            raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
+        except TypeError as exc:
+            raise ValueError(f"config.json holds a value of the wrong type ({exc})") from None
+        for name, key in _SIZES.items():
+            value = getattr(args, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json's {key} must be a positive integer, not {value!r}")
+        return args
+
+    @classmethod
+    def _from_hf_config(cls, config: dict, max_model_len: int | None) -> LlamaArgs:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else None
         if arch in BASE_MODELS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -59,6 +60,33 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
     config["architectures"] = ["GPT2LMHeadModel"]
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(bad)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda c: c.pop("num_attention_heads"), "config.json lacks 'num_attention_heads'"),
+    (lambda c: c.update(hidden_size="64"), "config.json's hidden_size must be a positive integer, not '64'"),
+    (lambda c: c.update(num_hidden_layers=0), "config.json's num_hidden_layers must be a positive integer, not 0"),
+])
+def test_a_config_missing_a_size_or_holding_a_bad_one_names_it(tiny_model_dir, tmp_path, edit, message):
+    """A KeyError, or a TypeError from deep in torch, said nothing about which file was wrong."""
+    bad = tmp_path / "bad-config"
+    shutil.copytree(tiny_model_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    edit(config)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_model(bad)
+
+
+def test_a_config_that_is_not_a_json_object_is_refused(tiny_model_dir, tmp_path):
+    bad = tmp_path / "list-config"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not the object"):
+        load_model(bad)
+    (bad / "config.json").write_bytes("{}".encode("utf-16"))
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
         load_model(bad)
 
 
