@@ -36,7 +36,7 @@ from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from server.app import build_app
 from server.config import ServerConfig
-from server.flags import apply_config_file, human_int
+from server.flags import apply_config_file, human_int, positive_int
 from server.reasoning import REASONING_PARSERS
 from server.state import ServerState
 from server.tools import TOOL_CALL_PARSERS
@@ -187,7 +187,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--max-model-len", type=human_int, default=None, help="tokens, e.g. 8192 or 8K")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=human_int, default=2048)
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=0,
                         help="while any stream decodes, prompt chunks take at most this many tokens per step, "

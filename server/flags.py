@@ -22,9 +22,27 @@ _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (a count that 0 would only fail later, after loading)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def human_int(text: str) -> int:
-    """argparse type: an integer, or one with a size suffix: k/m/g/t are powers of 1000 and take a
-    fraction (25.6k = 25600), K/M/G/T powers of 1024 and take a whole number (32K = 32768)."""
+    """argparse type: a positive integer, or one with a size suffix: k/m/g/t are powers of 1000 and
+    take a fraction (25.6k = 25600), K/M/G/T powers of 1024 and take a whole number (32K = 32768)."""
+    value = _size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text.strip()}")
+    return value
+
+
+def _size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*", text)
     if match is None:
         raise argparse.ArgumentTypeError(f"not an integer or a size like 32K or 1.5k: {text!r}")
@@ -67,6 +85,8 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> N
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         fail(exc.strerror or str(exc))
+    except UnicodeDecodeError:
+        fail("not UTF-8 text (save it as UTF-8)")
     except yaml.YAMLError as exc:
         fail(f"not valid YAML ({exc})")
     if raw is None:

@@ -26,10 +26,19 @@ def test_human_int_reads_decimal_and_binary_suffixes(text, value):
 
 
 @pytest.mark.parametrize(("text", "says"), [("1.5K", "whole number"), ("0.5", "not a whole number"),
-                                            ("12x", "not an integer"), ("-4", "not an integer"), ("", "not")])
+                                            ("12x", "not an integer"), ("-4", "not an integer"), ("", "not"),
+                                            ("0", "at least 1"), ("0k", "at least 1")])
 def test_human_int_refuses_what_is_not_a_whole_size(text, says):
     with pytest.raises(argparse.ArgumentTypeError, match=says):
         human_int(text)
+
+
+@pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-model-len", "--max-num-batched-tokens",
+                                  "--kv-cache-memory-bytes"])
+def test_a_zero_size_is_a_usage_error_before_anything_loads(flag):
+    """It was refused only by the engine, after the weights loaded, as exit 1 blaming the model."""
+    with pytest.raises(argparse.ArgumentError, match=f"argument {flag}: must be at least 1"):
+        _parse(["model", flag, "0"])
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -77,6 +86,15 @@ def test_a_bad_file_is_exit_2_naming_the_file_and_the_key(tmp_path: Path, capsys
         _parse(["--config", str(config)])
     assert exit_info.value.code == 2
     assert f"--config {config}: {says}" in capsys.readouterr().err
+
+
+def test_a_file_saved_as_utf16_is_exit_2(tmp_path: Path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_bytes("port: 8001\n".encode("utf-16"))  # what Windows' Notepad may save
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["--config", str(config)])
+    assert exit_info.value.code == 2
+    assert f"--config {config}: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_a_missing_file_or_a_missing_model_is_exit_2(tmp_path: Path, capsys):
