@@ -158,3 +158,14 @@ def test_bench_on_a_missing_or_corrupt_model_is_one_line(bench, tiny_model_dir, 
         assert driftgate_main(["bench", bench, f"m={model}" if bench == "schemes" else str(model)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and "Traceback" not in err
+
+
+def test_a_damaged_tokenizer_names_its_folder(tiny_model_dir, tmp_path):
+    """transformers' own error was the bare JSON message ("Expecting value: line 2 ..."): no file."""
+    from engine.tokenizer import load_tokenizer
+
+    bad = tmp_path / "bad-tokenizer"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "tokenizer.json").write_text("{\n oops")
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer in {re.escape(str(bad))}: Expecting"):
+        load_tokenizer(bad)
