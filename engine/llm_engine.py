@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from engine.sequence import Request, RequestStatus
 from engine.spec_decode import propose_ngram
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -91,6 +94,9 @@ class LLMEngine:
         args = self.model.args
         longest = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or longest, longest)
+        if config.max_model_len and config.max_model_len > longest:
+            log.warning("max_model_len %d is beyond what %s was trained for (max_position_embeddings %d): "
+                        "serving %d", config.max_model_len, config.model, longest, longest)
         # most alternatives a request's logprobs may ask for (-1 in the config: every token)
         self.max_logprobs = args.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         kv_dtype = self._kv_dtype()

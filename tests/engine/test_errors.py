@@ -169,3 +169,10 @@ def test_a_damaged_tokenizer_names_its_folder(tiny_model_dir, tmp_path):
     (bad / "tokenizer.json").write_text("{\n oops")
     with pytest.raises(ValueError, match=f"cannot load the tokenizer in {re.escape(str(bad))}: Expecting"):
         load_tokenizer(bad)
+
+
+def test_a_max_model_len_beyond_the_models_warns_and_serves_the_models(tiny_model_dir, caplog):
+    """vLLM refuses it; we serve what the model was trained for, but say so rather than silently."""
+    llm = LLM(str(tiny_model_dir), max_model_len=10**6, num_kv_blocks=256, block_size=4)
+    assert llm.engine.max_model_len == 512
+    assert "max_model_len 1000000 is beyond what" in caplog.text and "serving 512" in caplog.text
