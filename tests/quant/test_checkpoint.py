@@ -1,6 +1,8 @@
 """Checkpoint writer and reader, checked against compressed-tensors' own decompressor."""
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from quant.checkpoint import (
     is_kv_cache_tensor,
     kv_scale_names,
     load_kv_scales,
+    publish_folder,
     quantize_weight,
     read_quantization_config,
     write_checkpoint,
@@ -113,6 +116,43 @@ def test_failed_write_leaves_nothing(tmp_path, source_dir):
         write_checkpoint(tmp_path / "ck", source_dir=source_dir, tensors={"x": torch.zeros(1)}, quant_config=config,
                          extra_files={"../escape.json": {}})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask,folder_mode,file_mode", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_checkpoint_modes_follow_the_umask(tmp_path, source_dir, umask, folder_mode, file_mode):
+    """Not mkdtemp's 0700 and safetensors' 0600, which keep a server running as another user out."""
+    config = QuantizationConfig.for_scheme(None, kv_cache=True)
+    old = os.umask(umask)
+    try:
+        out = write_checkpoint(tmp_path / "ck", source_dir=source_dir, tensors=quantized_tensors(source_dir, None),
+                               quant_config=config)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == folder_mode
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {p.name: file_mode for p in out.iterdir()}
+
+
+def test_a_failed_publish_keeps_the_old_folder(tmp_path, monkeypatch):
+    out, new = tmp_path / "ck", tmp_path / ".ck.tmp"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    new.mkdir()
+    (new / "new.txt").write_text("new")
+    replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(src) == new:
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="No space"):
+        publish_folder(new, out)
+    monkeypatch.undo()
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.tmp", "ck"]  # the caller removes its tmp
+    publish_folder(new, out)
+    assert [p.name for p in out.iterdir()] == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["ck"]
 
 
 def test_llmcompressor_layout_is_accepted(tmp_path):
