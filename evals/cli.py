@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -107,12 +108,13 @@ def run_gate(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except Exception as exc:  # noqa: BLE001 — every failure to evaluate must become exit 2
-        from evals.data import DataMissingError
+        from evals.data import DataMissingError, UnknownTaskError
         from evals.drift import PromptMismatchError
         from evals.policy import PolicyError
         from evals.prompts import PromptFileError
 
-        known = (GateInputError, PolicyError, DataMissingError, PromptMismatchError, PromptFileError)
+        known = (GateInputError, PolicyError, DataMissingError, UnknownTaskError, PromptMismatchError,
+                 PromptFileError)
         prefix = "driftgate gate: cannot evaluate" if isinstance(exc, known) else "driftgate gate: crashed"
         print(f"{prefix}: {exc}", file=sys.stderr)
         if not isinstance(exc, known):
@@ -136,6 +138,7 @@ def _run(args: argparse.Namespace) -> int:
     baseline_dir, candidate_dir = Path(args.baseline), Path(args.candidate)
     baseline_hashes = check_model_dir(baseline_dir, "baseline")
     candidate_hashes = check_model_dir(candidate_dir, "candidate")
+    report_dir = _report_dir(args, candidate_dir)
     lora_dir, lora_hashes = _lora(args)
     device, serving = _numerics(args)
     own_prompts = _own_prompts(args, policy, candidate_dir)  # checked before anything loads
@@ -205,7 +208,6 @@ def _run(args: argparse.Namespace) -> int:
         manifest["candidate_server"] = served.manifest()
     items = {arm_name: arm.to_json()["items"] for arm_name, arm in (("baseline", baseline), ("candidate", candidate))}
     full = report.build_report(result, manifest, items)
-    report_dir = Path(args.report_dir) if args.report_dir else candidate_dir / "gate-report"
     paths = report.write_reports(full, report_dir)
     metrics = {"checks": full["checks"], "tier1_pooled": full["tier1"]["pooled"], "tier0": full["tier0"],
                "tier2": full["tier2"]}
@@ -221,6 +223,20 @@ def _run(args: argparse.Namespace) -> int:
           + (f" (marginal: {', '.join(marginal)})" if marginal else "")
           + f"; reports in {paths['md'].parent}; {time.perf_counter() - started:.0f}s", flush=True)
     return EXIT_PASS if result.passed else EXIT_DRIFT
+
+
+def _report_dir(args: argparse.Namespace, candidate_dir: Path) -> Path:
+    """--report-dir (default CANDIDATE/gate-report), created and tried with a scratch file now: the
+    reports are written last, and a path that cannot hold them must not cost the arms' run first."""
+    report_dir = Path(args.report_dir) if args.report_dir else candidate_dir / "gate-report"
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=report_dir):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise GateInputError(f"report directory {report_dir} is not a writable directory ({reason})") from None
+    return report_dir
 
 
 def _interval_settings(policy) -> dict:

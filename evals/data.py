@@ -33,6 +33,10 @@ class DataMissingError(FileNotFoundError):
     """A data directory or a file a task needs is not there."""
 
 
+class UnknownTaskError(ValueError):
+    """A policy names a task the gate has no data for (a misspelt name, usually)."""
+
+
 def resolve_data_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     """Return the data directory from the first source that is set; it must exist."""
     if explicit is not None:
@@ -56,10 +60,11 @@ def task_file(data_dir: Path, relative: str) -> Path:
 
 def check_task_files(data_dir: Path, task_names: list[str]) -> dict[str, str]:
     """Verify every file the tasks need exists; return {relative path: sha256} for the manifest."""
+    if unknown := [name for name in task_names if name not in TASK_FILES]:
+        raise UnknownTaskError(f"unknown task {', '.join(map(repr, unknown))} in the policy; known tasks: "
+                               f"{', '.join(sorted(TASK_FILES))}")
     hashes: dict[str, str] = {}
     for name in task_names:
-        if name not in TASK_FILES:
-            raise KeyError(f"unknown task {name!r}; known: {sorted(TASK_FILES)}")
         for relative in TASK_FILES[name]:
             hashes[relative] = file_sha256(task_file(data_dir, relative))
     return hashes

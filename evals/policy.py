@@ -1,8 +1,9 @@
 """The gate policy: which tasks, how many items, and every threshold, read from TOML.
 
-One dataclass per section, validated on construction; an unknown key anywhere raises an
-error that names it, because a misspelt threshold silently falling back to a default is
-exactly the failure a gate must not have. Thresholds are fractions (0.01 = 1 point) and
+One dataclass per section, validated on construction; an unknown key or a value of the
+wrong type anywhere raises an error that names it, because a misspelt threshold silently
+falling back to a default (or a "false" string that is truthy) is exactly the failure a
+gate must not have. Thresholds are fractions (0.01 = 1 point) and
 are compared unrounded.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, field, fields
+from functools import cache
 from pathlib import Path
-from typing import Any
+from types import NoneType, UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.config import check_gpu_memory_utilization
 from evals.stats import two_sided_level
@@ -24,15 +27,64 @@ class PolicyError(ValueError):
     """The policy file is malformed; the message names the offending key."""
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(raw) - known)
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """One policy dataclass from its TOML table, `where` naming it in errors.
+
+    Every value is checked against its field's declared type before the dataclass sees it: a
+    string "false" would otherwise be truthy and run the tier, and a string threshold would pass
+    here and crash minutes into the gate.
+    """
+    if not isinstance(raw, dict):
+        raise PolicyError(f"{where} must be a table, got {raw!r}")
+    declared = _field_types(cls)
+    unknown = sorted(set(raw) - set(declared))
     if unknown:
-        raise PolicyError(f"unknown policy key {where}.{unknown[0]} (allowed: {', '.join(sorted(known))})")
+        raise PolicyError(f"unknown policy key {where}.{unknown[0]} (allowed: {', '.join(sorted(declared))})")
+    for key, value in raw.items():
+        if not _fits(value, declared[key]):
+            raise PolicyError(f"{where}.{key} must be {_describe(declared[key])}, got {value!r}")
     try:
         return cls(**raw)
+    except PolicyError:
+        raise  # a nested table's error already names its key in full
     except (TypeError, ValueError) as exc:
         raise PolicyError(f"{where}: {exc}") from exc
+
+
+@cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """{field name: declared type}; get_type_hints resolves the string annotations of this module."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _options(hint: Any) -> tuple[Any, ...]:
+    """The members of a union (`int | str` -> (int, str)), or the type alone."""
+    return get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a TOML value has a field's declared type.
+
+    A boolean is no number here (TOML's `true` would otherwise count as 1); an integer is a float;
+    a generic such as list[TaskSpec] is checked as its container, the field building its items.
+    """
+    if isinstance(value, bool):
+        return bool in _options(hint)
+    for option in _options(hint):
+        runtime = (int, float) if option is float else get_origin(option) or option
+        if isinstance(value, runtime):
+            return True
+    return False
+
+
+_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array"}
+
+
+def _describe(hint: Any) -> str:
+    """What a field takes, in TOML's terms: "a number", "an integer or a string" (an optional one may be left out)."""
+    return " or ".join(_KIND_NAMES.get(get_origin(option) or option, "a table")
+                       for option in _options(hint) if option is not NoneType)
 
 
 def _check_fraction(name: str, value: float) -> None:
@@ -205,7 +257,9 @@ def load_policy(name_or_path: str | Path) -> GatePolicy:
     if not path.is_file():
         raise PolicyError(f"policy file {path} does not exist")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"policy file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{path}: {exc}") from exc
     raw.setdefault("name", path.stem)

@@ -104,6 +104,36 @@ def test_missing_data_file_is_exit_2(setup, tmp_path, capsys):
     assert "missing data file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("policy_text", "message"), [
+    (TINY_POLICY.replace("max_new_tokens = 8", 'max_new_tokens = "8"'), "tier2.max_new_tokens must be an integer"),
+    (TINY_POLICY.replace('"driftgate_arc_easy"', '"driftgate_arc_eazy"'),
+     "unknown task 'driftgate_arc_eazy' in the policy; known tasks: driftgate_arc_challenge"),
+    (TINY_POLICY.replace("[tier2]", "# caf\xe9\n[tier2]").encode("latin-1"), "is not UTF-8 text"),
+])
+def test_a_bad_policy_is_exit_2_without_a_traceback(setup, tmp_path, capsys, policy_text, message):
+    root, baseline, _ = setup
+    policy = tmp_path / "bad.toml"
+    policy.write_bytes(policy_text if isinstance(policy_text, bytes) else policy_text.encode())
+    assert _gate(baseline, baseline, policy, root) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "cannot evaluate" in err and message in err and "Traceback" not in err
+
+
+def test_a_report_dir_that_cannot_be_created_is_exit_2_before_any_arm_runs(setup, tmp_path, capsys, monkeypatch):
+    """The reports are written last; a bad --report-dir must not cost the arms' run first."""
+    from evals import arms
+
+    monkeypatch.setattr(arms, "run_arm", lambda *a, **k: pytest.fail("an arm ran before --report-dir was checked"))
+    root, baseline, policy = setup
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("")
+    for report_dir in (a_file, a_file / "below"):
+        assert _gate(baseline, baseline, policy, root, "--report-dir", str(report_dir)) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert f"cannot evaluate: report directory {report_dir} is not a writable directory" in err
+        assert "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_self_copy_passes_then_reuses_the_cached_baseline(setup, capsys):
     root, baseline, policy = setup

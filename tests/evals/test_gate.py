@@ -42,6 +42,50 @@ def test_invalid_values_are_rejected():
                                                "endpoint": "separate"}]}})
 
 
+@pytest.mark.parametrize(("raw", "message"), [
+    ({**BASE_POLICY, "tier2": {"enabled": "false"}}, "tier2.enabled must be a boolean, got 'false'"),
+    ({**BASE_POLICY, "noise_floor": {"enabled": "no"}}, "noise_floor.enabled must be a boolean, got 'no'"),
+    ({**BASE_POLICY, "tier0": {"max_kl_mean": "high"}}, "tier0.max_kl_mean must be a number, got 'high'"),
+    ({**BASE_POLICY, "tier0": {"max_kl_p99": "1.0"}}, "tier0.max_kl_p99 must be a number"),
+    ({**BASE_POLICY, "tier0": {"max_kl_growth": [2]}}, "tier0.max_kl_growth must be a number"),
+    ({**BASE_POLICY, "tier0": {"num_documents": True}}, "tier0.num_documents must be an integer, got True"),
+    ({**BASE_POLICY, "tier0": {"max_kl_mean": True}}, "tier0.max_kl_mean must be a number, got True"),
+    ({**BASE_POLICY, "tier2": {"min_mean_agreed_prefix": "32"}}, "tier2.min_mean_agreed_prefix must be a number"),
+    ({**BASE_POLICY, "tier2": {"num_prompts": 2.0}}, "tier2.num_prompts must be an integer, got 2.0"),
+    ({**BASE_POLICY, "seed": "abc"}, "policy.seed must be an integer, got 'abc'"),
+    ({**BASE_POLICY, "name": 3}, "policy.name must be a string, got 3"),
+    ({**BASE_POLICY, "engine": {"max_num_seqs": "64"}}, "engine.max_num_seqs must be an integer, got '64'"),
+    ({**BASE_POLICY, "engine": 64}, "engine must be a table, got 64"),
+    ({"tier1": {"tasks": {"name": "t"}}}, "tier1.tasks must be an array"),
+    ({"tier1": {"tasks": ["driftgate_arc_easy"]}}, "tier1.tasks[0] must be a table"),
+    ({"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "items": True}]}},
+     "tier1.tasks[0].items must be an integer or a string, got True"),
+    ({"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "max_drop": "0.1"}]}},
+     "tier1.tasks[0].max_drop must be a number, got '0.1'"),
+])
+def test_values_of_the_wrong_type_are_named(raw, message):
+    """A string "false" is truthy and a string threshold crashes minutes in: the loader refuses both."""
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        policy_from_dict(raw)
+
+
+def test_declared_types_still_take_what_toml_writes():
+    """Integers stand for floats; "all" and integers for a task's items; booleans for switches."""
+    policy = policy_from_dict({"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "items": 8, "max_drop": 0}],
+                                         "max_pooled_drop": 0},
+                               "tier0": {"enabled": False, "max_kl_growth": 4}, "tier2": {"min_mean_agreed_prefix": 1},
+                               "engine": {"gpu_memory_utilization": 0.5}, "noise_floor": {"enabled": False}})
+    assert (policy.tier0.enabled, policy.noise_floor.enabled, policy.tier0.max_kl_growth) == (False, False, 4)
+    assert policy.tier1.tasks[0].items == 8 and policy_from_dict(BASE_POLICY).tier1.tasks[0].items == "all"
+
+
+def test_a_policy_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"name = \"caf\xe9\"\n")  # Latin-1
+    with pytest.raises(PolicyError, match=f"policy file {re.escape(str(path))} is not UTF-8 text"):
+        load_policy(path)
+
+
 def _arm(correct, margin_high=False):
     lls = (-0.01, -9.0) if margin_high else (-0.69, -0.70)
     return {i: drift.ItemResult(doc_id=i, prompt_hash=str(i), correct=bool(c), choice_scores=lls,

@@ -100,3 +100,10 @@ def test_missing_directory_and_file_are_named(tmp_path):
     (tmp_path / "arc").mkdir()
     with pytest.raises(data.DataMissingError, match="arc_easy.jsonl"):
         data.check_task_files(tmp_path, ["driftgate_arc_easy"])
+
+
+def test_an_unknown_task_is_named_with_the_known_ones(tmp_path):
+    """Before any file is looked for: the misspelt name is the error, not a missing file of another task."""
+    with pytest.raises(data.UnknownTaskError, match=r"unknown task 'driftgate_arc_eazy' in the policy; "
+                                                     r"known tasks: driftgate_arc_challenge, driftgate_arc_easy, "):
+        data.check_task_files(tmp_path, ["driftgate_arc_eazy", "driftgate_piqa"])
