@@ -12,10 +12,11 @@ run so the machine's noise lands on all of them:
 - `linear`: `F.linear` on the plain row-major weight;
 - `w8a8` / `w8a8-vnni` (CPUs with AVX-512 VNNI): the weight quantized to int8 per channel, each
             row to int8 per token (engine/csrc/panel_matmul.c's W8A8 kernel), on AMX tiles from
-            16 rows where the CPU has them, and kept to vpdpbusd (the two give equal floats).
+            16 rows where the CPU has them, and kept to vpdpbusd (the two give equal floats);
+- `w4a8` / `w4a8-vnni`: the same with int4 weights in groups of 64 columns (the W4A8 kernel).
 
 Each contender's output is checked against `F.linear` before it is timed (to 1e-4, or to the
-int8 rounding's 3% for W8A8).
+rounding's 3% for W8A8 and 15% for W4A8).
 """
 
 from __future__ import annotations
@@ -61,14 +62,23 @@ def _w8a8_layout(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return panels, sums, scales
 
 
-def _w8a8(amx: bool) -> Matmul:
+def _w4a8_layout(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, ...]:
+    """Symmetric int4 weights per group of `group` input columns, packed for the W4A8 kernel."""
+    grouped = w.reshape(w.shape[0], -1, group)
+    scales = grouped.abs().amax(-1).clamp(min=1e-8) / 7
+    q = torch.round(grouped / scales[..., None]).clamp(-8, 7).to(torch.int8).reshape(w.shape)
+    return panel_matmul.pack_w4a8(q, scales)
+
+
+def _on_route(kernel: Callable[..., torch.Tensor], amx: bool) -> Matmul:
     def matmul(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
         panel_matmul.use_amx(amx)
-        return panel_matmul.matmul_w8a8(x, *packed)
+        return kernel(x, *packed)
     return matmul
 
 
-TOLERANCE = {"w8a8": 3e-2, "w8a8-vnni": 3e-2}  # int8 rounding of weights and rows; the rest 1e-4
+# the rounding of weights (int8, int4) and rows (int8); the rest 1e-4
+TOLERANCE = {"w8a8": 3e-2, "w8a8-vnni": 3e-2, "w4a8": 0.15, "w4a8-vnni": 0.15}
 
 
 def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Matmul]]:
@@ -82,9 +92,11 @@ def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Mat
                          lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     out["linear"] = (lambda w: w, F.linear)
     if panel_matmul.w8a8_available():
-        if panel_matmul.use_amx():
-            out["w8a8"] = (_w8a8_layout, _w8a8(amx=True))
-        out["w8a8-vnni"] = (_w8a8_layout, _w8a8(amx=False))
+        for name, layout, kernel in (("w8a8", _w8a8_layout, panel_matmul.matmul_w8a8),
+                                     ("w4a8", _w4a8_layout, panel_matmul.matmul_w4a8)):
+            if panel_matmul.use_amx():
+                out[name] = (layout, _on_route(kernel, amx=True))
+            out[f"{name}-vnni"] = (layout, _on_route(kernel, amx=False))
     return out
 
 
