@@ -96,12 +96,13 @@ needs_amx = pytest.mark.skipif(not panel_matmul.use_amx(), reason="no AMX-INT8 o
 @needs_amx
 @pytest.mark.parametrize(("scheme", "k"), [("w8a8", 64), ("w8a8", 100), ("w8a8", 576), ("w4a8-g64", 64),
                                            ("w4a8-g64", 576), ("w4a8-channel", 64), ("w4a8-channel", 576)])
-@pytest.mark.parametrize(("m", "panels"), [(16, 1), (17, 2), (33, 3), (70, 4), (263, 5)])
+@pytest.mark.parametrize(("m", "panels"), [(16, 1), (17, 2), (33, 3), (49, 2), (70, 4), (263, 5)])
 def test_int8_amx_route_gives_the_vnni_floats(scheme, k, m, panels, seed=0):
     """AMX tiles and vpdpbusd sum the same int8 products exactly, and both end in the same float
-    steps, so the outputs are equal. Rows 16-70 cover 32- and 16-row tile blocks and the rows after
+    steps, so the outputs are equal. Rows 16-70 cover 32- and 16-row tile blocks (49: both) and the rows after
     them, an odd panel count the unpaired last panel; for W8A8, K = 100 the vpdpbusd steps after the
-    tiles; for W4A8 (tiles only for groups of whole tiles), groups of 64 columns or whole channels."""
+    tiles; for W4A8 (tiles only for groups of whole tiles, from 32 rows), groups of 64 columns or whole
+    channels."""
     if scheme == "w8a8":
         quant = preset("w8a8-int8")
     else:
