@@ -434,19 +434,6 @@ static inline __attribute__((always_inline)) void row_tile_w8a8(
     for (int i = 0; i < rows; i++) store_w8a8_row(y + (int64_t)i * N, _mm512_add_epi32(acc[0][i], acc[1][i]), e, row_scales[i]);
 }
 
-/* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
- * the same per-token int8 activations and vpdpbusd products as W8A8; the integer dot of each
- * group is scaled by its group's scales before the next group adds in, and the row scale comes
- * last:  y = (Σ_g s_g · (Σ_{k∈g} x_q[k] · q[k])) · row scale + b.  Half W8A8's weight bytes, which
- * decode streams once a step; the arithmetic llama.cpp's 4-bit formats use with 8-bit activations.
- *
- * Layouts:
- *   panels [N / 16, K / 8, 64] uint8: panel p, block b, lane j, byte t holds u[16p + j][8b + t] in
- *          its low nibble and u[16p + j][8b + 4 + t] in its high one (t = 0..3), u = q + 8 in 0..15
- *   group_sums [N / 16, K / G, 16] int32: 128 · Σ_{k∈g} q[n][k] (rows are stored as x_q + 128)
- *   group_scales [N / 16, K / G, 16] float32
- * K and the group size G must be multiples of 8 (G = K: per channel), N of 16.
- */
 /* W4A8's float steps, shared by every route so that the same integers give the same floats: a
  * group's integer dot, less 128 times its weight sum, times its scales onto the running total;
  * then the row's scale and the bias. */
@@ -469,6 +456,19 @@ static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t 
     *second = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles), eight);
 }
 
+/* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
+ * the same per-token int8 activations and vpdpbusd products as W8A8; the integer dot of each
+ * group is scaled by its group's scales before the next group adds in, and the row scale comes
+ * last:  y = (Σ_g s_g · (Σ_{k∈g} x_q[k] · q[k])) · row scale + b.  Half W8A8's weight bytes, which
+ * decode streams once a step; the arithmetic llama.cpp's 4-bit formats use with 8-bit activations.
+ *
+ * Layouts:
+ *   panels [N / 16, K / 8, 64] uint8: panel p, block b, lane j, byte t holds u[16p + j][8b + t] in
+ *          its low nibble and u[16p + j][8b + 4 + t] in its high one (t = 0..3), u = q + 8 in 0..15
+ *   group_sums [N / 16, K / G, 16] int32: 128 · Σ_{k∈g} q[n][k] (rows are stored as x_q + 128)
+ *   group_scales [N / 16, K / G, 16] float32
+ * K and the group size G must be multiples of 8 (G = K: per channel), N of 16.
+ */
 static inline __attribute__((always_inline)) void row_tile_w4a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const uint8_t *restrict panel,
     const int32_t *group_sums, const float *group_scales, const float *bias, int rows, int K, int N, int G,
