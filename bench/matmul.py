@@ -36,6 +36,7 @@ from bench.output import plot_kernels, save_result
 from bench.steps import positive_ints
 from engine.layers import panel_matmul
 from engine.models.llama import LlamaArgs
+from quant.int_quant import compute_qparams, quantize_int
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,18 +57,16 @@ def layer_shapes(args: LlamaArgs) -> list[tuple[int, int]]:
 
 
 def _w8a8_layout(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-channel int8 weights packed for the W8A8 kernel: (panels, 128 · row sums, scales)."""
-    scales = w.abs().amax(1).clamp(min=1e-8) / 127
-    panels, sums = panel_matmul.pack_w8a8(torch.round(w / scales[:, None]).to(torch.int8))
-    return panels, sums, scales
+    """RTN int8 weights per channel packed for the W8A8 kernel: (panels, 128 · row sums, scales)."""
+    scale, _ = compute_qparams(w, 8, group_size=None, symmetric=True)
+    panels, sums = panel_matmul.pack_w8a8(quantize_int(w, scale, None, 8, group_size=None))
+    return panels, sums, scale[:, 0].contiguous()
 
 
 def _w4a8_layout(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, ...]:
-    """Symmetric int4 weights per group of `group` input columns, packed for the W4A8 kernel."""
-    grouped = w.reshape(w.shape[0], -1, group)
-    scales = grouped.abs().amax(-1).clamp(min=1e-8) / 7
-    q = torch.round(grouped / scales[..., None]).clamp(-8, 7).to(torch.int8).reshape(w.shape)
-    return panel_matmul.pack_w4a8(q, scales)
+    """RTN symmetric int4 weights per group of `group` input columns, packed for the W4A8 kernel."""
+    scale, _ = compute_qparams(w, 4, group_size=group, symmetric=True)
+    return panel_matmul.pack_w4a8(quantize_int(w, scale, None, 4, group_size=group), scale)
 
 
 def _on_route(kernel: Callable[..., torch.Tensor], amx: bool) -> Matmul:
