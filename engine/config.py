@@ -8,8 +8,10 @@ from engine.json_object import flag_json_object
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SpeculativeConfig
 
-# auto: the model dtype; fp8 = fp8_e4m3 (scaled); fp8_e5m2 stores at unit scale, as vLLM does
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# auto: the checkpoint's calibrated fp8 cache where it declares one, else the model dtype (vLLM's
+# rule); float32 / bfloat16 name an unquantized cache (float32 needs float32 activations);
+# fp8 = fp8_e4m3 (scaled); fp8_e5m2 stores at unit scale, as vLLM does
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_SCALES = ("checkpoint", "dynamic")  # where an fp8 KV cache's scales come from
 SCALED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # the ones kv_scales applies to
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # auto: triton on CUDA, the C kernels on CPU
@@ -22,6 +24,22 @@ def kv_cache_setting(kv_cache_dtype: str, kv_scales: str) -> dict[str, str | Non
     """What decides a KV cache's numbers, spelt one way (fp8_e4m3 is fp8; scales only where they apply)."""
     dtype = "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype
     return {"kv_cache_dtype": dtype, "kv_scales": kv_scales if dtype in SCALED_KV_CACHE_DTYPES else None}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model: str) -> str:
+    """`auto` becomes `fp8` for a checkpoint whose quantization_config declares a kv_cache_scheme,
+    as vLLM resolves it: a checkpoint quantized with calibrated KV scales serves (and is gated)
+    with them unless a dtype is named. Anything else, or a folder without a readable config.json
+    (the loader says what is wrong with it), is returned as given."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    from engine.loader import read_config
+
+    try:
+        quantization = read_config(model).get("quantization_config")
+    except ValueError:
+        return kv_cache_dtype
+    return "fp8" if isinstance(quantization, dict) and quantization.get("kv_cache_scheme") else kv_cache_dtype
 
 
 def check_gpu_memory_utilization(value: float) -> None:
@@ -40,14 +58,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def serving_setting(dtype: str, device: str, kv_cache_dtype: str, kv_scales: str) -> dict[str, str | None]:
+def serving_setting(model: str, dtype: str, device: str, kv_cache_dtype: str, kv_scales: str) -> dict[str, str | None]:
     """What decides a served checkpoint's numbers besides its files: the activation dtype (`auto`
-    resolved on the device: fp32 on a CPU, bf16 on a GPU) and the KV cache. Recorded by the gate's
-    verdict and report, compared by `serve --require-gate`."""
+    resolved on the device: fp32 on a CPU, bf16 on a GPU) and the KV cache (`auto` resolved on the
+    checkpoint). Recorded by the gate's verdict and report, compared by `serve --require-gate`."""
     from engine.loader import resolve_dtype
 
     activations = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
-    return {"dtype": activations, **kv_cache_setting(kv_cache_dtype, kv_scales)}
+    return {"dtype": activations, **kv_cache_setting(resolve_kv_cache_dtype(kv_cache_dtype, model), kv_scales)}
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -97,6 +115,7 @@ class EngineConfig:
         self.device = resolve_device(self.device)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.model)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

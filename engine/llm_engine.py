@@ -138,8 +138,14 @@ class LLMEngine:
         self._drafts_kept: dict[str, float] = {}  # sequence id → drafts it kept per step, moving average
 
     def _kv_dtype(self) -> torch.dtype:
+        model_dtype = next(self.model.parameters()).dtype
         if self.config.kv_cache_dtype == "auto":
-            return next(self.model.parameters()).dtype
+            return model_dtype
+        if self.config.kv_cache_dtype == "float32":  # named, e.g. to keep a checkpoint's fp8 cache out
+            if model_dtype != torch.float32:
+                raise ValueError(f"kv_cache_dtype=float32 needs float32 activations (dtype='float32'); a "
+                                 f"{str(model_dtype).removeprefix('torch.')} model's cache is auto or bfloat16")
+            return torch.float32
         if self.config.kv_cache_dtype == "bfloat16":  # an fp32 model's KV at half the bytes (no scales)
             return torch.bfloat16
         if self.config.kv_cache_dtype == "fp8_e5m2":  # e5m2's range holds K and V unscaled: no calibration

@@ -36,7 +36,8 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
                              "on a GPU, as `serve`); the baseline runs at auto")
     parser.add_argument("--device", default="auto", help="where the arms run in process: cpu, cuda, cuda:N, or auto "
                                                          "(CUDA when there is a GPU)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="candidate's KV-cache dtype")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="candidate's KV-cache dtype (auto: its calibrated fp8 cache if it has one, "
+                             "else the model dtype, as serve)")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
     parser.add_argument("--lora", default=None, metavar="DIR",
@@ -256,7 +257,7 @@ def _numerics(args: argparse.Namespace) -> tuple[str, dict | None]:
     if device != "cpu" and not torch.cuda.is_available():
         raise GateInputError(f"--device {args.device}: torch sees no CUDA device here")
     if not args.server:
-        return device, serving_setting(args.dtype, device, args.kv_cache_dtype, args.kv_scales)
+        return device, serving_setting(args.candidate, args.dtype, device, args.kv_cache_dtype, args.kv_scales)
     candidate_flags = {"--dtype": args.dtype != "auto", "--kv-cache-dtype": args.kv_cache_dtype != "auto",
                        "--kv-scales": args.kv_scales != "checkpoint"}
     if given := [flag for flag, set_ in candidate_flags.items() if set_]:

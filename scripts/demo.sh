@@ -18,16 +18,16 @@ step "quantize: fp8-dynamic (no calibration needed), w4a16 RTN with a calibrated
 
 step "generate with each checkpoint"
 "$bin/driftgate" generate "$out/smollm2-fp8-dynamic" --chat --max-tokens 32 "What is the capital of France?" || exit 2
-"$bin/driftgate" generate "$out/smollm2-w4a16-kvfp8" --kv-cache-dtype fp8 --chat --max-tokens 32 \
-    "What is the capital of France?" || exit 2
+"$bin/driftgate" generate "$out/smollm2-w4a16-kvfp8" --chat --max-tokens 32 "What is the capital of France?" || exit 2
 "$bin/driftgate" generate "$out/smollm2-w8a16" --chat --max-tokens 32 "What is the capital of France?" || exit 2
 
-# Every passing candidate may be served; the demo serves the one closest to BF16 (lowest Tier 0 KL)
+# Every passing candidate may be served; the demo serves the one closest to BF16 (lowest Tier 0 KL).
+# A checkpoint with calibrated KV scales is generated, gated and served with its fp8 KV cache by
+# default (--kv-cache-dtype auto), as vLLM would serve it.
 passed="" best_kl=""
-for cand in smollm2-fp8-dynamic:auto smollm2-w4a16-kvfp8:fp8 smollm2-w8a16:auto; do
-    name=${cand%%:*} kv=${cand##*:}
+for name in smollm2-fp8-dynamic smollm2-w4a16-kvfp8 smollm2-w8a16; do
     step "gate $name against BF16 (quick policy; the baseline arm is cached after the first run)"
-    "$bin/driftgate" gate --baseline "$model" --candidate "$out/$name" --kv-cache-dtype "$kv" --policy quick \
+    "$bin/driftgate" gate --baseline "$model" --candidate "$out/$name" --policy quick \
         --report-dir "$out/$name-gate" --data-dir "$data"
     code=$?
     echo "verdict for $name: exit $code (0 pass, 1 drift, 2 could not evaluate); report: $out/$name-gate/report.md"
@@ -36,7 +36,7 @@ for cand in smollm2-fp8-dynamic:auto smollm2-w4a16-kvfp8:fp8 smollm2-w8a16:auto;
             "$out/$name-gate/report.json")
         if [ -z "$best_kl" ] || "$bin/python" -c 'import sys; sys.exit(float(sys.argv[1]) >= float(sys.argv[2]))' \
                 "$kl" "$best_kl"; then
-            passed=$out/$name kvdtype=$kv best_kl=$kl
+            passed=$out/$name best_kl=$kl
         fi
     fi
 done
@@ -44,7 +44,7 @@ done
 [ -n "$passed" ] && step "serving the passing checkpoint closest to BF16: $passed (Tier 0 KL $best_kl)"
 if [ -z "$passed" ]; then
     step "no candidate passed the gate: serving the BF16 model instead"
-    passed=$model kvdtype=auto gate_flag=""
+    passed=$model gate_flag=""
 else
     gate_flag="--require-gate"
 fi
@@ -55,4 +55,4 @@ echo "  and the same held to JSON by a schema (structured outputs) with"
 echo "       -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"The capital of France, as JSON\"}],"
 echo "            \"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"city\", \"schema\":"
 echo "            {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}}'"
-exec "$bin/driftgate" serve "$passed" --served-model-name smollm2 --kv-cache-dtype "$kvdtype" $gate_flag
+exec "$bin/driftgate" serve "$passed" --served-model-name smollm2 $gate_flag

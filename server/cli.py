@@ -182,8 +182,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="auto: the model dtype; bfloat16 halves an fp32 model's KV bytes; fp8 (e4m3) needs "
-                             "scales; fp8_e5m2 takes none (less precise)")
+                        help="auto: the checkpoint's calibrated fp8 cache if it has one, else the model dtype; "
+                             "float32 (with float32 activations) or bfloat16 keep a checkpoint's fp8 cache out, "
+                             "bfloat16 at half an fp32 model's KV bytes; fp8 (e4m3) needs scales; fp8_e5m2 takes "
+                             "none (less precise)")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
     parser.add_argument("--max-model-len", type=human_int, default=None, help="tokens, e.g. 8192 or 8K")
@@ -288,7 +290,7 @@ def _check_gate(args: argparse.Namespace) -> str | None:
                 "make the change in the checkpoint's folder (tokenizer files, chat_template.jinja, config.json) "
                 "and gate it there")
     try:  # any failure to prove a verdict is a refusal
-        serving = serving_setting(args.dtype, args.device, args.kv_cache_dtype, args.kv_scales)
+        serving = serving_setting(args.model, args.dtype, args.device, args.kv_cache_dtype, args.kv_scales)
         base = check_verdict(args.model, serving)  # the checkpoint's hashes, read once for every adapter
     except Exception as exc:
         return f"--require-gate: {exc}"

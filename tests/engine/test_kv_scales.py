@@ -109,3 +109,30 @@ def test_serve_passes_dynamic_scales_to_the_engine(tiny_model_dir):
     engine = build_engine(args)
     assert engine.config.kv_scales == "dynamic"
     assert all(layer.self_attn.attn.scales_pending for layer in engine.engine.model.model.layers)
+
+
+def test_auto_takes_the_fp8_cache_a_checkpoint_declares(tiny_model_dir, tmp_path):
+    """As vLLM resolves `auto`: a checkpoint whose quantization_config declares a kv_cache_scheme
+    serves (and is gated, and binds its verdict) with its calibrated fp8 cache unless a dtype is
+    named; a folder declaring none keeps the model's dtype."""
+    from engine.config import serving_setting
+    from quant.checkpoint import write_checkpoint
+    from quant.config import QuantizationConfig
+    from quant.schemes import FP8_KV
+    from tests.helpers import quantized_tensors
+
+    tensors = quantized_tensors(tiny_model_dir, None, kv=True)
+    declared = write_checkpoint(tmp_path / "kv-fp8", source_dir=tiny_model_dir, tensors=tensors,
+                                quant_config=QuantizationConfig(kv_cache_scheme=FP8_KV))
+    llm = LLM(str(declared))
+    assert (llm.engine.config.kv_cache_dtype, llm.engine.kv_cache.dtype) == ("fp8", torch.float8_e4m3fn)
+    assert torch.equal(llm.score_full_logprobs(PROMPT),
+                       LLM(str(declared), kv_cache_dtype="fp8").score_full_logprobs(PROMPT))
+    for named, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):  # a named dtype wins
+        assert LLM(str(declared), kv_cache_dtype=named).engine.kv_cache.dtype == dtype
+    with pytest.raises(ValueError, match="kv_cache_dtype=float32 needs float32 activations"):
+        LLM(str(declared), dtype="bfloat16", kv_cache_dtype="float32")
+    assert LLM(str(tiny_model_dir)).engine.kv_cache.dtype == torch.float32
+    assert serving_setting(str(declared), "auto", "cpu", "auto", "checkpoint") == \
+        {"dtype": "float32", "kv_cache_dtype": "fp8", "kv_scales": "checkpoint"}
+    assert serving_setting(str(tiny_model_dir), "auto", "cpu", "auto", "checkpoint")["kv_cache_dtype"] == "auto"

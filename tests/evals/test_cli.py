@@ -217,10 +217,10 @@ def test_the_candidate_is_judged_in_the_dtype_it_will_be_served(setup, capsys):
     assert "Candidate judged on cpu with bfloat16 activations and KV cache auto." in \
         (root / "report" / "report.md").read_text()
     body = json.loads((candidate / "verdict.json").read_text())
-    assert body["serving"] == serving_setting("bfloat16", "cpu", "auto", "checkpoint")
-    verdict.check_verdict(candidate, serving_setting("bfloat16", "cpu", "auto", "checkpoint"))
+    assert body["serving"] == serving_setting(str(candidate), "bfloat16", "cpu", "auto", "checkpoint")
+    verdict.check_verdict(candidate, serving_setting(str(candidate), "bfloat16", "cpu", "auto", "checkpoint"))
     with pytest.raises(verdict.VerdictError, match="bfloat16 activations and KV cache auto, not float32"):
-        verdict.check_verdict(candidate, serving_setting("auto", "cpu", "auto", "checkpoint"))
+        verdict.check_verdict(candidate, serving_setting(str(candidate), "auto", "cpu", "auto", "checkpoint"))
     for flags, named in ((["--server", "http://127.0.0.1:9", "--dtype", "bfloat16"], "--dtype set an in-process"),
                          (["--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto, got 'tpu'")):
         assert _gate(baseline, candidate, policy, root, *flags) == EXIT_ERROR

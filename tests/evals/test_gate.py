@@ -223,7 +223,7 @@ def test_verdict_binds_the_activation_dtype_and_kv_cache_it_judged(tmp_path):
     from engine.config import serving_setting
 
     def setting(kv_cache_dtype: str, kv_scales: str = "checkpoint", dtype: str = "auto") -> dict:
-        return serving_setting(dtype, "cpu", kv_cache_dtype, kv_scales)
+        return serving_setting(str(tmp_path), dtype, "cpu", kv_cache_dtype, kv_scales)
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     fp8 = setting("fp8")

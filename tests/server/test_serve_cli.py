@@ -367,7 +367,7 @@ def test_require_gate_refuses_numerics_the_gate_did_not_judge(tiny_model_dir: Pa
     assert main([str(model), "--port", "0", "--require-gate"]) == 2
     assert "no verdict.json" in capsys.readouterr().err
     verdict.write_verdict(model, passed=True, policy={}, metrics={}, baseline_hashes={},
-                          serving=serving_setting("auto", "cpu", "auto", "checkpoint"))
+                          serving=serving_setting(str(model), "auto", "cpu", "auto", "checkpoint"))
     assert main([str(model), "--port", "0", "--require-gate", "--device", "cpu", "--kv-cache-dtype", "fp8_e5m2"]) == 2
     assert ("judged this checkpoint with float32 activations and KV cache auto, not float32 activations and "
             "KV cache fp8_e5m2") in capsys.readouterr().err
@@ -400,7 +400,7 @@ def test_require_gate_warns_of_unjudged_contexts_and_narrow_passes(tiny_model_di
               {"name": "tier0.kl_mean", "status": "pass", "value": 0.01, "threshold": 0.05, "interval": [0.008, 0.012],
                "marginal": False}]
     verdict.write_verdict(model, passed=True, policy={"engine": {"max_model_len": 64}}, metrics={"checks": checks},
-                          baseline_hashes={}, serving=serving_setting("auto", "cpu", "auto", "checkpoint"))
+                          baseline_hashes={}, serving=serving_setting(str(model), "auto", "cpu", "auto", "checkpoint"))
     assert verdict.marginal_checks(model) == ["tier0.kl_growth 1.9 against 2 (interval [1.5, 2.5])"]
     logs = []
     for max_model_len in ("64", "128"):
@@ -438,7 +438,7 @@ def test_require_gate_checks_each_adapter_served(tiny_model_dir: Path, tmp_path:
     model = tmp_path / "gated"
     shutil.copytree(tiny_model_dir, model)
     adapter = write_lora_adapter(model, tmp_path / "sql", ["q_proj"], seed=1)
-    auto = serving_setting("auto", "cpu", "auto", "checkpoint")
+    auto = serving_setting(str(model), "auto", "cpu", "auto", "checkpoint")
     verdict.write_verdict(model, passed=True, policy={}, metrics={}, baseline_hashes={}, serving=auto)
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
