@@ -22,7 +22,7 @@ COMMANDS = {
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
     "run-batch": ("server.batch", "add_batch_args", "run_batch", "answer an OpenAI batch file (JSONL) offline"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps`, `matmul`, `attention` or `router`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps`, `matmul`, `attention`, `router` or `vllm`"),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -107,6 +107,8 @@ BENCHES = {
              "prompt-lookup speculative decoding vs plain decoding, per kind of text"),
     "router": ("bench.router", "add_router_args", "run_router",
                "routing decisions per second of the coordinated router (fabricated replica states)"),
+    "vllm": ("bench.vllm_interop", "add_vllm_args", "run_vllm_bench",
+             "our checkpoints in vLLM against driftgate: logprobs and greedy tokens on the same inputs"),
 }
 
 
