@@ -70,7 +70,7 @@ $(VLLM_PYTHON):
 bench-vllm: setup model $(foreach s,$(VLLM_SCHEMES),$(CKPTS)/$(s)/config.json) $(VLLM_PYTHON)
 	mkdir -p bench/results
 	$(BIN)/driftgate bench vllm $(MODEL) $(foreach s,$(VLLM_SCHEMES),$(CKPTS)/$(s)) --vllm-python $(VLLM_PYTHON) \
-		--data-dir $(DATA) --vllm-timeout 300 --result-json bench/results/vllm-interop.json
+		--data-dir $(DATA) --vllm-timeout 600 --result-json bench/results/vllm-interop.json
 
 lint: setup
 	$(BIN)/ruff check engine quant calibration evals server bench tests

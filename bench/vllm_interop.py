@@ -16,9 +16,11 @@ machine is a row saying why, not a failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,11 +76,16 @@ def vllm_python(explicit: str | None) -> Path:
     return path
 
 
+# errors vLLM raises around the one that stopped it, pointing back at it
+_WRAPPERS = ("See root cause above", "EngineCore", "EngineDeadError")
+
+
 def failure_reason(log: str) -> str:
     """The root error vLLM logged, without its process prefix and with the lines its message runs on
     (a kernel refusal lists each kernel's reason): why it could not run the checkpoint."""
     lines = [tuple(line.split("] ", 1)) if "] " in line else ("", line) for line in log.splitlines()]
-    errors = [i for i, (_, message) in enumerate(lines) if "Error:" in message and "EngineCore" not in message]
+    errors = [i for i, (_, message) in enumerate(lines)
+              if "Error:" in message and not any(wrapper in message for wrapper in _WRAPPERS)]
     if not errors:
         return (log.strip().splitlines() or ["no output"])[-1]
     prefix, message = lines[errors[-1]]
@@ -102,12 +109,17 @@ def run_vllm(python: Path, model: Path, tokens: Tokens, *, dtype: str, kv_cache_
         # VLLM_CPU_INT4_W4A8=0: on AMX CPUs vLLM otherwise runs a W4A16 checkpoint's Linears with int8
         # activations (its default), which is another model than the checkpoint describes
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_INT4_W4A8": "0", **os.environ}
-        with log.open("w") as out:
-            try:  # run in the temporary folder: vLLM must not import this checkout's packages
-                code = subprocess.run([str(python), str(SIDE_SCRIPT), str(request), str(result)], cwd=tmp,
-                                      stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+        with log.open("w") as out:  # run in the temporary folder: vLLM must not import this checkout's packages
+            proc = subprocess.Popen([str(python), str(SIDE_SCRIPT), str(request), str(result)], cwd=tmp, stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 raise VllmFailed(f"no result within {timeout_s:.0f} s") from None
+            finally:  # vLLM's engine and worker processes go with it, whatever ended the wait
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         text = log.read_text(errors="replace")
         if code != 0:
             raise VllmFailed(failure_reason(text))

@@ -70,6 +70,7 @@ def test_a_refusal_is_vllms_own_reason():
         "(EngineCore pid=14769) INFO 12-06 15:27:32 [multiproc_executor.py:479] [shutdown] Executor: waiting",
         "(EngineCore pid=14769) ERROR 12-06 15:27:34 [core.py:1510] EngineCore failed to start.",
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
     ])
     assert failure_reason(log) == ("ValueError: Failed to find a kernel that can implement the WNA16 linear layer. "
                                    "Reasons: CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) "
@@ -97,12 +98,31 @@ def test_without_vllm_the_message_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setenv("DRIFTGATE_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
     with pytest.raises(VllmUnavailable, match="nowhere"):
         vllm_python(None)
-    with pytest.raises(VllmFailed, match="no result within 1 s"):  # a "Python" that never answers
-        hang = tmp_path / "hang"
-        hang.write_text("#!/bin/sh\nsleep 30\n")
-        hang.chmod(0o755)
+    # a "Python" that never answers, with a worker process of its own as vLLM has: both are ended
+    hang = tmp_path / "hang"
+    hang.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {tmp_path}/worker.pid\nwait\n")
+    hang.chmod(0o755)
+    with pytest.raises(VllmFailed, match="no result within 1 s"):
         run_vllm(hang, tmp_path, Tokens(WINDOWS, PROMPTS, 2), dtype="bfloat16", kv_cache_dtype="auto",
                  max_model_len=64, timeout_s=1)
+    assert not _running(int((tmp_path / "worker.pid").read_text()))
+
+
+def _running(pid: int, wait_s: float = 5.0) -> bool:
+    """Whether `pid` still runs after up to `wait_s` (a killed process may stay a zombie until reaped)."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @pytest.mark.real_model
