@@ -124,6 +124,7 @@ def measure(model_dir: Path, data_path: Path, *, max_tokens: int, context: int, 
     total_logprob, scored = score_windows(llm, token_ids, windows)
     seconds = time.perf_counter() - start
     mean_nll = -total_logprob / scored
+    kv_cache_dtype = llm.engine.config.kv_cache_dtype  # `auto` resolved on the checkpoint
     return PerplexityResult(
         label=label or Path(model_dir).name, model=str(model_dir), kv_cache_dtype=kv_cache_dtype,
         kv_scales=kv_cache_setting(kv_cache_dtype, kv_scales)["kv_scales"],

@@ -36,8 +36,9 @@ def add_gate_args(parser: argparse.ArgumentParser) -> None:
                              "on a GPU, as `serve`); the baseline runs at auto")
     parser.add_argument("--device", default="auto", help="where the arms run in process: cpu, cuda, cuda:N, or auto "
                                                          "(CUDA when there is a GPU)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="candidate's KV-cache dtype (auto: its calibrated fp8 cache if it has one, "
-                             "else the model dtype, as serve)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="candidate's KV-cache dtype (auto: its calibrated fp8 cache if it has one, else the "
+                             "model dtype, as serve)")
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (first batch; recorded in the report)")
     parser.add_argument("--lora", default=None, metavar="DIR",

@@ -91,3 +91,21 @@ def test_cli_writes_json_and_appends_compatible_runs(tiny_model_dir, text_file, 
     # a different budget cannot be appended to the same table
     assert driftgate_main([*common[:5], "100", *common[6:], str(tiny_model_dir), "--append"]) == 2
     assert "cannot --append" in capsys.readouterr().err
+
+
+def test_the_kv_cache_recorded_is_the_one_measured(tiny_model_dir, text_file, tmp_path):
+    """A checkpoint declaring an fp8 KV cache is measured with it under `auto` (engine.config's
+    rule, vLLM's), and the result says fp8 with checkpoint scales, not `auto`."""
+    from quant.checkpoint import write_checkpoint
+    from quant.config import QuantizationConfig
+    from quant.schemes import FP8_KV
+    from tests.helpers import quantized_tensors
+
+    declared = write_checkpoint(tmp_path / "kv-fp8", source_dir=tiny_model_dir,
+                                tensors=quantized_tensors(tiny_model_dir, None, kv=True),
+                                quant_config=QuantizationConfig(kv_cache_scheme=FP8_KV))
+    auto = measure(declared, text_file, max_tokens=300, context=64, stride=64)
+    named = measure(declared, text_file, max_tokens=300, context=64, stride=64, kv_cache_dtype="fp8")
+    assert (auto.kv_cache_dtype, auto.kv_scales, auto.ppl) == ("fp8", "checkpoint", named.ppl)
+    plain = measure(tiny_model_dir, text_file, max_tokens=300, context=64, stride=64)
+    assert (plain.kv_cache_dtype, plain.kv_scales) == ("auto", None) and plain.ppl != auto.ppl
