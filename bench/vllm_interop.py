@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.output import save_result
-from bench.perplexity import WIKITEXT_FILE, load_tokens, plan_windows
+from bench.perplexity import WIKITEXT_FILE, load_tokens, plan_windows, quantization_summary
 from engine import LLM, SamplingParams
 from engine.config import resolve_kv_cache_dtype
 from engine.loader import read_config
@@ -176,7 +176,7 @@ def compare(label: str, model: Path, ours: EngineRun, ours_fp32: EngineRun, thei
     bf16 and fp32 arithmetic (two correct runs of the same checkpoint: the floor to read the first
     against); and driftgate on it against the unquantized model (what quantization moved)."""
     row = {"label": label, "model": str(model), "kv_cache_dtype": ours.kv_cache_dtype,
-           "quantization": _quantization(model), "vllm_error": error,
+           "quantization": quantization_summary(model), "vllm_error": error,
            "driftgate_nll": logprob_gap(ours, ours_fp32)["nll_a"]}
     if theirs is not None:
         row["vllm"] = {"kv_cache_dtype": theirs.kv_cache_dtype, "kernels": theirs.kernels,
@@ -185,15 +185,6 @@ def compare(label: str, model: Path, ours: EngineRun, ours_fp32: EngineRun, thei
     if base is not None:
         row["vs_unquantized"] = _difference(base, ours)
     return row
-
-
-def _quantization(model: Path) -> dict | None:
-    config = json.loads((Path(model) / "config.json").read_text()).get("quantization_config")
-    if not config:
-        return None
-    group = next(iter(config.get("config_groups", {}).values()), {})
-    return {"format": config.get("format"), "weights": group.get("weights"),
-            "input_activations": group.get("input_activations"), "kv_cache_scheme": config.get("kv_cache_scheme")}
 
 
 def build_tokens(tokenizer, data_dir: Path, *, num_windows: int, context: int, num_prompts: int,
