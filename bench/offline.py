@@ -189,7 +189,8 @@ def _print(result: dict) -> None:
         r = result["ratios"]
         print(f"ratios: decode {r['batch1_decode_vs_hf']:.2f}x HF, TTFT {r['ttft_vs_hf']:.2f}x HF, "
               f"throughput {r['throughput_output_vs_hf_batch1']:.1f}x HF batch-1")
-    print(f"throughput ({tp['num_requests']} ShareGPT requests): {tp['ours']['output_tok_s']:.1f} out tok/s, "
+    dataset = {"sharegpt": "ShareGPT", "random": "random"}[tp["dataset"]]
+    print(f"throughput ({tp['num_requests']} {dataset} requests): {tp['ours']['output_tok_s']:.1f} out tok/s, "
           f"{tp['ours']['input_tok_s']:.1f} in tok/s")
     print("KV utilization: " + ", ".join(f"block {k}: {v:.1%}" for k, v in result["kv_utilization"].items()))
 

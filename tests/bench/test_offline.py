@@ -41,9 +41,10 @@ def test_throughput_runs_start_with_a_cold_prefix_cache(tiny_model_dir):
     assert llm.stats().prefix_cache_hits > hits
 
 
-def test_bench_offline_cycles_random_requests_through_several_adapters(tiny_model_dir, tmp_path, monkeypatch):
-    """--dataset random: every request --prompt-len tokens in, --output-len out; --lora A B: the
-    requests alternate between the adapters (each one's requests counted at submit)."""
+def test_bench_offline_cycles_random_requests_through_several_adapters(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--dataset random: every request --prompt-len tokens in, --output-len out, and the summary
+    line says so; --lora A B: the requests alternate between the adapters (each one's requests
+    counted at submit)."""
     import pytest
 
     pytest.importorskip("peft")
@@ -62,6 +63,7 @@ def test_bench_offline_cycles_random_requests_through_several_adapters(tiny_mode
                            "--lora", *map(str, adapters), "--result-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["throughput"]["dataset"] == "random" and result["throughput"]["mean_output_len"] == 3
+    assert "throughput (4 random requests)" in capsys.readouterr().out
     assert result["throughput"]["mean_prompt_len"] > 0  # re-measured: decode/encode need not round-trip
     assert result["lora"] == list(map(str, adapters))
     assert asked[-4:] == ["bench0", "bench1", "bench0", "bench1"]  # the throughput run's requests
