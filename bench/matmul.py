@@ -13,10 +13,15 @@ run so the machine's noise lands on all of them:
 - `w8a8` / `w8a8-vnni` (CPUs with AVX-512 VNNI): the weight quantized to int8 per channel, each
             row to int8 per token (engine/csrc/panel_matmul.c's W8A8 kernel), on AMX tiles from
             16 rows where the CPU has them, and kept to vpdpbusd (the two give equal floats);
-- `w4a8` / `w4a8-vnni`: the same with int4 weights in groups of 64 columns (the W4A8 kernel).
+- `w4a8` / `w4a8-vnni`: the same with int4 weights in groups of 64 columns (the W4A8 kernel);
+- `fp8` / `fp8-avx512` (CPUs with AVX-512 BF16): FP8 W8A8, e4m3 weights per channel times rows
+            rounded to fp8 per token, multiplied as bf16 values on AMX-BF16 tiles from 17 rows
+            where the CPU has them, and kept to vdpbf16ps;
+- `bf16-dot` / `bf16-dot-avx512`: bf16 weights times rows rounded to bf16 (a quantized
+            checkpoint's unquantized Linears), on the same two routes.
 
 Each contender's output is checked against `F.linear` before it is timed (to 1e-4, or to the
-rounding's 3% for W8A8 and 15% for W4A8).
+rounding's 3% for W8A8, 15% for W4A8, 10% for FP8 and 2% for bf16 rows).
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ def _w4a8_layout(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, ...]:
     return panel_matmul.pack_w4a8(quantize_int(w, scale, None, 4, group_size=group), scale)
 
 
+def _fp8_layout(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """e4m3 weights with a scale per channel, packed for the FP8 product kernel."""
+    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+    return panel_matmul.pack_fp8_pairs((w / scale).to(torch.float8_e4m3fn), scale)
+
+
+def _fp8_per_token(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return panel_matmul.matmul_fp8_dot(x, panels, scales, panel_matmul.ACT_FP8_TOKEN)
+
+
 def _on_route(kernel: Callable[..., torch.Tensor], amx: bool) -> Matmul:
     def matmul(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
         panel_matmul.use_amx(amx)
@@ -77,7 +92,8 @@ def _on_route(kernel: Callable[..., torch.Tensor], amx: bool) -> Matmul:
 
 
 # the rounding of weights (int8, int4) and rows (int8); the rest 1e-4
-TOLERANCE = {"w8a8": 3e-2, "w8a8-vnni": 3e-2, "w4a8": 0.15, "w4a8-vnni": 0.15}
+TOLERANCE = {"w8a8": 3e-2, "w8a8-vnni": 3e-2, "w4a8": 0.15, "w4a8-vnni": 0.15, "fp8": 0.1, "fp8-avx512": 0.1,
+             "bf16-dot": 2e-2, "bf16-dot-avx512": 2e-2}
 
 
 def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Matmul]]:
@@ -96,6 +112,12 @@ def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Mat
             if panel_matmul.use_amx():
                 out[name] = (layout, _on_route(kernel, amx=True))
             out[f"{name}-vnni"] = (layout, _on_route(kernel, amx=False))
+    if panel_matmul.bf16_dot_available():
+        for name, layout, kernel in (("fp8", _fp8_layout, _fp8_per_token),
+                                     ("bf16-dot", lambda w: (panel_matmul.pack_bf16_pairs(w),), panel_matmul.matmul)):
+            if panel_matmul.use_amx():
+                out[name] = (layout, _on_route(kernel, amx=True))
+            out[f"{name}-avx512"] = (layout, _on_route(kernel, amx=False))
     return out
 
 
@@ -110,7 +132,7 @@ def run_matmul(args: argparse.Namespace) -> int:
     try:
         rows_out = _time_contenders(args, contenders, plain, shapes, lm_head, g)
     finally:
-        panel_matmul.use_amx(amx)  # the W8A8 contenders switch it
+        panel_matmul.use_amx(amx)  # the AMX contenders switch it
     result = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "runs": args.runs,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "model": str(args.model), "num_layers": model_args.num_layers, "layer_shapes": layer_shapes(model_args),

@@ -1,7 +1,8 @@
 /* y = x Wᵀ + b for CPUs, on a weight laid out in 16-column panels: float32 (or bf16-valued)
  * weights, int8 or fp8 weights with float32 scales per group of input columns (weight-only
  * W8A16 / W4A16, and FP8 with its activations already rounded), int8 or int4 weights times
- * per-token int8 activations (W8A8, W4A8), and, at the end of this file, bf16 or FP8 products on AVX-512 BF16.
+ * per-token int8 activations (W8A8, W4A8), and, at the end of this file, bf16 or FP8 products on AVX-512 BF16;
+ * from 16 rows the int8 and bf16 products run on AMX tiles where the CPU has them.
  *
  * Decode multiplies a few activation rows by every weight, so the step is bound by how fast the
  * weights stream from memory. oneDNN's blocked layout reached 15–20 GB/s here at 1–8 rows; this
@@ -315,6 +316,66 @@ int panel_matmul_fp8_rounded(float *y, const float *x, const int8_t *panels, con
     return 0;
 }
 
+/* AMX (Intel's tile unit, from Sapphire Rapids on): eight tile registers of 16 rows x 64 bytes and
+ * instructions that multiply two of them into a third, 16 rows at a time. W8A8 / W4A8 (int8 tiles)
+ * and the bf16 / FP8 dot products (bf16 tiles) take it from 16 rows or more. Linux grants the tile
+ * state only to a process that asks; DRIFTGATE_AMX=0 (or `use_amx(0)`) keeps to the vector routes. */
+enum { AMX_ROWS = 16, AMX_DEPTH = 64 }; /* a tile: 16 rows of 64 bytes */
+
+#if defined(__AMX_TILE__)
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_permitted = -1, amx_wanted = -1;
+
+static int amx_on(void) {
+    if (amx_permitted < 0) /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA */
+        amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    if (amx_wanted < 0) {
+        const char *env = getenv("DRIFTGATE_AMX");
+        amx_wanted = !(env && strcmp(env, "0") == 0);
+    }
+    return amx_permitted && amx_wanted;
+}
+
+/* Turn the AMX routes on (1) or off (0, for comparisons), or only ask (-1); returns whether
+ * products take them. */
+int use_amx(int on) {
+    if (on >= 0) amx_wanted = on;
+    return amx_on();
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles of 64 bytes a row. int8: tiles 0-3 the sums of row block r on panel q at 2r + q, 4-5 the
+ * two row blocks' activations, 6-7 the two panels' 16 steps; bf16 the same with float sums and 32
+ * k a tile. Each tile loaded serves two products. Row blocks (the sums' and the activations' tiles)
+ * are `rows` deep, up to 16; the weights' tiles 16. */
+static void amx_configure(int rows) {
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = t < 6 ? rows : AMX_ROWS;
+        config.bytes_per_row[t] = AMX_DEPTH;
+    }
+    _tile_loadconfig(&config);
+}
+
+static void amx_release(void) { _tile_release(); }
+#else
+static int amx_on(void) { return 0; }
+static void amx_configure(int rows) { (void)rows; }
+static void amx_release(void) {}
+int use_amx(int on) {
+    (void)on;
+    return 0;
+}
+#endif
+
 /* W8A8: int8 weights per output channel, activations quantized per row (token) to int8 here, an
  * exact integer dot product on AVX-512 VNNI (vpdpbusd: 64 int8 products per instruction, four
  * times the fp32 FMA rate), then y = dot · row scale · channel scale + bias. This is the
@@ -499,55 +560,12 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
     for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (int64_t)i * N, w4a8_row(total[i], row_scales[i], b));
 }
 
-/* AMX (Intel's tile unit, from Sapphire Rapids on) multiplies a 16 x 64 tile of unsigned activation
- * bytes by a 64 x 16 tile of signed weight bytes given as 16 rows of 16 lanes x 4 consecutive k,
- * into 16 x 16 int32 sums: vpdpbusd's arithmetic, 16 rows at a time. That weight tile is 16 steps
- * of a W8A8 panel as they lie (W4A8's nibbles are unpacked into it), so prefill-sized products need
- * no other layout, and the integers, hence the floats after the shared epilogues, are the VNNI
- * route's exactly. Linux grants the tile state only to a process that asks; DRIFTGATE_AMX=0 (or
- * `use_amx(0)`) keeps to VNNI. */
-enum { AMX_ROWS = 16, AMX_DEPTH = 64 }; /* a tile: 16 rows of 64 bytes */
-
+/* AMX-INT8's tdpbusd multiplies a 16 x 64 tile of unsigned activation bytes by a 64 x 16 tile of
+ * signed weight bytes given as 16 rows of 16 lanes x 4 consecutive k, into 16 x 16 int32 sums:
+ * vpdpbusd's arithmetic, 16 rows at a time. That weight tile is 16 steps of a W8A8 panel as they
+ * lie (W4A8's nibbles are unpacked into it), so prefill-sized products need no other layout, and
+ * the integers, hence the floats after the shared epilogues, are the VNNI route's exactly. */
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-static int amx_permitted = -1, amx_wanted = -1;
-
-static int amx_on(void) {
-    if (amx_permitted < 0) /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA */
-        amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    if (amx_wanted < 0) {
-        const char *env = getenv("DRIFTGATE_AMX");
-        amx_wanted = !(env && strcmp(env, "0") == 0);
-    }
-    return amx_permitted && amx_wanted;
-}
-
-/* Turn the AMX route on (1) or off (0, for comparisons), or only ask (-1); returns whether W8A8
- * and W4A8 products take it. */
-int use_amx(int on) {
-    if (on >= 0) amx_wanted = on;
-    return amx_on();
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Tiles 0-3: the sums of row block r on panel q at 2r + q; 4-5: the two row blocks' activations;
- * 6-7: the two panels' 16 steps. Each tile loaded serves two products. */
-static void amx_configure(void) {
-    TileConfig config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = AMX_ROWS;
-        config.bytes_per_row[t] = AMX_DEPTH;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* The weight tile for k .. k + 63 of a panel: W8A8's bytes as they lie, or W4A8's 8 nibble
  * blocks unpacked into `buffer`. */
@@ -638,11 +656,7 @@ static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const 
     return m;
 }
 
-static void amx_release(void) { _tile_release(); }
 #else
-static int amx_on(void) { return 0; }
-static void amx_configure(void) {}
-static void amx_release(void) {}
 static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
                     const int32_t *sums, const float *scales, const float *bias, int m, int end, int K, int N,
                     int G, int nibbles) {
@@ -688,7 +702,7 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
     const int width = amx ? 2 : 1; /* panels a task takes */
 #pragma omp parallel num_threads(threads)
     {
-        if (amx) amx_configure();
+        if (amx) amx_configure(AMX_ROWS);
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
         /* tasks in row-block-major order: each thread's contiguous share keeps one block of
@@ -734,12 +748,6 @@ int panel_matmul_w4a8(float *y, const float *x, const uint8_t *panels, const int
 }
 #else
 int w8a8_available(void) { return 0; }
-#endif
-#if !(defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__))
-int use_amx(int on) {
-    (void)on;
-    return 0;
-}
 #endif
 
 /* bf16 activations times bf16 weights, accumulated in float32 (AVX-512 BF16's vdpbf16ps: two
@@ -797,6 +805,14 @@ static __m512i fp8_subnormals_bf16(void) {
     return _mm512_loadu_si512((const void *)table);
 }
 
+/* y[0..15] = dot (· channel scales · row scale, with col_scales) + bias: where every bf16 / FP8 dot
+ * route ends. */
+static inline __attribute__((always_inline)) void store_dot_row(float *y, __m512 dot, __m512 bias,
+                                                               const float *col_scales, float row_scale) {
+    if (col_scales) dot = _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_loadu_ps(col_scales)), _mm512_set1_ps(row_scale));
+    _mm512_storeu_ps(y, _mm512_add_ps(dot, bias));
+}
+
 /* ROW_TILE_BF16 rows times one panel of bf16 pairs, or, with `subnormals`, of fp8 byte pairs
  * widened as they stream (32 bytes a step). With col_scales, each sum is scaled by its column's
  * and its row's scale. */
@@ -816,12 +832,8 @@ static inline __attribute__((always_inline)) void row_tile_bf16_dot(float *restr
         for (int i = 0; i < rows; i++)
             acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)i * steps + s]), w);
     }
-    __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int i = 0; i < rows; i++) {
-        __m512 dot = acc[i];
-        if (col_scales) dot = _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_loadu_ps(col_scales)), _mm512_set1_ps(row_scales[i]));
-        _mm512_storeu_ps(y + (int64_t)i * N, _mm512_add_ps(dot, b));
-    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; i++) store_dot_row(y + (int64_t)i * N, acc[i], b, col_scales, row_scales ? row_scales[i] : 0);
 }
 
 #define TAIL_BF16(r) case r: row_tile_bf16_dot(y_p + (int64_t)m * N, xb + (int64_t)m * steps, panel, subnormals, bias_p, \
@@ -843,21 +855,119 @@ static inline __attribute__((always_inline)) void panel_rows_bf16_dot(float *y_p
     }
 }
 
+/* AMX-BF16's tdpbf16ps multiplies a 16 x 32 tile of bf16 activations by a 32 x 16 tile of bf16
+ * weights given as 16 rows of 16 lanes x 2 consecutive k, into 16 x 16 float sums: 16 steps of a
+ * pair panel as they lie, and 16 steps of 16 rows of xb. The products are vdpbf16ps's, but the
+ * unit sums them in its own order, so the floats differ from the vector route's in the last bits
+ * (tests hold them to a tolerance). Steps past the last whole tile end on vdpbf16ps. */
+enum { AMX_BF16_STEPS = AMX_DEPTH / 4 }; /* k pairs a tile holds */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Rows m.. of a panel of bf16 pairs and the next (panels[1] NULL: none) in blocks of `rows` (the
+ * configured depth), two blocks at a time while two remain; returns the first row left undone.
+ * row_scales and col_scales: both or neither (col_scales are the first panel's; the second's follow). */
+static int amx_bf16_rows(float *y, const uint32_t *xb, const uint16_t *panels[2], const float *bias,
+                         const float *row_scales, const float *col_scales, int m, int end, int rows, int steps,
+                         int N) {
+    float tiles[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
+    const int deep = steps / AMX_BF16_STEPS * AMX_BF16_STEPS, two_panels = panels[1] != 0;
+    const int64_t stride = (int64_t)steps * sizeof(uint32_t);
+    for (; end - m >= rows; m += rows * (1 + (end - m >= 2 * rows))) {
+        const int blocks = end - m >= 2 * rows ? 2 : 1;
+        const uint32_t *a = xb + (int64_t)m * steps;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int s = 0; s < deep; s += AMX_BF16_STEPS) {
+            _tile_loadd(4, a + s, stride);
+            _tile_loadd(6, panels[0] + (int64_t)s * 2 * PANEL, AMX_DEPTH);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_panels) {
+                _tile_loadd(7, panels[1] + (int64_t)s * 2 * PANEL, AMX_DEPTH);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (blocks == 2) {
+                _tile_loadd(5, a + (int64_t)rows * steps + s, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two_panels) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, tiles[0], PANEL * sizeof(float));
+        _tile_stored(1, tiles[1], PANEL * sizeof(float));
+        _tile_stored(2, tiles[2], PANEL * sizeof(float));
+        _tile_stored(3, tiles[3], PANEL * sizeof(float));
+        for (int q = 0; q <= two_panels; q++) {
+            const __m512 b = bias ? _mm512_loadu_ps(bias + q * PANEL) : _mm512_setzero_ps();
+            const uint16_t *panel = panels[q];
+            for (int i = 0; i < blocks * rows; i++) {
+                __m512 acc = _mm512_load_ps(tiles[2 * (i / rows) + q][i % rows]);
+                for (int s = deep; s < steps; s++)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)a[(int64_t)i * steps + s]),
+                                           (__m512bh)_mm512_loadu_si512((const void *)(panel + (int64_t)s * 2 * PANEL)));
+                store_dot_row(y + (int64_t)(m + i) * N + q * PANEL, acc, b, col_scales ? col_scales + q * PANEL : 0,
+                              row_scales ? row_scales[m + i] : 0);
+            }
+        }
+    }
+    return m;
+}
+#else
+static int amx_bf16_rows(float *y, const uint32_t *xb, const uint16_t *panels[2], const float *bias,
+                         const float *row_scales, const float *col_scales, int m, int end, int rows, int steps,
+                         int N) {
+    return m;
+}
+#endif
+
+/* From AMX_BF16_LEAST_ROWS rows the bf16 and FP8 products take the tiles (SmolLM2's layers, FP8:
+ * 10.9 against 11.9 ms at 4 rows, 11.6 against 31.4 at 16; at 2 rows the vector route was faster). */
+enum { AMX_BF16_LEAST_ROWS = 4 };
+
+/* The depth of the bf16 tiles' row blocks for an M-row product (the tile configuration a thread
+ * loads first), or 0 to keep to vdpbf16ps. */
+static int amx_bf16_depth(int M) {
+    return M >= AMX_BF16_LEAST_ROWS && amx_on() ? (M < AMX_ROWS ? M : AMX_ROWS) : 0;
+}
+
+/* All M rows of a unit of one or two panels on the tiles, configured `depth` deep: blocks of that
+ * depth, then the rows after the last whole block in one block of their own (the configuration
+ * reloaded for them, then restored). */
+static void amx_bf16_unit(float *y, const uint32_t *xb, const uint16_t *panels[2], const float *bias,
+                          const float *row_scales, const float *col_scales, int M, int depth, int steps, int N) {
+    const int m = amx_bf16_rows(y, xb, panels, bias, row_scales, col_scales, 0, M, depth, steps, N);
+    if (m == M) return;
+    amx_configure(M - m);
+    amx_bf16_rows(y, xb, panels, bias, row_scales, col_scales, m, M, M - m, steps, N);
+    amx_configure(depth);
+}
+
 /* Returns 0, or -1 when the row buffer could not be allocated. */
 int panel_matmul_bf16_dot(float *y, const float *x, const uint16_t *panels, const float *bias, int M, int N, int K,
                           int threads) {
     const int steps = (K + 1) / 2;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * steps);
     if (!xb) return -1;
+    const int amx = amx_bf16_depth(M), width = amx ? 2 : 1; /* panels a task takes */
+    const int num_panels = N / PANEL, units = (num_panels + width - 1) / width;
 #pragma omp parallel num_threads(threads)
     {
+        if (amx) amx_configure(amx);
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) round_row_bf16((uint16_t *)(xb + (int64_t)m * steps), x + (int64_t)m * K, K);
 #pragma omp for schedule(static)
-        for (int p = 0; p < N / PANEL; p++) {
-            panel_rows_bf16_dot(y + p * PANEL, xb, panels + (int64_t)p * steps * 32, 0, bias ? bias + p * PANEL : 0, 0,
-                                0, M, steps, N);
+        for (int u = 0; u < units; u++) {
+            const int first = u * width, last = first + width < num_panels ? first + width : num_panels;
+            const uint16_t *pair[2] = {panels + (int64_t)first * steps * 32,
+                                       last - first == 2 ? panels + (int64_t)(first + 1) * steps * 32 : 0};
+            const float *bias_u = bias ? bias + first * PANEL : 0;
+            if (amx) {
+                amx_bf16_unit(y + first * PANEL, xb, pair, bias_u, 0, 0, M, amx, steps, N);
+                continue;
+            }
+            panel_rows_bf16_dot(y + first * PANEL, xb, pair[0], 0, bias_u, 0, 0, M, steps, N);
         }
+        if (amx) amx_release();
     }
     free(xb);
     return 0;
@@ -868,10 +978,12 @@ int panel_matmul_bf16_dot(float *y, const float *x, const uint16_t *panels, cons
  * fp8 weights are exact bf16 products, summed in float32 at twice the fp32 FMA rate, then scaled
  * by the row's and the channel's scale. The weight streams as its fp8 bytes: tasks of up to one
  * row tile widen each step in registers; larger ones widen their panel once into the thread's
- * buffer (in L1/L2) for all their tiles. SmolLM2's 30 layers of products, 2 threads: 4.8-5.3 /
- * 24 / 146-165 ms at 1 / 32 / 256 rows, where the fp32 route as it then was (rows rounded through
- * fp8 by torch, then panel_matmul_fp8) took 8.3 / 47 / 341 and the fp32 model's own bf16-valued
- * weights 7.6 / 33 / 247.
+ * buffer (in L1/L2) for all their tiles, which from AMX_BF16_LEAST_ROWS rows run on AMX tiles
+ * where the CPU has them. SmolLM2's 30 layers of products, 2 threads: 4.8-5.3 / 24 / 146-165 ms at
+ * 1 / 32 / 256 rows on an AVX-512 BF16 CPU without AMX, where the fp32 route as it then was (rows
+ * rounded through fp8 by torch, then panel_matmul_fp8) took 8.3 / 47 / 341 and the fp32 model's
+ * own bf16-valued weights 7.6 / 33 / 247; on a Xeon with AMX, whose vdpbf16ps is slower (10 / 61 /
+ * 436 ms), the tiles take 24 / 124 ms at 32 / 256 rows.
  *
  * Layout: panels [N / 16, ceil(K / 2), 16, 2] fp8 bytes, as the bf16 pairs above (a zero byte past
  * K); weight_scales [N]. act: ACT_FP8_TOKEN, ACT_FP8_TENSOR or ACT_FP8_STATIC (with static_scale).
@@ -907,9 +1019,11 @@ static void widen_fp8_panel(uint16_t *restrict out, const uint8_t *restrict pane
 int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const float *weight_scales,
                          const float *bias, int M, int N, int K, int act, float static_scale, int threads) {
     const int steps = (K + 1) / 2;
-    const int one_tile = M <= ROW_TILE_BF16; /* then the bytes widen as they stream: no panel buffer */
+    const int amx = amx_bf16_depth(M), width = amx ? 2 : 1; /* panels a task takes */
+    const int one_tile = !amx && M <= ROW_TILE_BF16; /* then the bytes widen as they stream: no panel buffer */
+    const int num_panels = N / PANEL, units = (num_panels + width - 1) / width;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * steps + sizeof(float) * (size_t)M);
-    uint16_t *wide = one_tile ? 0 : malloc(sizeof(uint16_t) * 32 * (size_t)steps * threads);
+    uint16_t *wide = one_tile ? 0 : malloc(sizeof(uint16_t) * 32 * (size_t)steps * width * threads);
     const __m512i subnormals = fp8_subnormals_bf16();
     if (!xb || (!one_tile && !wide)) {
         free(xb);
@@ -919,7 +1033,8 @@ int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const 
     float *row_scales = (float *)(xb + (size_t)M * steps);
 #pragma omp parallel num_threads(threads)
     {
-        uint16_t *panel_bf16 = one_tile ? 0 : wide + (size_t)32 * steps * omp_get_thread_num();
+        uint16_t *panel_bf16 = one_tile ? 0 : wide + (size_t)32 * steps * width * omp_get_thread_num();
+        if (amx) amx_configure(amx);
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) row_scales[m] = act == ACT_FP8_STATIC ? static_scale : absmax_of(x + (int64_t)m * K, K);
 #pragma omp single
@@ -931,18 +1046,28 @@ int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const 
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) fp8_row_bf16((uint16_t *)(xb + (int64_t)m * steps), x + (int64_t)m * K, K, row_scales[m]);
 #pragma omp for schedule(static)
-        for (int p = 0; p < N / PANEL; p++) {
-            const uint8_t *panel = panels + (int64_t)p * steps * 32;
-            const float *bias_p = bias ? bias + p * PANEL : 0;
+        for (int u = 0; u < units; u++) {
+            const int first = u * width, last = first + width < num_panels ? first + width : num_panels;
             if (one_tile) {
-                panel_rows_bf16_dot(y + p * PANEL, xb, panel, &subnormals, bias_p, row_scales, weight_scales + p * PANEL,
-                                    M, steps, N);
-            } else { /* several tiles: widen the panel once for all */
-                widen_fp8_panel(panel_bf16, panel, steps, subnormals);
-                panel_rows_bf16_dot(y + p * PANEL, xb, panel_bf16, 0, bias_p, row_scales, weight_scales + p * PANEL,
-                                    M, steps, N);
+                panel_rows_bf16_dot(y + first * PANEL, xb, panels + (int64_t)first * steps * 32, &subnormals,
+                                    bias ? bias + first * PANEL : 0, row_scales, weight_scales + first * PANEL, M,
+                                    steps, N);
+                continue;
             }
+            /* several tiles: widen the unit's panels once for all */
+            const uint16_t *pair[2] = {panel_bf16, last - first == 2 ? panel_bf16 + (int64_t)steps * 32 : 0};
+            for (int p = first; p < last; p++)
+                widen_fp8_panel(panel_bf16 + (int64_t)(p - first) * steps * 32, panels + (int64_t)p * steps * 32, steps,
+                                subnormals);
+            const float *bias_u = bias ? bias + first * PANEL : 0;
+            if (amx)
+                amx_bf16_unit(y + first * PANEL, xb, pair, bias_u, row_scales, weight_scales + first * PANEL, M, amx,
+                              steps, N);
+            else
+                panel_rows_bf16_dot(y + first * PANEL, xb, pair[0], 0, bias_u, row_scales, weight_scales + first * PANEL,
+                                    M, steps, N);
         }
+        if (amx) amx_release();
     }
     free(xb);
     free(wide);

@@ -245,10 +245,11 @@ def w8a8_available() -> bool:
 
 
 def use_amx(enabled: bool | None = None) -> bool:
-    """Whether W8A8 and W4A8 products of 16 rows or more run on AMX tiles (W4A8 where its groups
-    are multiples of 64 columns): by default where the CPU has them and DRIFTGATE_AMX is not 0.
-    `enabled` turns the route on or off (the outputs are equal either way: for comparisons); None
-    only asks."""
+    """Whether products of 16 rows or more run on AMX tiles: W8A8 and W4A8 (W4A8 where its groups
+    are multiples of 64 columns; from 32 rows) on int8 tiles, the bf16 and FP8 products (FP8 from
+    17 rows) on bf16 tiles; by default where the CPU has them and DRIFTGATE_AMX is not 0.
+    `enabled` turns the route on or off, for comparisons: the int8 outputs are equal either way,
+    the bf16 ones sum the same products in another order; None only asks."""
     switch = cpu_kernels.kernel("panel_matmul", "use_amx", (ctypes.c_int,), ctypes.c_int)
     return switch is not None and switch(-1 if enabled is None else int(enabled)) == 1
 

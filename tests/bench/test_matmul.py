@@ -10,7 +10,7 @@ from engine.layers import panel_matmul
 
 
 def test_bench_matmul_times_every_kernel_at_every_row_count(tiny_model_dir, tmp_path):
-    """17 rows: the W8A8 contender takes AMX tiles where the CPU has them."""
+    """17 rows: the W8A8 and FP8 contenders take AMX tiles where the CPU has them."""
     amx = panel_matmul.use_amx()
     out, plot = tmp_path / "matmul.json", tmp_path / "matmul.png"
     assert driftgate_main(["bench", "matmul", str(tiny_model_dir), "--rows", "1,3,17", "--runs", "2",
@@ -22,7 +22,7 @@ def test_bench_matmul_times_every_kernel_at_every_row_count(tiny_model_dir, tmp_
     assert all(len(r["runs"]) == 2 and r["layers_ms"] > 0 and r["lm_head_ms"] > 0 for r in result["rows"])
     assert result["layer_shapes"][0] == [64 + 2 * 32, 64]  # fused qkv of 4 heads + 2 KV heads of 16 dims
     assert plot.stat().st_size > 0
-    assert panel_matmul.use_amx() == amx  # the W8A8 contenders leave the route as they found it
+    assert panel_matmul.use_amx() == amx  # the AMX contenders leave the route as they found it
 
 
 def test_bad_rows_are_a_usage_error(tiny_model_dir):

@@ -90,7 +90,7 @@ def test_int8_panel_kernel_is_the_per_token_reference(k, sizes, m, seed, loud):
         assert rel_err(y[row], ref[row]) < FAST_TOL[torch.float32]
 
 
-needs_amx = pytest.mark.skipif(not panel_matmul.use_amx(), reason="no AMX-INT8 on this CPU (or DRIFTGATE_AMX=0)")
+needs_amx = pytest.mark.skipif(not panel_matmul.use_amx(), reason="no AMX on this CPU (or DRIFTGATE_AMX=0)")
 
 
 @needs_amx
@@ -120,6 +120,54 @@ def test_int8_amx_route_gives_the_vnni_floats(scheme, k, m, panels, seed=0):
         assert panel_matmul.use_amx(True)
     assert torch.equal(on_tiles, on_vnni)
 
+
+
+def _on_both_routes(matmul, x):
+    """matmul(x) on the AMX tiles, then on the vector route."""
+    on_tiles = matmul(x)
+    try:
+        assert not panel_matmul.use_amx(False)
+        return on_tiles, matmul(x)
+    finally:
+        assert panel_matmul.use_amx(True)
+
+
+@needs_amx
+@pytest.mark.parametrize("kernel", ["fp8dot", "bf16dot"])
+@pytest.mark.parametrize("k", [7, 64, 100, 576])
+@pytest.mark.parametrize(("m", "panels"), [(3, 1), (4, 2), (13, 3), (16, 1), (17, 2), (33, 3), (49, 2), (70, 4),
+                                           (263, 5)])
+def test_bf16_amx_route_sums_the_same_products(kernel, k, m, panels, seed=0):
+    """AMX-BF16 tiles and vdpbf16ps make the same exact products (bf16 values; FP8 rows and weights
+    are bf16 values too) but sum them in another order, so each route must be within recursive
+    summation's bound of the exact sum, (K + 4) float32 roundings of the products' absolute sum
+    (K the terms, 4 the scales and the bias). A lost tile or tail step would miss by a whole product.
+    Rows: 3 stay on the vector route; from 4, blocks of up to 16 (two at a time) and the rows after
+    the last whole block in a block of their own; an odd panel count leaves the last unpaired. K = 7
+    and 100 end on vector steps after 0 and 3 tiles (32 k each)."""
+    g = torch.Generator().manual_seed(seed)
+    n = panel_matmul.PANEL * panels
+    w = torch.randn(n, k, generator=g) * 0.05
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    x[0] *= 100.0
+    if kernel == "fp8dot":
+        scale = w.abs().amax(1, keepdim=True) / 448
+        weight = (w / scale).to(torch.float8_e4m3fn)
+        packed, scales = panel_matmul.pack_fp8_pairs(weight, scale)
+        routes = _on_both_routes(lambda v: panel_matmul.matmul_fp8_dot(v, packed, scales, panel_matmul.ACT_FP8_TOKEN,
+                                                                       bias=bias), x)
+        rows, cols = fake_quantize_fp8(x, fp8_scale(x, "token")).double(), weight.double() * scale.double()
+    else:
+        weight = w.bfloat16().float()
+        packed = panel_matmul.pack_bf16_pairs(weight)
+        routes = _on_both_routes(lambda v: panel_matmul.matmul(v, packed, bias), x)
+        rows, cols = x.bfloat16().double(), weight.double()
+    exact = rows @ cols.t() + bias.double()
+    bound = (k + 4) * 2.0**-24 * (rows.abs() @ cols.abs().t() + bias.double().abs())
+    for y in routes:
+        assert ((y.double() - exact).abs() <= bound).all()
+    if k >= 32 and m >= 4:
+        assert not torch.equal(*routes)  # the tiles did run: their sums come in another order
 
 @needs_w8a8_panel
 @quick
