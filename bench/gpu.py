@@ -106,8 +106,8 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     for module in model.modules():
         if not hasattr(module, "load_shard"):
             continue
-        names = {None: ("weight",), "dense": ("weight_dense",), "scaled_mm": ("weight", "scale_b"),
-                 "int4pack_cuda": ("kernel_weight", "kernel_scales")}[getattr(module, "kernel", None)]
+        names = {"linear": ("weight",), "dense": ("weight_dense",), "scaled_mm": ("weight", "scale_b"),
+                 "int4pack_cuda": ("kernel_weight", "kernel_scales")}[module.kernel]
         total += sum(getattr(module, n).nbytes for n in names)
     return total
 

@@ -27,6 +27,8 @@ from bench.datasets import find_data_dir, random_prompts, sharegpt
 from bench.output import save_result
 from engine import LLM, LoRARequest, SamplingParams
 from engine.config import KV_CACHE_DTYPES
+from engine.layers import panel_matmul
+from engine.layers.linear import matmul_kernels
 
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +162,7 @@ def run_offline(args: argparse.Namespace) -> int:
         "lora": args.lora,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__},
+        "matmul_kernels": matmul_kernels(llm.engine.model), "amx": panel_matmul.use_amx(),
         "date": time.strftime("%Y-%m-%d"),
         "runs": args.runs,
         "batch1": {"prompt_len": args.prompt_len, "output_len": args.output_len, "ours": ours, "ours_runs": ours_runs},

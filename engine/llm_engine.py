@@ -17,6 +17,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.generation_config import sequence_end_ids
 from engine.layers.attention import KVCache
+from engine.layers.linear import describe_kernels, matmul_kernels
 from engine.loader import apply_kv_scales, defer_kv_scales, load_model, resolve_dtype
 from engine.lora import LoRALayers, LoRARequest
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
@@ -87,6 +88,7 @@ class LLMEngine:
         for name, path in (config.lora_modules or {}).items():
             self.lora.add(LoRARequest(name, len(self.lora.paths) + 1, path))
         self.model.prepack_for_cpu()
+        log.info("matmul kernels: %s", describe_kernels(matmul_kernels(self.model)))
         # what this engine's weights (and adapters) hold on the GPU: its share of gpu_memory_utilization
         self._weight_bytes = (torch.cuda.memory_allocated(config.device) - allocated_before
                               if config.device.startswith("cuda") else 0)

@@ -22,6 +22,7 @@ from torch import nn
 from engine.layers import cpu_kernels
 from engine.layers.attention import ForwardContext
 from engine.layers.cpu_attention import CACHE_TYPES, fp8_table
+from engine.layers.linear import DenseLinear
 from engine.layers.panel_matmul import ACT_NONE
 from engine.lora import LoRALinear, LoRAStep
 
@@ -81,14 +82,17 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
     kernel = getattr(linear, "kernel", None)
     if getattr(linear, "fake_quantizes_inputs", False):  # NVFP4 activations: rounded in torch first
         return None
-    weight = getattr(linear, "kernel_weight", None) if kernel else getattr(linear, "weight", None)
+    dense = isinstance(linear, DenseLinear)  # its kernel names its weight's layout
+    weight = getattr(linear, "weight" if dense else "kernel_weight", None)
     if weight is None or weight.device.type != "cpu" or not weight.is_contiguous():
         return None
     bias = _float32(linear.bias)
     n, k = sum(linear.output_sizes), linear.input_size
     scales = sums = zeros = None
-    if kernel is None and weight.dim() == 3 and weight.dtype in (torch.float32, torch.bfloat16):
-        kind = LINEAR_F32 if weight.dtype == torch.float32 else LINEAR_BF16
+    if kernel == "panel-f32":
+        kind = LINEAR_F32
+    elif kernel == "panel-bf16":
+        kind = LINEAR_BF16
     elif kernel == "int8panel":
         kind, scales = LINEAR_INT8, linear.kernel_scales
     elif kernel == "int4panel":

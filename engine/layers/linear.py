@@ -20,6 +20,7 @@ layout). Calibration edits weights in place, so only the engine packs, after loa
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,8 +85,35 @@ class DenseLinear(nn.Module):
             del self.weight
             self.register_buffer("weight", packed, persistent=False)
 
+    @property
+    def kernel(self) -> str:
+        """The matmul this Linear runs on, by its weight's layout (as a quantized Linear's `kernel`)."""
+        if self.weight.dim() == 4:
+            return "bf16dot"  # bf16 pairs: inputs rounded to bf16
+        if self.weight.dim() == 3:
+            return "panel-bf16" if self.weight.dtype == torch.bfloat16 else "panel-f32"
+        return "linear"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_matmul(x, self.weight, self.bias)
+
+
+# the CPU kernels that run batches of several rows on AMX tiles where the CPU has them
+AMX_KERNELS = frozenset({"w8a8panel", "w4a8panel", "fp8dot", "bf16dot"})
+
+
+def matmul_kernels(model: nn.Module) -> dict[str, int]:
+    """How many of the model's Linears run on each kernel (every Linear names its own `kernel`)."""
+    return dict(Counter(kernel for module in model.modules()
+                        if isinstance(kernel := getattr(module, "kernel", None), str)))
+
+
+def describe_kernels(kernels: dict[str, int]) -> str:
+    """`matmul_kernels` as a start-up line: "fp8dot x120, bf16dot x1; batches on AMX tiles"."""
+    text = ", ".join(f"{name} x{count}" for name, count in sorted(kernels.items(), key=lambda kv: -kv[1]))
+    if AMX_KERNELS & kernels.keys() and panel_matmul.use_amx():
+        text += "; batches on AMX tiles (DRIFTGATE_AMX=0: off)"
+    return text
 
 
 def make_linear(

@@ -64,6 +64,7 @@ def test_bench_offline_cycles_random_requests_through_several_adapters(tiny_mode
     result = json.loads(out.read_text())
     assert result["throughput"]["dataset"] == "random" and result["throughput"]["mean_output_len"] == 3
     assert "throughput (4 random requests)" in capsys.readouterr().out
+    assert sum(result["matmul_kernels"].values()) >= 8 and isinstance(result["amx"], bool)  # provenance
     assert result["throughput"]["mean_prompt_len"] > 0  # re-measured: decode/encode need not round-trip
     assert result["lora"] == list(map(str, adapters))
     assert asked[-4:] == ["bench0", "bench1", "bench0", "bench1"]  # the throughput run's requests

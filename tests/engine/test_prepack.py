@@ -1,5 +1,7 @@
 """The serving engine's CPU weight layout (16-column panels, C kernel) computes the same Linear."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine import LLM
 from engine.layers import panel_matmul
-from engine.layers.linear import DenseLinear
+from engine.layers.linear import DenseLinear, describe_kernels, matmul_kernels
 from engine.loader import load_model
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
@@ -46,9 +48,11 @@ def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed, bf16_v
     layer = _layer(in_features, sizes, bias, g, bf16_values)
     weight, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
     x = torch.randn(rows, in_features, generator=g)
+    assert layer.kernel == "linear"
     layer.prepack()
     assert layer.weight.shape == (sum(sizes) // 16, in_features, 16)
     assert layer.weight.dtype == (torch.bfloat16 if bf16_values else torch.float32)
+    assert layer.kernel == ("panel-bf16" if bf16_values else "panel-f32")
     torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     if bf16_values:
         assert torch.equal(layer(x), panel_matmul.matmul(x, panel_matmul.pack(weight, narrow=False), b))
@@ -70,7 +74,7 @@ def test_bf16_pairs_multiply_inputs_rounded_to_bf16(rows, in_features, sizes, bi
     layer = _layer(in_features, sizes, bias, g, bf16_values=True)
     weight, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
     layer.prepack(bf16_activations=True)
-    assert layer.weight.shape == (sum(sizes) // 16, (in_features + 1) // 2, 16, 2)
+    assert layer.weight.shape == (sum(sizes) // 16, (in_features + 1) // 2, 16, 2) and layer.kernel == "bf16dot"
     x = torch.randn(rows, in_features, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x.bfloat16().float(), weight, b), rtol=1e-5, atol=1e-5)
     x3d = torch.randn(2, 3, in_features, generator=g)
@@ -104,6 +108,9 @@ def test_only_a_quantized_checkpoint_rounds_its_lm_head_inputs(tmp_path, tied):
     plain, model = LLM(str(source)).engine.model, LLM(str(quantized)).engine.model
     head = (lambda m: m.packed_embedding) if tied else (lambda m: m.lm_head.weight)
     assert head(plain).dim() == 3 and head(model).dim() == 4
+    layers = len(model.model.layers) * 4  # qkv, o, gate_up, down
+    assert matmul_kernels(plain) == {"panel-bf16": layers + (not tied)}  # a tied head is the embedding's panels
+    assert matmul_kernels(model) == {"int8panel": layers, **({} if tied else {"bf16dot": 1})}
     weight = (plain.model.embed_tokens.weight if tied else plain.lm_head.weight.transpose(1, 2).flatten(0, 1))
     hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(plain.compute_logits(hidden), hidden @ weight.float().T, rtol=1e-5, atol=1e-5)
@@ -120,13 +127,17 @@ def test_weights_the_kernel_cannot_take_stay_plain():
         layer = _layer(8, [16], True, torch.Generator().manual_seed(0))
         weight = layer.weight.clone()
         layer.prepack()
-        assert torch.equal(layer.weight, weight)  # no kernel: the plain layout and F.linear
+        assert torch.equal(layer.weight, weight) and layer.kernel == "linear"  # no kernel: the plain layout, F.linear
 
 
 @needs_kernel
-def test_engine_packs_its_weights_and_scores_like_the_plain_model(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir))
+def test_engine_packs_its_weights_and_scores_like_the_plain_model(tiny_model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        llm = LLM(str(tiny_model_dir))
     model = llm.engine.model
+    kernels = matmul_kernels(model)
+    assert sum(kernels.values()) == len(model.model.layers) * 4 + (model.lm_head is not None)
+    assert f"matmul kernels: {describe_kernels(kernels)}" in caplog.messages
     assert model.model.layers[0].mlp.down_proj.weight.dim() == 3
     assert model.model.embed_tokens.weight.dim() == 2  # lookups stay dense
     plain, _ = load_model(tiny_model_dir)  # what calibration uses: never packed
@@ -136,3 +147,10 @@ def test_engine_packs_its_weights_and_scores_like_the_plain_model(tiny_model_dir
         expected = plain.compute_logits(plain(ids, torch.arange(len(ids))))
         got = model.compute_logits(model(ids, torch.arange(len(ids))))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_line_counts_the_linears_and_says_when_batches_take_amx_tiles():
+    assert describe_kernels({"panel-f32": 2}) == "panel-f32 x2"  # fp32 products never take the tiles
+    line = describe_kernels({"bf16dot": 1, "fp8dot": 120})
+    assert line.startswith("fp8dot x120, bf16dot x1")
+    assert ("AMX tiles" in line) == panel_matmul.use_amx()
