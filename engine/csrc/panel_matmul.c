@@ -322,6 +322,24 @@ int panel_matmul_fp8_rounded(float *y, const float *x, const int8_t *panels, con
  * state only to a process that asks; DRIFTGATE_AMX=0 (or `use_amx(0)`) keeps to the vector routes. */
 enum { AMX_ROWS = 16, AMX_DEPTH = 64 }; /* a tile: 16 rows of 64 bytes */
 
+/* The next pass over `left` rows of a unit, r0 rows (returned; 0: none) and r1: two blocks of 16
+ * while 32 are left, then the rest in one pass, one block up to 16 rows and two of about half as
+ * many above; with `whole_blocks` only blocks of 16 (the rest is left to the vector route). */
+static inline int amx_pass_rows(int left, int whole_blocks, int *r1) {
+    if (left >= 2 * AMX_ROWS) {
+        *r1 = AMX_ROWS;
+        return AMX_ROWS;
+    }
+    *r1 = 0;
+    if (whole_blocks) return left >= AMX_ROWS ? AMX_ROWS : 0;
+    if (left <= AMX_ROWS) return left;
+    *r1 = left / 2;
+    return left - *r1;
+}
+
+/* Row i of a pass's sums on panel q: the first block's rows, then the second's. */
+#define PASS_SUMS(tiles, q, i, r0) ((i) < (r0) ? (tiles)[q][i] : (tiles)[2 + (q)][(i) - (r0)])
+
 #if defined(__AMX_TILE__)
 #include <string.h>
 #include <sys/syscall.h>
@@ -354,21 +372,67 @@ typedef struct {
 
 /* Tiles of 64 bytes a row. int8: tiles 0-3 the sums of row block r on panel q at 2r + q, 4-5 the
  * two row blocks' activations, 6-7 the two panels' 16 steps; bf16 the same with float sums and 32
- * k a tile. Each tile loaded serves two products. Row blocks (the sums' and the activations' tiles)
- * are `rows` deep, up to 16; the weights' tiles 16. */
-static void amx_configure(int rows) {
+ * k a tile. Each tile loaded serves two products. The first row block (its sums and activations)
+ * is r0 rows deep, the second r1 (0: one block; its tiles then take r0 too, never used), up to 16;
+ * the weights' tiles 16. */
+static void amx_configure(int r0, int r1) {
     TileConfig config = {.palette = 1};
     for (int t = 0; t < 8; t++) {
-        config.rows[t] = t < 6 ? rows : AMX_ROWS;
+        config.rows[t] = t >= 6 ? AMX_ROWS : (t == 2 || t == 3 || t == 5) && r1 ? r1 : r0;
         config.bytes_per_row[t] = AMX_DEPTH;
     }
     _tile_loadconfig(&config);
 }
 
+/* Loads the configuration for blocks of r0 and r1 rows unless the thread's `*current` is it. */
+static inline void amx_use(int *current, int r0, int r1) {
+    if (*current != r0 * 64 + r1) {
+        amx_configure(r0, r1);
+        *current = r0 * 64 + r1;
+    }
+}
+
+
 static void amx_release(void) { _tile_release(); }
+
+/* The sums tiles 0-3, zeroed, and stored to tiles[4][16 rows][64 bytes]. */
+static inline __attribute__((always_inline)) void amx_zero_sums(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static inline __attribute__((always_inline)) void amx_store_sums(void *tiles) {
+    char *t = tiles;
+    _tile_stored(0, t, AMX_DEPTH);
+    _tile_stored(1, t + AMX_ROWS * AMX_DEPTH, AMX_DEPTH);
+    _tile_stored(2, t + 2 * AMX_ROWS * AMX_DEPTH, AMX_DEPTH);
+    _tile_stored(3, t + 3 * AMX_ROWS * AMX_DEPTH, AMX_DEPTH);
+}
+
+/* One step of a task's tile products: the activations of one or two row blocks (A0, and A1 when
+ * BLOCKS is 2; rows STRIDE bytes apart) times the weight tiles of one or two panels (W0, and W1 when
+ * TWO_PANELS; each evaluated only when used) into sums tile 2 * block + panel. DP is the product
+ * (_tile_dpbusd for int8, _tile_dpbf16ps for bf16). */
+#define AMX_STEP(DP, A0, A1, STRIDE, W0, W1, BLOCKS, TWO_PANELS) \
+    do {                                                        \
+        _tile_loadd(4, A0, STRIDE);                             \
+        _tile_loadd(6, W0, AMX_DEPTH);                          \
+        DP(0, 4, 6);                                            \
+        if (TWO_PANELS) {                                       \
+            _tile_loadd(7, W1, AMX_DEPTH);                      \
+            DP(1, 4, 7);                                        \
+        }                                                       \
+        if ((BLOCKS) == 2) {                                    \
+            _tile_loadd(5, A1, STRIDE);                         \
+            DP(2, 5, 6);                                        \
+            if (TWO_PANELS) DP(3, 5, 7);                        \
+        }                                                       \
+    } while (0)
 #else
 static int amx_on(void) { return 0; }
-static void amx_configure(int rows) { (void)rows; }
+static inline void amx_use(int *current, int r0, int r1) {}
 static void amx_release(void) {}
 int use_amx(int on) {
     (void)on;
@@ -581,87 +645,63 @@ static inline const int8_t *amx_weight_tile(const uint8_t *panel, int k, int nib
     return buffer[0];
 }
 
-/* Rows m.. of a panel and the next (panels[1] NULL: none), 32 or 16 rows at a time while 16 remain;
- * returns the first row left undone. W8A8 (G = K): a K that is not a multiple of 64 ends on
- * vpdpbusd steps. W4A8 (nibbles; G a multiple of 64): each group's tiles are summed, then scaled
- * onto float totals as row_tile_w4a8 does. `sums`, `scales` are the first panel's (the second's
- * follow, `groups` x 16 on). */
-static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
-                    const int32_t *sums, const float *scales, const float *bias, int m, int end, int K, int N,
-                    int G, int nibbles) {
+/* One pass of rows m .. m + r0 + r1 - 1 (blocks as configured) over a panel and the next (panels[1]
+ * NULL: none). W8A8 (G = K): a K that is not a multiple of 64 ends on vpdpbusd steps. W4A8 (nibbles;
+ * G a multiple of 64): each group's tiles are summed, then scaled onto float totals as row_tile_w4a8
+ * does. `sums`, `scales` are the first panel's (the second's follow, `groups` x 16 on). */
+static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
+                          const int32_t *sums, const float *scales, const float *bias, int m, int r0, int r1, int K,
+                          int N, int G, int nibbles) {
     int32_t tiles[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
     int8_t unpacked[2][AMX_ROWS][64] __attribute__((aligned(64)));
     __m512 total[2][2 * AMX_ROWS];
     const int deep = K / AMX_DEPTH * AMX_DEPTH, two_panels = panels[1] != 0, groups = K / G;
     /* what is summed in int32 before the floats: each W4A8 group, or all of W8A8's whole tiles */
-    const int passes = nibbles ? groups : 1, span = nibbles ? G : deep;
-    for (; end - m >= AMX_ROWS; m += AMX_ROWS * (1 + (end - m >= 2 * AMX_ROWS))) {
-        const int blocks = end - m >= 2 * AMX_ROWS ? 2 : 1;
-        const uint8_t *a = xq + (int64_t)m * K;
-        for (int g = 0; g < passes; g++) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int k = g * span; k < (g + 1) * span; k += AMX_DEPTH) {
-                _tile_loadd(4, a + k, K);
-                _tile_loadd(6, amx_weight_tile(panels[0], k, nibbles, unpacked[0]), AMX_DEPTH);
-                _tile_dpbusd(0, 4, 6);
-                if (two_panels) {
-                    _tile_loadd(7, amx_weight_tile(panels[1], k, nibbles, unpacked[1]), AMX_DEPTH);
-                    _tile_dpbusd(1, 4, 7);
-                }
-                if (blocks == 2) {
-                    _tile_loadd(5, a + (int64_t)AMX_ROWS * K + k, K);
-                    _tile_dpbusd(2, 5, 6);
-                    if (two_panels) _tile_dpbusd(3, 5, 7);
-                }
-            }
-            _tile_stored(0, tiles[0], PANEL * sizeof(int32_t));
-            _tile_stored(1, tiles[1], PANEL * sizeof(int32_t));
-            _tile_stored(2, tiles[2], PANEL * sizeof(int32_t));
-            _tile_stored(3, tiles[3], PANEL * sizeof(int32_t));
-            for (int q = 0; nibbles && q <= two_panels; q++) {
-                const int64_t at = ((int64_t)q * groups + g) * PANEL;
-                const __m512i group_sums = _mm512_loadu_si512((const void *)(sums + at));
-                const __m512 group_scales = _mm512_loadu_ps(scales + at);
-                for (int i = 0; i < blocks * AMX_ROWS; i++) {
-                    const __m512i acc = _mm512_load_si512((const void *)tiles[2 * (i / AMX_ROWS) + q][i % AMX_ROWS]);
-                    total[q][i] = w4a8_add_group(g ? total[q][i] : _mm512_setzero_ps(), acc, group_sums, group_scales);
-                }
-            }
-        }
-        for (int q = 0; q <= two_panels; q++) {
-            const float *bias_q = bias ? bias + q * PANEL : 0;
-            if (nibbles) {
-                const __m512 b = bias_q ? _mm512_loadu_ps(bias_q) : _mm512_setzero_ps();
-                for (int i = 0; i < blocks * AMX_ROWS; i++)
-                    _mm512_storeu_ps(y + (int64_t)(m + i) * N + q * PANEL, w4a8_row(total[q][i], row_scales[m + i], b));
-                continue;
-            }
-            const W8A8Epilogue e = w8a8_epilogue(sums + q * PANEL, scales + q * PANEL, bias_q);
-            const int8_t *panel = (const int8_t *)panels[q];
-            for (int i = 0; i < blocks * AMX_ROWS; i++) {
-                __m512i acc = _mm512_load_si512((const void *)tiles[2 * (i / AMX_ROWS) + q][i % AMX_ROWS]);
-                for (int k = deep; k < K; k += 4) {
-                    int32_t four;
-                    __builtin_memcpy(&four, a + (int64_t)i * K + k, 4);
-                    acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four),
-                                              _mm512_loadu_si512((const void *)(panel + (int64_t)k * PANEL)));
-                }
-                store_w8a8_row(y + (int64_t)(m + i) * N + q * PANEL, acc, e, row_scales[m + i]);
+    const int passes = nibbles ? groups : 1, span = nibbles ? G : deep, rows = r0 + r1;
+    const uint8_t *a = xq + (int64_t)m * K;
+    for (int g = 0; g < passes; g++) {
+        amx_zero_sums();
+        for (int k = g * span; k < (g + 1) * span; k += AMX_DEPTH)
+            AMX_STEP(_tile_dpbusd, a + k, a + (int64_t)r0 * K + k, K, amx_weight_tile(panels[0], k, nibbles, unpacked[0]),
+                     amx_weight_tile(panels[1], k, nibbles, unpacked[1]), r1 ? 2 : 1, two_panels);
+        amx_store_sums(tiles);
+        for (int q = 0; nibbles && q <= two_panels; q++) {
+            const int64_t at = ((int64_t)q * groups + g) * PANEL;
+            const __m512i group_sums = _mm512_loadu_si512((const void *)(sums + at));
+            const __m512 group_scales = _mm512_loadu_ps(scales + at);
+            for (int i = 0; i < rows; i++) {
+                const __m512i acc = _mm512_load_si512((const void *)PASS_SUMS(tiles, q, i, r0));
+                total[q][i] = w4a8_add_group(g ? total[q][i] : _mm512_setzero_ps(), acc, group_sums, group_scales);
             }
         }
     }
-    return m;
+    for (int q = 0; q <= two_panels; q++) {
+        const float *bias_q = bias ? bias + q * PANEL : 0;
+        if (nibbles) {
+            const __m512 b = bias_q ? _mm512_loadu_ps(bias_q) : _mm512_setzero_ps();
+            for (int i = 0; i < rows; i++)
+                _mm512_storeu_ps(y + (int64_t)(m + i) * N + q * PANEL, w4a8_row(total[q][i], row_scales[m + i], b));
+            continue;
+        }
+        const W8A8Epilogue e = w8a8_epilogue(sums + q * PANEL, scales + q * PANEL, bias_q);
+        const int8_t *panel = (const int8_t *)panels[q];
+        for (int i = 0; i < rows; i++) {
+            __m512i acc = _mm512_load_si512((const void *)PASS_SUMS(tiles, q, i, r0));
+            for (int k = deep; k < K; k += 4) {
+                int32_t four;
+                __builtin_memcpy(&four, a + (int64_t)i * K + k, 4);
+                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four),
+                                          _mm512_loadu_si512((const void *)(panel + (int64_t)k * PANEL)));
+            }
+            store_w8a8_row(y + (int64_t)(m + i) * N + q * PANEL, acc, e, row_scales[m + i]);
+        }
+    }
 }
 
 #else
-static int amx_rows(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
-                    const int32_t *sums, const float *scales, const float *bias, int m, int end, int K, int N,
-                    int G, int nibbles) {
-    return m;
-}
+static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
+                          const int32_t *sums, const float *scales, const float *bias, int m, int r0, int r1, int K,
+                          int N, int G, int nibbles) {}
 #endif
 
 /* One tile of rows on one panel, W4A8 (nibbles) or W8A8: the branch is the same for a whole call. */
@@ -696,13 +736,15 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
     if (!xq) return -1;
     float *row_scales = (float *)(xq + (size_t)M * K);
     const int groups = K / G;
-    /* tiles hold 64 k: W4A8 only where each group is whole tiles, and from 32 rows, since each of
-     * its weight tiles is unpacked per row pair of tiles (at 16 rows VNNI was faster: 6.0 vs 6.8 ms) */
-    const int amx = M >= AMX_ROWS * (1 + nibbles) && (!nibbles || G % AMX_DEPTH == 0) && amx_on();
+    /* tiles hold 64 k: W4A8 only where each group is whole tiles, and from 32 rows in blocks of 16
+     * (its weight tiles are unpacked per pass: at 16 rows VNNI was faster, 6.0 vs 6.8 ms), the rows
+     * after them on VNNI; W8A8 from 16 rows, every row (at 4-8 rows VNNI was faster: 8.6-9.1 against
+     * 9.9-10.2 ms for SmolLM2's layers). The integers are the same either way. */
+    const int amx = M >= (nibbles ? 2 : 1) * AMX_ROWS && (!nibbles || G % AMX_DEPTH == 0) && amx_on();
     const int width = amx ? 2 : 1; /* panels a task takes */
 #pragma omp parallel num_threads(threads)
     {
-        if (amx) amx_configure(AMX_ROWS);
+        int configured = 0; /* the thread's tile configuration (amx_use) */
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
         /* tasks in row-block-major order: each thread's contiguous share keeps one block of
@@ -720,8 +762,11 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
                 const uint8_t *first_of_pair = panels + first_panel * panel_bytes;
                 const uint8_t *pair[2] = {first_of_pair, last_panel - first_panel == 2 ? first_of_pair + panel_bytes : 0};
                 const int64_t at = (int64_t)first_panel * groups * PANEL;
-                m = amx_rows(y + first_panel * PANEL, xq, row_scales, pair, sums + at, scales + at,
-                             bias ? bias + first_panel * PANEL : 0, m, end, K, N, G, nibbles);
+                for (int r0, r1; m < end && (r0 = amx_pass_rows(end - m, nibbles, &r1)) > 0; m += r0 + r1) {
+                    amx_use(&configured, r0, r1);
+                    amx_int8_pass(y + first_panel * PANEL, xq, row_scales, pair, sums + at, scales + at,
+                                  bias ? bias + first_panel * PANEL : 0, m, r0, r1, K, N, G, nibbles);
+                }
             }
             for (int p = first_panel; p < last_panel; p++) {
                 const int has_next = p + 1 < num_panels || task + 1 < row_blocks * units;
@@ -863,83 +908,68 @@ static inline __attribute__((always_inline)) void panel_rows_bf16_dot(float *y_p
 enum { AMX_BF16_STEPS = AMX_DEPTH / 4 }; /* k pairs a tile holds */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* Rows m.. of a panel of bf16 pairs and the next (panels[1] NULL: none) in blocks of `rows` (the
- * configured depth), two blocks at a time while two remain; returns the first row left undone.
- * row_scales and col_scales: both or neither (col_scales are the first panel's; the second's follow). */
-static int amx_bf16_rows(float *y, const uint32_t *xb, const uint16_t *panels[2], const float *bias,
-                         const float *row_scales, const float *col_scales, int m, int end, int rows, int steps,
-                         int N) {
+/* The weight tile for steps s .. s + 15 of a panel: bf16 pairs as they lie, or, with `subnormals`,
+ * fp8 byte pairs widened into `buffer` as they stream. */
+static inline __attribute__((always_inline)) const uint16_t *amx_bf16_weight_tile(const void *panel, int s,
+                                                                                 const __m512i *subnormals,
+                                                                                 uint16_t *buffer) {
+    if (!subnormals) return (const uint16_t *)panel + (int64_t)s * 2 * PANEL;
+    const uint8_t *bytes = (const uint8_t *)panel + (int64_t)s * 2 * PANEL;
+    for (int t = 0; t < AMX_BF16_STEPS; t++)
+        _mm512_store_si512((void *)(buffer + 2 * PANEL * t), widen_fp8_bf16(bytes + 2 * PANEL * t, *subnormals));
+    return buffer;
+}
+
+/* One pass of rows m .. m + r0 + r1 - 1 (blocks as configured) over a panel and the next (panels[1]
+ * NULL: none), bf16 pairs, or with `subnormals` fp8 byte pairs. row_scales and col_scales: both or
+ * neither (col_scales are the first panel's; the second's follow). */
+static void amx_bf16_pass(float *y, const uint32_t *xb, const void *panels[2], const __m512i *subnormals,
+                          const float *bias, const float *row_scales, const float *col_scales, int m, int r0, int r1,
+                          int steps, int N) {
     float tiles[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
+    uint16_t widened[2][AMX_BF16_STEPS * 2 * PANEL] __attribute__((aligned(64)));
     const int deep = steps / AMX_BF16_STEPS * AMX_BF16_STEPS, two_panels = panels[1] != 0;
     const int64_t stride = (int64_t)steps * sizeof(uint32_t);
-    for (; end - m >= rows; m += rows * (1 + (end - m >= 2 * rows))) {
-        const int blocks = end - m >= 2 * rows ? 2 : 1;
-        const uint32_t *a = xb + (int64_t)m * steps;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int s = 0; s < deep; s += AMX_BF16_STEPS) {
-            _tile_loadd(4, a + s, stride);
-            _tile_loadd(6, panels[0] + (int64_t)s * 2 * PANEL, AMX_DEPTH);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two_panels) {
-                _tile_loadd(7, panels[1] + (int64_t)s * 2 * PANEL, AMX_DEPTH);
-                _tile_dpbf16ps(1, 4, 7);
+    const uint32_t *a = xb + (int64_t)m * steps;
+    amx_zero_sums();
+    for (int s = 0; s < deep; s += AMX_BF16_STEPS)
+        AMX_STEP(_tile_dpbf16ps, a + s, a + (int64_t)r0 * steps + s, stride,
+                 amx_bf16_weight_tile(panels[0], s, subnormals, widened[0]),
+                 amx_bf16_weight_tile(panels[1], s, subnormals, widened[1]), r1 ? 2 : 1, two_panels);
+    amx_store_sums(tiles);
+    for (int q = 0; q <= two_panels; q++) {
+        const __m512 b = bias ? _mm512_loadu_ps(bias + q * PANEL) : _mm512_setzero_ps();
+        for (int i = 0; i < r0 + r1; i++) {
+            __m512 acc = _mm512_load_ps(PASS_SUMS(tiles, q, i, r0));
+            for (int s = deep; s < steps; s++) {
+                const char *w = (const char *)panels[q] + (int64_t)s * 2 * PANEL * (subnormals ? 1 : 2);
+                const __m512i wide = subnormals ? widen_fp8_bf16((const uint8_t *)w, *subnormals)
+                                                : _mm512_loadu_si512((const void *)w);
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)a[(int64_t)i * steps + s]), (__m512bh)wide);
             }
-            if (blocks == 2) {
-                _tile_loadd(5, a + (int64_t)rows * steps + s, stride);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two_panels) _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, tiles[0], PANEL * sizeof(float));
-        _tile_stored(1, tiles[1], PANEL * sizeof(float));
-        _tile_stored(2, tiles[2], PANEL * sizeof(float));
-        _tile_stored(3, tiles[3], PANEL * sizeof(float));
-        for (int q = 0; q <= two_panels; q++) {
-            const __m512 b = bias ? _mm512_loadu_ps(bias + q * PANEL) : _mm512_setzero_ps();
-            const uint16_t *panel = panels[q];
-            for (int i = 0; i < blocks * rows; i++) {
-                __m512 acc = _mm512_load_ps(tiles[2 * (i / rows) + q][i % rows]);
-                for (int s = deep; s < steps; s++)
-                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)a[(int64_t)i * steps + s]),
-                                           (__m512bh)_mm512_loadu_si512((const void *)(panel + (int64_t)s * 2 * PANEL)));
-                store_dot_row(y + (int64_t)(m + i) * N + q * PANEL, acc, b, col_scales ? col_scales + q * PANEL : 0,
-                              row_scales ? row_scales[m + i] : 0);
-            }
+            store_dot_row(y + (int64_t)(m + i) * N + q * PANEL, acc, b, col_scales ? col_scales + q * PANEL : 0,
+                          row_scales ? row_scales[m + i] : 0);
         }
     }
-    return m;
 }
 #else
-static int amx_bf16_rows(float *y, const uint32_t *xb, const uint16_t *panels[2], const float *bias,
-                         const float *row_scales, const float *col_scales, int m, int end, int rows, int steps,
-                         int N) {
-    return m;
-}
+static void amx_bf16_pass(float *y, const uint32_t *xb, const void *panels[2], const __m512i *subnormals,
+                          const float *bias, const float *row_scales, const float *col_scales, int m, int r0, int r1,
+                          int steps, int N) {}
 #endif
 
-/* From AMX_BF16_LEAST_ROWS rows the bf16 and FP8 products take the tiles (SmolLM2's layers, FP8:
- * 10.9 against 11.9 ms at 4 rows, 11.6 against 31.4 at 16; at 2 rows the vector route was faster). */
-enum { AMX_BF16_LEAST_ROWS = 4 };
-
-/* The depth of the bf16 tiles' row blocks for an M-row product (the tile configuration a thread
- * loads first), or 0 to keep to vdpbf16ps. */
-static int amx_bf16_depth(int M) {
-    return M >= AMX_BF16_LEAST_ROWS && amx_on() ? (M < AMX_ROWS ? M : AMX_ROWS) : 0;
-}
-
-/* All M rows of a unit of one or two panels on the tiles, configured `depth` deep: blocks of that
- * depth, then the rows after the last whole block in one block of their own (the configuration
- * reloaded for them, then restored). */
-static void amx_bf16_unit(float *y, const uint32_t *xb, const uint16_t *panels[2], const float *bias,
-                          const float *row_scales, const float *col_scales, int M, int depth, int steps, int N) {
-    const int m = amx_bf16_rows(y, xb, panels, bias, row_scales, col_scales, 0, M, depth, steps, N);
-    if (m == M) return;
-    amx_configure(M - m);
-    amx_bf16_rows(y, xb, panels, bias, row_scales, col_scales, m, M, M - m, steps, N);
-    amx_configure(depth);
+/* Where the CPU has AMX, bf16 and FP8 products of every row count take the tiles, so that a row's
+ * sums come in one order whatever else shares its batch (the engine's greedy outputs do not depend
+ * on the batch): all M rows of a unit of one or two panels, pass by pass (`configured`: the
+ * thread's tile configuration). */
+static void amx_bf16_unit(float *y, const uint32_t *xb, const void *panels[2], const __m512i *subnormals,
+                          const float *bias, const float *row_scales, const float *col_scales, int M, int steps,
+                          int N, int *configured) {
+    for (int m = 0, r0, r1; m < M; m += r0 + r1) {
+        r0 = amx_pass_rows(M - m, 0, &r1);
+        amx_use(configured, r0, r1);
+        amx_bf16_pass(y, xb, panels, subnormals, bias, row_scales, col_scales, m, r0, r1, steps, N);
+    }
 }
 
 /* Returns 0, or -1 when the row buffer could not be allocated. */
@@ -948,21 +978,21 @@ int panel_matmul_bf16_dot(float *y, const float *x, const uint16_t *panels, cons
     const int steps = (K + 1) / 2;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * steps);
     if (!xb) return -1;
-    const int amx = amx_bf16_depth(M), width = amx ? 2 : 1; /* panels a task takes */
+    const int amx = amx_on(), width = amx ? 2 : 1; /* panels a task takes */
     const int num_panels = N / PANEL, units = (num_panels + width - 1) / width;
 #pragma omp parallel num_threads(threads)
     {
-        if (amx) amx_configure(amx);
+        int configured = 0; /* the thread's tile configuration (amx_use) */
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) round_row_bf16((uint16_t *)(xb + (int64_t)m * steps), x + (int64_t)m * K, K);
 #pragma omp for schedule(static)
         for (int u = 0; u < units; u++) {
             const int first = u * width, last = first + width < num_panels ? first + width : num_panels;
-            const uint16_t *pair[2] = {panels + (int64_t)first * steps * 32,
-                                       last - first == 2 ? panels + (int64_t)(first + 1) * steps * 32 : 0};
+            const void *pair[2] = {panels + (int64_t)first * steps * 32,
+                                   last - first == 2 ? panels + (int64_t)(first + 1) * steps * 32 : 0};
             const float *bias_u = bias ? bias + first * PANEL : 0;
             if (amx) {
-                amx_bf16_unit(y + first * PANEL, xb, pair, bias_u, 0, 0, M, amx, steps, N);
+                amx_bf16_unit(y + first * PANEL, xb, pair, 0, bias_u, 0, 0, M, steps, N, &configured);
                 continue;
             }
             panel_rows_bf16_dot(y + first * PANEL, xb, pair[0], 0, bias_u, 0, 0, M, steps, N);
@@ -1019,13 +1049,15 @@ static void widen_fp8_panel(uint16_t *restrict out, const uint8_t *restrict pane
 int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const float *weight_scales,
                          const float *bias, int M, int N, int K, int act, float static_scale, int threads) {
     const int steps = (K + 1) / 2;
-    const int amx = amx_bf16_depth(M), width = amx ? 2 : 1; /* panels a task takes */
-    const int one_tile = !amx && M <= ROW_TILE_BF16; /* then the bytes widen as they stream: no panel buffer */
+    const int amx = amx_on(), width = amx ? 2 : 1; /* panels a task takes */
+    /* up to one pass of row tiles (vdpbf16ps: one tile of 16 rows; AMX: two blocks) widen the bytes
+     * as they stream; more widen each panel once into the thread's buffer for all their passes */
+    const int stream = M <= (amx ? 2 * AMX_ROWS : ROW_TILE_BF16);
     const int num_panels = N / PANEL, units = (num_panels + width - 1) / width;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * steps + sizeof(float) * (size_t)M);
-    uint16_t *wide = one_tile ? 0 : malloc(sizeof(uint16_t) * 32 * (size_t)steps * width * threads);
+    uint16_t *wide = stream ? 0 : malloc(sizeof(uint16_t) * 32 * (size_t)steps * width * threads);
     const __m512i subnormals = fp8_subnormals_bf16();
-    if (!xb || (!one_tile && !wide)) {
+    if (!xb || (!stream && !wide)) {
         free(xb);
         free(wide);
         return -1;
@@ -1033,8 +1065,8 @@ int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const 
     float *row_scales = (float *)(xb + (size_t)M * steps);
 #pragma omp parallel num_threads(threads)
     {
-        uint16_t *panel_bf16 = one_tile ? 0 : wide + (size_t)32 * steps * width * omp_get_thread_num();
-        if (amx) amx_configure(amx);
+        uint16_t *panel_bf16 = stream ? 0 : wide + (size_t)32 * steps * width * omp_get_thread_num();
+        int configured = 0; /* the thread's tile configuration (amx_use) */
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) row_scales[m] = act == ACT_FP8_STATIC ? static_scale : absmax_of(x + (int64_t)m * K, K);
 #pragma omp single
@@ -1048,24 +1080,25 @@ int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const 
 #pragma omp for schedule(static)
         for (int u = 0; u < units; u++) {
             const int first = u * width, last = first + width < num_panels ? first + width : num_panels;
-            if (one_tile) {
-                panel_rows_bf16_dot(y + first * PANEL, xb, panels + (int64_t)first * steps * 32, &subnormals,
-                                    bias ? bias + first * PANEL : 0, row_scales, weight_scales + first * PANEL, M,
-                                    steps, N);
-                continue;
+            const void *pair[2] = {0, 0};
+            for (int p = first; p < last; p++) {
+                const uint8_t *bytes = panels + (int64_t)p * steps * 32;
+                if (stream) {
+                    pair[p - first] = bytes;
+                    continue;
+                }
+                uint16_t *widened = panel_bf16 + (int64_t)(p - first) * steps * 32;
+                widen_fp8_panel(widened, bytes, steps, subnormals);
+                pair[p - first] = widened;
             }
-            /* several tiles: widen the unit's panels once for all */
-            const uint16_t *pair[2] = {panel_bf16, last - first == 2 ? panel_bf16 + (int64_t)steps * 32 : 0};
-            for (int p = first; p < last; p++)
-                widen_fp8_panel(panel_bf16 + (int64_t)(p - first) * steps * 32, panels + (int64_t)p * steps * 32, steps,
-                                subnormals);
+            const __m512i *fp8 = stream ? &subnormals : 0; /* the pair holds fp8 bytes, else bf16 pairs */
             const float *bias_u = bias ? bias + first * PANEL : 0;
             if (amx)
-                amx_bf16_unit(y + first * PANEL, xb, pair, bias_u, row_scales, weight_scales + first * PANEL, M, amx,
-                              steps, N);
+                amx_bf16_unit(y + first * PANEL, xb, pair, fp8, bias_u, row_scales, weight_scales + first * PANEL, M,
+                              steps, N, &configured);
             else
-                panel_rows_bf16_dot(y + first * PANEL, xb, pair[0], 0, bias_u, row_scales, weight_scales + first * PANEL,
-                                    M, steps, N);
+                panel_rows_bf16_dot(y + first * PANEL, xb, pair[0], fp8, bias_u, row_scales,
+                                    weight_scales + first * PANEL, M, steps, N);
         }
         if (amx) amx_release();
     }

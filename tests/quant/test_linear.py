@@ -90,19 +90,23 @@ def test_int8_panel_kernel_is_the_per_token_reference(k, sizes, m, seed, loud):
         assert rel_err(y[row], ref[row]) < FAST_TOL[torch.float32]
 
 
+needs_fp8_dot = pytest.mark.skipif(not panel_matmul.bf16_dot_available(), reason="no AVX-512 BF16 or no C compiler")
 needs_amx = pytest.mark.skipif(not panel_matmul.use_amx(), reason="no AMX on this CPU (or DRIFTGATE_AMX=0)")
 
 
 @needs_amx
 @pytest.mark.parametrize(("scheme", "k"), [("w8a8", 64), ("w8a8", 100), ("w8a8", 576), ("w4a8-g64", 64),
                                            ("w4a8-g64", 576), ("w4a8-channel", 64), ("w4a8-channel", 576)])
-@pytest.mark.parametrize(("m", "panels"), [(16, 1), (17, 2), (33, 3), (49, 2), (70, 4), (263, 5)])
+@pytest.mark.parametrize(("m", "panels"), [(3, 1), (4, 2), (13, 3), (16, 1), (17, 2), (21, 8), (33, 3), (49, 2),
+                                           (70, 4), (263, 5)])
 def test_int8_amx_route_gives_the_vnni_floats(scheme, k, m, panels, seed=0):
     """AMX tiles and vpdpbusd sum the same int8 products exactly, and both end in the same float
-    steps, so the outputs are equal. Rows 16-70 cover 32- and 16-row tile blocks (49: both) and the rows after
-    them, an odd panel count the unpaired last panel; for W8A8, K = 100 the vpdpbusd steps after the
-    tiles; for W4A8 (tiles only for groups of whole tiles, from 32 rows), groups of 64 columns or whole
-    channels."""
+    steps, so the outputs are equal. Rows: under 16 stay on VNNI; W8A8 takes the tiles from 16 rows,
+    in passes of two 16-row blocks and then the rest in one pass (17: 9 + 8; 49: 32 + 17) (21 rows
+    on 8 panels: each thread's next pair of panels after such a pass); an odd panel count leaves
+    the last panel unpaired; K = 100 ends on vpdpbusd
+    steps after the tiles. W4A8 (tiles only for groups of whole tiles, from 32 rows, its leftover
+    rows on VNNI): groups of 64 columns or whole channels."""
     if scheme == "w8a8":
         quant = preset("w8a8-int8")
     else:
@@ -135,15 +139,17 @@ def _on_both_routes(matmul, x):
 @needs_amx
 @pytest.mark.parametrize("kernel", ["fp8dot", "bf16dot"])
 @pytest.mark.parametrize("k", [7, 64, 100, 576])
-@pytest.mark.parametrize(("m", "panels"), [(3, 1), (4, 2), (13, 3), (16, 1), (17, 2), (33, 3), (49, 2), (70, 4),
-                                           (263, 5)])
+@pytest.mark.parametrize(("m", "panels"), [(3, 1), (4, 2), (13, 3), (16, 1), (17, 2), (21, 8), (33, 3), (49, 2),
+                                           (70, 4), (263, 5)])
 def test_bf16_amx_route_sums_the_same_products(kernel, k, m, panels, seed=0):
     """AMX-BF16 tiles and vdpbf16ps make the same exact products (bf16 values; FP8 rows and weights
     are bf16 values too) but sum them in another order, so each route must be within recursive
     summation's bound of the exact sum, (K + 4) float32 roundings of the products' absolute sum
     (K the terms, 4 the scales and the bias). A lost tile or tail step would miss by a whole product.
-    Rows: 3 stay on the vector route; from 4, blocks of up to 16 (two at a time) and the rows after
-    the last whole block in a block of their own; an odd panel count leaves the last unpaired. K = 7
+    Rows: every count takes the tiles, in passes of two 16-row blocks and then the rest in one pass
+    of one block (up to 16) or two (17: 9 + 8); FP8 from 33 rows on panels widened once, below that
+    a tile at a time. 21 rows on 8 panels: a thread's next pair of panels after a pass of another
+    depth; an odd panel count leaves the last unpaired. K = 7
     and 100 end on vector steps after 0 and 3 tiles (32 k each)."""
     g = torch.Generator().manual_seed(seed)
     n = panel_matmul.PANEL * panels
@@ -166,8 +172,36 @@ def test_bf16_amx_route_sums_the_same_products(kernel, k, m, panels, seed=0):
     bound = (k + 4) * 2.0**-24 * (rows.abs() @ cols.abs().t() + bias.double().abs())
     for y in routes:
         assert ((y.double() - exact).abs() <= bound).all()
-    if k >= 32 and m >= 4:
+    if k >= 32:
         assert not torch.equal(*routes)  # the tiles did run: their sums come in another order
+
+@needs_fp8_dot
+@pytest.mark.parametrize("kernel", ["fp8dot", "bf16dot"])
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_rows_bf16_products_do_not_depend_on_the_other_rows(kernel, amx):
+    """Each row's floats are the same alone and in batches of any size, on either route (the
+    engine's greedy outputs must not depend on the batch): row counts across the streamed and
+    widened FP8 panels, the tiles' blocks and the rows after them."""
+    if amx and not panel_matmul.use_amx():
+        pytest.skip("no AMX on this CPU (or DRIFTGATE_AMX=0)")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 100, generator=g) * 0.05, torch.randn(70, 100, generator=g)
+    if kernel == "fp8dot":
+        scale = w.abs().amax(1, keepdim=True) / 448
+        packed, scales = panel_matmul.pack_fp8_pairs((w / scale).to(torch.float8_e4m3fn), scale)
+        matmul = lambda v: panel_matmul.matmul_fp8_dot(v, packed, scales, panel_matmul.ACT_FP8_TOKEN)  # noqa: E731
+    else:
+        packed = panel_matmul.pack_bf16_pairs(w.bfloat16().float())
+        matmul = lambda v: panel_matmul.matmul(v, packed)  # noqa: E731
+    before = panel_matmul.use_amx()
+    try:
+        panel_matmul.use_amx(amx)
+        whole = matmul(x)
+        for rows in (1, 2, 3, 5, 16, 17, 20, 32, 33, 47):
+            assert torch.equal(matmul(x[-rows:]), whole[-rows:]), rows
+    finally:
+        panel_matmul.use_amx(before)
+
 
 @needs_w8a8_panel
 @quick
@@ -270,9 +304,6 @@ def test_asymmetric_int4_nibbles_compute_exactly_what_folded_int8_panels_do(grou
         assert rel_err(y, x @ dense.t() + bias) < 1e-5
     with pytest.raises(ValueError, match="int4"):
         panel_matmul.pack_int4(q, scale, zero[:1])  # zero points for one row only
-
-
-needs_fp8_dot = pytest.mark.skipif(not panel_matmul.bf16_dot_available(), reason="no AVX-512 BF16 or no C compiler")
 
 
 @pytest.mark.parametrize("kernel", [pytest.param("fp8dot", marks=needs_fp8_dot),
