@@ -1008,12 +1008,12 @@ int panel_matmul_bf16_dot(float *y, const float *x, const uint16_t *panels, cons
  * fp8 weights are exact bf16 products, summed in float32 at twice the fp32 FMA rate, then scaled
  * by the row's and the channel's scale. The weight streams as its fp8 bytes: tasks of up to one
  * row tile widen each step in registers; larger ones widen their panel once into the thread's
- * buffer (in L1/L2) for all their tiles, which from AMX_BF16_LEAST_ROWS rows run on AMX tiles
- * where the CPU has them. SmolLM2's 30 layers of products, 2 threads: 4.8-5.3 / 24 / 146-165 ms at
- * 1 / 32 / 256 rows on an AVX-512 BF16 CPU without AMX, where the fp32 route as it then was (rows
- * rounded through fp8 by torch, then panel_matmul_fp8) took 8.3 / 47 / 341 and the fp32 model's
- * own bf16-valued weights 7.6 / 33 / 247; on a Xeon with AMX, whose vdpbf16ps is slower (10 / 61 /
- * 436 ms), the tiles take 24 / 124 ms at 32 / 256 rows.
+ * buffer (in L1/L2) for all their tiles. Where the CPU has AMX every row count runs on its tiles
+ * instead (amx_bf16_unit). SmolLM2's 30 layers of products, 2 threads: 4.8-5.3 / 24 / 146-165 ms
+ * at 1 / 32 / 256 rows on an AVX-512 BF16 CPU without AMX, where the fp32 route as it then was
+ * (rows rounded through fp8 by torch, then panel_matmul_fp8) took 8.3 / 47 / 341 and the fp32
+ * model's own bf16-valued weights 7.6 / 33 / 247; on a Xeon with AMX, whose vdpbf16ps is slower
+ * (9.4 / 57 / 603 ms), the tiles take 8.5 / 13 / 156.
  *
  * Layout: panels [N / 16, ceil(K / 2), 16, 2] fp8 bytes, as the bf16 pairs above (a zero byte past
  * K); weight_scales [N]. act: ACT_FP8_TOKEN, ACT_FP8_TENSOR or ACT_FP8_STATIC (with static_scale).

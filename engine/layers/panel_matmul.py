@@ -245,11 +245,11 @@ def w8a8_available() -> bool:
 
 
 def use_amx(enabled: bool | None = None) -> bool:
-    """Whether products of 16 rows or more run on AMX tiles: W8A8 and W4A8 (W4A8 where its groups
-    are multiples of 64 columns; from 32 rows) on int8 tiles, the bf16 and FP8 products (FP8 from
-    17 rows) on bf16 tiles; by default where the CPU has them and DRIFTGATE_AMX is not 0.
-    `enabled` turns the route on or off, for comparisons: the int8 outputs are equal either way,
-    the bf16 ones sum the same products in another order; None only asks."""
+    """Whether products run on AMX tiles: W8A8 from 16 rows and W4A8 from 32 (where its groups are
+    multiples of 64 columns) on int8 tiles, the bf16 and FP8 products at every row count (so that
+    a row's floats do not depend on its batch) on bf16 tiles; by default where the CPU has them and
+    DRIFTGATE_AMX is not 0. `enabled` turns the routes on or off, for comparisons: the int8 outputs
+    are equal either way, the bf16 ones sum the same products in another order; None only asks."""
     switch = cpu_kernels.kernel("panel_matmul", "use_amx", (ctypes.c_int,), ctypes.c_int)
     return switch is not None and switch(-1 if enabled is None else int(enabled)) == 1
 
