@@ -2,7 +2,7 @@
  * weights, int8 or fp8 weights with float32 scales per group of input columns (weight-only
  * W8A16 / W4A16, and FP8 with its activations already rounded), int8 or int4 weights times
  * per-token int8 activations (W8A8, W4A8), and, at the end of this file, bf16 or FP8 products on AVX-512 BF16;
- * from 16 rows the int8 and bf16 products run on AMX tiles where the CPU has them.
+ * where the CPU has AMX, the int8 products of many rows and the bf16 ones of any run on its tiles.
  *
  * Decode multiplies a few activation rows by every weight, so the step is bound by how fast the
  * weights stream from memory. oneDNN's blocked layout reached 15–20 GB/s here at 1–8 rows; this
@@ -316,10 +316,11 @@ int panel_matmul_fp8_rounded(float *y, const float *x, const int8_t *panels, con
     return 0;
 }
 
-/* AMX (Intel's tile unit, from Sapphire Rapids on): eight tile registers of 16 rows x 64 bytes and
- * instructions that multiply two of them into a third, 16 rows at a time. W8A8 / W4A8 (int8 tiles)
- * and the bf16 / FP8 dot products (bf16 tiles) take it from 16 rows or more. Linux grants the tile
- * state only to a process that asks; DRIFTGATE_AMX=0 (or `use_amx(0)`) keeps to the vector routes. */
+/* AMX (Intel's tile unit, from Sapphire Rapids on): eight tile registers of up to 16 rows x 64 bytes
+ * and instructions that multiply two of them into a third. W8A8 from 16 rows and W4A8 from 32 take
+ * its int8 tiles, the bf16 / FP8 dot products its bf16 tiles at every row count. Linux grants the
+ * tile state only to a process that asks; DRIFTGATE_AMX=0 (or `use_amx(0)`) keeps to the vector
+ * routes. */
 enum { AMX_ROWS = 16, AMX_DEPTH = 64 }; /* a tile: 16 rows of 64 bytes */
 
 /* The next pass over `left` rows of a unit, r0 rows (returned; 0: none) and r1: two blocks of 16
@@ -391,7 +392,6 @@ static inline void amx_use(int *current, int r0, int r1) {
         *current = r0 * 64 + r1;
     }
 }
-
 
 static void amx_release(void) { _tile_release(); }
 
@@ -630,6 +630,7 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
  * lie (W4A8's nibbles are unpacked into it), so prefill-sized products need no other layout, and
  * the integers, hence the floats after the shared epilogues, are the VNNI route's exactly. */
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+enum { AMX_INT8_BUILT = 1 };
 
 /* The weight tile for k .. k + 63 of a panel: W8A8's bytes as they lie, or W4A8's 8 nibble
  * blocks unpacked into `buffer`. */
@@ -699,6 +700,7 @@ static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, 
 }
 
 #else
+enum { AMX_INT8_BUILT = 0 };
 static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, const uint8_t *panels[2],
                           const int32_t *sums, const float *scales, const float *bias, int m, int r0, int r1, int K,
                           int N, int G, int nibbles) {}
@@ -740,7 +742,7 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
      * (its weight tiles are unpacked per pass: at 16 rows VNNI was faster, 6.0 vs 6.8 ms), the rows
      * after them on VNNI; W8A8 from 16 rows, every row (at 4-8 rows VNNI was faster: 8.6-9.1 against
      * 9.9-10.2 ms for SmolLM2's layers). The integers are the same either way. */
-    const int amx = M >= (nibbles ? 2 : 1) * AMX_ROWS && (!nibbles || G % AMX_DEPTH == 0) && amx_on();
+    const int amx = AMX_INT8_BUILT && M >= (nibbles ? 2 : 1) * AMX_ROWS && (!nibbles || G % AMX_DEPTH == 0) && amx_on();
     const int width = amx ? 2 : 1; /* panels a task takes */
 #pragma omp parallel num_threads(threads)
     {
@@ -908,6 +910,8 @@ static inline __attribute__((always_inline)) void panel_rows_bf16_dot(float *y_p
 enum { AMX_BF16_STEPS = AMX_DEPTH / 4 }; /* k pairs a tile holds */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+enum { AMX_BF16_BUILT = 1 };
+
 /* The weight tile for steps s .. s + 15 of a panel: bf16 pairs as they lie, or, with `subnormals`,
  * fp8 byte pairs widened into `buffer` as they stream. */
 static inline __attribute__((always_inline)) const uint16_t *amx_bf16_weight_tile(const void *panel, int s,
@@ -953,6 +957,7 @@ static void amx_bf16_pass(float *y, const uint32_t *xb, const void *panels[2], c
     }
 }
 #else
+enum { AMX_BF16_BUILT = 0 };
 static void amx_bf16_pass(float *y, const uint32_t *xb, const void *panels[2], const __m512i *subnormals,
                           const float *bias, const float *row_scales, const float *col_scales, int m, int r0, int r1,
                           int steps, int N) {}
@@ -978,7 +983,7 @@ int panel_matmul_bf16_dot(float *y, const float *x, const uint16_t *panels, cons
     const int steps = (K + 1) / 2;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * steps);
     if (!xb) return -1;
-    const int amx = amx_on(), width = amx ? 2 : 1; /* panels a task takes */
+    const int amx = AMX_BF16_BUILT && amx_on(), width = amx ? 2 : 1; /* panels a task takes */
     const int num_panels = N / PANEL, units = (num_panels + width - 1) / width;
 #pragma omp parallel num_threads(threads)
     {
@@ -1049,7 +1054,7 @@ static void widen_fp8_panel(uint16_t *restrict out, const uint8_t *restrict pane
 int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const float *weight_scales,
                          const float *bias, int M, int N, int K, int act, float static_scale, int threads) {
     const int steps = (K + 1) / 2;
-    const int amx = amx_on(), width = amx ? 2 : 1; /* panels a task takes */
+    const int amx = AMX_BF16_BUILT && amx_on(), width = amx ? 2 : 1; /* panels a task takes */
     /* up to one pass of row tiles (vdpbf16ps: one tile of 16 rows; AMX: two blocks) widen the bytes
      * as they stream; more widen each panel once into the thread's buffer for all their passes */
     const int stream = M <= (amx ? 2 * AMX_ROWS : ROW_TILE_BF16);
