@@ -15,8 +15,8 @@ run so the machine's noise lands on all of them:
             16 rows where the CPU has them, and kept to vpdpbusd (the two give equal floats);
 - `w4a8` / `w4a8-vnni`: the same with int4 weights in groups of 64 columns (the W4A8 kernel);
 - `fp8` / `fp8-avx512` (CPUs with AVX-512 BF16): FP8 W8A8, e4m3 weights per channel times rows
-            rounded to fp8 per token, multiplied as bf16 values on AMX-BF16 tiles from 17 rows
-            where the CPU has them, and kept to vdpbf16ps;
+            rounded to fp8 per token, multiplied as bf16 values on AMX-BF16 tiles (every row
+            count) where the CPU has them, and kept to vdpbf16ps;
 - `bf16-dot` / `bf16-dot-avx512`: bf16 weights times rows rounded to bf16 (a quantized
             checkpoint's unquantized Linears), on the same two routes.
 

@@ -98,7 +98,7 @@ class DenseLinear(nn.Module):
         return dense_matmul(x, self.weight, self.bias)
 
 
-# the CPU kernels that run batches of several rows on AMX tiles where the CPU has them
+# the CPU kernels that run on AMX tiles where the CPU has them (the int8 ones from 16 or 32 rows)
 AMX_KERNELS = frozenset({"w8a8panel", "w4a8panel", "fp8dot", "bf16dot"})
 
 
@@ -109,10 +109,10 @@ def matmul_kernels(model: nn.Module) -> dict[str, int]:
 
 
 def describe_kernels(kernels: dict[str, int]) -> str:
-    """`matmul_kernels` as a start-up line: "fp8dot x120, bf16dot x1; batches on AMX tiles"."""
+    """`matmul_kernels` as a start-up line: "fp8dot x120, bf16dot x1; on AMX tiles ..."."""
     text = ", ".join(f"{name} x{count}" for name, count in sorted(kernels.items(), key=lambda kv: -kv[1]))
     if AMX_KERNELS & kernels.keys() and panel_matmul.use_amx():
-        text += "; batches on AMX tiles (DRIFTGATE_AMX=0: off)"
+        text += "; on AMX tiles (DRIFTGATE_AMX=0: off)"
     return text
 
 
