@@ -104,9 +104,9 @@ def test_int8_amx_route_gives_the_vnni_floats(scheme, k, m, panels, seed=0):
     steps, so the outputs are equal. Rows: under 16 stay on VNNI; W8A8 takes the tiles from 16 rows,
     in passes of two 16-row blocks and then the rest in one pass (17: 9 + 8; 49: 32 + 17) (21 rows
     on 8 panels: each thread's next pair of panels after such a pass); an odd panel count leaves
-    the last panel unpaired; K = 100 ends on vpdpbusd
-    steps after the tiles. W4A8 (tiles only for groups of whole tiles, from 32 rows, its leftover
-    rows on VNNI): groups of 64 columns or whole channels."""
+    the last panel unpaired; K = 100 ends on vpdpbusd steps after the tiles. W4A8 (tiles only for
+    groups of whole tiles, from 32 rows, its leftover rows on VNNI): groups of 64 columns or whole
+    channels."""
     if scheme == "w8a8":
         quant = preset("w8a8-int8")
     else:
@@ -124,6 +124,20 @@ def test_int8_amx_route_gives_the_vnni_floats(scheme, k, m, panels, seed=0):
         assert panel_matmul.use_amx(True)
     assert torch.equal(on_tiles, on_vnni)
 
+
+def _dot_product(kernel: str, w: torch.Tensor, bias: torch.Tensor | None = None):
+    """x → x Wᵀ + b on the FP8 product kernel (W rounded to e4m3 per channel, rows to fp8 per token)
+    or the bf16 one (W rounded to bf16, rows to bf16), with the weight's values and scales as a
+    float64 [N, K] for the exact reference."""
+    if kernel == "fp8dot":
+        scale = w.abs().amax(1, keepdim=True) / 448
+        weight = (w / scale).to(torch.float8_e4m3fn)
+        packed, scales = panel_matmul.pack_fp8_pairs(weight, scale)
+        return (lambda v: panel_matmul.matmul_fp8_dot(v, packed, scales, panel_matmul.ACT_FP8_TOKEN, bias=bias),
+                weight.double() * scale.double())
+    weight = w.bfloat16().float()
+    packed = panel_matmul.pack_bf16_pairs(weight)
+    return lambda v: panel_matmul.matmul(v, packed, bias), weight.double()
 
 
 def _on_both_routes(matmul, x):
@@ -149,25 +163,16 @@ def test_bf16_amx_route_sums_the_same_products(kernel, k, m, panels, seed=0):
     Rows: every count takes the tiles, in passes of two 16-row blocks and then the rest in one pass
     of one block (up to 16) or two (17: 9 + 8); FP8 from 33 rows on panels widened once, below that
     a tile at a time. 21 rows on 8 panels: a thread's next pair of panels after a pass of another
-    depth; an odd panel count leaves the last unpaired. K = 7
-    and 100 end on vector steps after 0 and 3 tiles (32 k each)."""
+    depth; an odd panel count leaves the last unpaired. K = 7 and 100 end on vector steps after 0
+    and 3 tiles (32 k each)."""
     g = torch.Generator().manual_seed(seed)
     n = panel_matmul.PANEL * panels
     w = torch.randn(n, k, generator=g) * 0.05
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     x[0] *= 100.0
-    if kernel == "fp8dot":
-        scale = w.abs().amax(1, keepdim=True) / 448
-        weight = (w / scale).to(torch.float8_e4m3fn)
-        packed, scales = panel_matmul.pack_fp8_pairs(weight, scale)
-        routes = _on_both_routes(lambda v: panel_matmul.matmul_fp8_dot(v, packed, scales, panel_matmul.ACT_FP8_TOKEN,
-                                                                       bias=bias), x)
-        rows, cols = fake_quantize_fp8(x, fp8_scale(x, "token")).double(), weight.double() * scale.double()
-    else:
-        weight = w.bfloat16().float()
-        packed = panel_matmul.pack_bf16_pairs(weight)
-        routes = _on_both_routes(lambda v: panel_matmul.matmul(v, packed, bias), x)
-        rows, cols = x.bfloat16().double(), weight.double()
+    matmul, cols = _dot_product(kernel, w, bias)
+    routes = _on_both_routes(matmul, x)
+    rows = (fake_quantize_fp8(x, fp8_scale(x, "token")) if kernel == "fp8dot" else x.bfloat16()).double()
     exact = rows @ cols.t() + bias.double()
     bound = (k + 4) * 2.0**-24 * (rows.abs() @ cols.abs().t() + bias.double().abs())
     for y in routes:
@@ -175,24 +180,17 @@ def test_bf16_amx_route_sums_the_same_products(kernel, k, m, panels, seed=0):
     if k >= 32:
         assert not torch.equal(*routes)  # the tiles did run: their sums come in another order
 
+
 @needs_fp8_dot
 @pytest.mark.parametrize("kernel", ["fp8dot", "bf16dot"])
-@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("amx", [pytest.param(True, marks=needs_amx), False])
 def test_a_rows_bf16_products_do_not_depend_on_the_other_rows(kernel, amx):
     """Each row's floats are the same alone and in batches of any size, on either route (the
     engine's greedy outputs must not depend on the batch): row counts across the streamed and
     widened FP8 panels, the tiles' blocks and the rows after them."""
-    if amx and not panel_matmul.use_amx():
-        pytest.skip("no AMX on this CPU (or DRIFTGATE_AMX=0)")
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(48, 100, generator=g) * 0.05, torch.randn(70, 100, generator=g)
-    if kernel == "fp8dot":
-        scale = w.abs().amax(1, keepdim=True) / 448
-        packed, scales = panel_matmul.pack_fp8_pairs((w / scale).to(torch.float8_e4m3fn), scale)
-        matmul = lambda v: panel_matmul.matmul_fp8_dot(v, packed, scales, panel_matmul.ACT_FP8_TOKEN)  # noqa: E731
-    else:
-        packed = panel_matmul.pack_bf16_pairs(w.bfloat16().float())
-        matmul = lambda v: panel_matmul.matmul(v, packed)  # noqa: E731
+    matmul, _ = _dot_product(kernel, w)
     before = panel_matmul.use_amx()
     try:
         panel_matmul.use_amx(amx)
