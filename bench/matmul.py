@@ -41,6 +41,7 @@ from bench.output import plot_kernels, save_result
 from bench.steps import positive_ints
 from engine.layers import panel_matmul
 from engine.models.llama import LlamaArgs
+from quant.fp8 import fp8_scale, quantize_fp8
 from quant.int_quant import compute_qparams, quantize_int
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,8 +77,8 @@ def _w4a8_layout(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, ...]:
 
 def _fp8_layout(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """e4m3 weights with a scale per channel, packed for the FP8 product kernel."""
-    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
-    return panel_matmul.pack_fp8_pairs((w / scale).to(torch.float8_e4m3fn), scale)
+    scale = fp8_scale(w, "channel")
+    return panel_matmul.pack_fp8_pairs(quantize_fp8(w, scale), scale)
 
 
 def _fp8_per_token(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

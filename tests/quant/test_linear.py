@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from engine.layers import panel_matmul
 from quant.checkpoint import quantize_weight
-from quant.fp8 import fake_quantize_fp8, fp8_scale
+from quant.fp8 import fake_quantize_fp8, fp8_scale, quantize_fp8
 from quant.linear import Fp8Linear, Int8Linear, WeightOnlyIntLinear, make_quantized_linear
 from quant.schemes import QuantArgs, QuantScheme, preset
 from tests.helpers import cpu_kernels_off
@@ -130,8 +130,8 @@ def _dot_product(kernel: str, w: torch.Tensor, bias: torch.Tensor | None = None)
     or the bf16 one (W rounded to bf16, rows to bf16), with the weight's values and scales as a
     float64 [N, K] for the exact reference."""
     if kernel == "fp8dot":
-        scale = w.abs().amax(1, keepdim=True) / 448
-        weight = (w / scale).to(torch.float8_e4m3fn)
+        scale = fp8_scale(w, "channel")
+        weight = quantize_fp8(w, scale)
         packed, scales = panel_matmul.pack_fp8_pairs(weight, scale)
         return (lambda v: panel_matmul.matmul_fp8_dot(v, packed, scales, panel_matmul.ACT_FP8_TOKEN, bias=bias),
                 weight.double() * scale.double())
