@@ -62,6 +62,26 @@ def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed, bf16_v
     torch.testing.assert_close(layer(strided), F.linear(strided, weight, b), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("bf16_values", [False, True])
+@pytest.mark.parametrize("out_features", [48, 64])
+def test_a_rows_products_do_not_depend_on_the_other_rows(bf16_values, out_features):
+    """Each row's floats are the same alone and in batches of any size (the engine's greedy
+    outputs must not depend on the batch): whole row tiles and every leftover count, fp32 and
+    bf16 panels, and every batch is the plain Linear's product."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(out_features, 100, generator=g), torch.randn(out_features, generator=g)
+    if bf16_values:
+        weight = weight.bfloat16().float()
+    panels = panel_matmul.pack(weight)
+    assert panels.dtype == (torch.bfloat16 if bf16_values else torch.float32)
+    x = torch.randn(110, 100, generator=g)
+    whole = panel_matmul.matmul(x, panels, bias)
+    torch.testing.assert_close(whole, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    for rows in (1, 7, 8, 15, 16, 17, 24, 35, 47, 48, 61, 100):
+        assert torch.equal(panel_matmul.matmul(x[-rows:], panels, bias), whole[-rows:]), rows
+
+
 @needs_bf16_dot
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 40), in_features=st.sampled_from([1, 7, 8, 37, 96]),
