@@ -175,44 +175,41 @@ void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const f
     panel_matmul(y, x, panels, bias, M, N, K, threads, 1);
 }
 
-/* The int8 tile: fewer rows than ROW_TILE so that CHAINS independent accumulators per row fit
- * the registers. With one chain a row's FMAs wait on each other (4 cycles per 16 weights), which
- * is 12 GB/s per core on int8 weights: slower than memory. */
+/* The weight-only tile (int8, fp8 and int4 panels): CHAINS independent accumulators per row,
+ * chain c summing a group's columns c, c + CHAINS, ... With one chain a row's FMAs wait on each
+ * other (4 cycles per 16 weights), which is 12 GB/s per core on int8 weights: slower than memory.
+ * Every tile, whatever its rows, has the same CHAINS, so a row's floats do not depend on how many
+ * rows share its call (greedy outputs must not depend on the batch). Until session 34 tiles of
+ * 1-7 rows had 4 chains and tiles of 8 had 2; 2 everywhere costs nothing at 1 row on SmolLM2's
+ * shapes and is 15-25% faster at 4-7 rows. */
+#define CHAINS 2
 #ifdef __AVX512F__
-#define ROW_TILE_I8 4
-#define CHAINS 4
-/* From 8 rows up, tiles of 8 rows with 2 chains: each widened weight vector then serves twice
- * the rows, which is what limits the int8 and fp8 kernels at batch sizes where FMAs, not memory, bound. */
-#define WIDE_ROW_TILE_I8 8
-#define WIDE_CHAINS 2
+#define ROW_TILE_I8 8
 #else
 #define ROW_TILE_I8 2
-#define CHAINS 2
-#define WIDE_ROW_TILE_I8 ROW_TILE_I8
-#define WIDE_CHAINS CHAINS
 #endif
 
 /* As row_tile, on int8 / fp8 / int4 panels: each group of input columns sums on its own, then is
  * scaled. For int4 the group is a multiple of 4 (engine/layers/panel_matmul.py checks), so the
- * chains (2 or 4) always start on a byte and the one-column tail loop never runs. With zero
+ * chains always start on a byte and the one-column tail loop never runs. With zero
  * points each widened weight has its group's zero subtracted: the same floats, in the same
  * order, as int8 panels holding q - zero, at half the bytes. */
 static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y, const float *restrict x,
                                                               const int8_t *restrict panel, const float *scales,
                                                               const float *zeros, const float *bias, int rows,
-                                                              int K, int N, int group, int format, int chains) {
+                                                              int K, int N, int group, int format) {
     const int row_bytes = panel_row_bytes(format);
-    panel_vec total[WIDE_ROW_TILE_I8];
+    panel_vec total[ROW_TILE_I8];
     for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
     for (int k0 = 0; k0 < K; k0 += group, scales += PANEL, zeros += format == WEIGHTS_INT4_ZERO ? PANEL : 0) {
         const panel_vec zero = format == WEIGHTS_INT4_ZERO ? *(const panel_vec *)zeros : (panel_vec){0};
-        panel_vec acc[CHAINS][WIDE_ROW_TILE_I8];
-        for (int c = 0; c < chains; c++)
+        panel_vec acc[CHAINS][ROW_TILE_I8];
+        for (int c = 0; c < CHAINS; c++)
             for (int i = 0; i < rows; i++) acc[c][i] = (panel_vec){0};
         int k = k0;
-        for (; k + chains <= k0 + group; k += chains, panel += chains * row_bytes) {
+        for (; k + CHAINS <= k0 + group; k += CHAINS, panel += CHAINS * row_bytes) {
             __builtin_prefetch(panel + PREFETCH_BYTES);
-            for (int c = 0; c < chains; c++) {
+            for (int c = 0; c < CHAINS; c++) {
                 panel_vec w = widen(panel, c, format);
                 if (format == WEIGHTS_INT4_ZERO) w -= zero;
                 for (int i = 0; i < rows; i++) acc[c][i] += x[(int64_t)i * K + k + c] * w;
@@ -225,7 +222,7 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
         panel_vec scale = *(const panel_vec *)scales;
         for (int i = 0; i < rows; i++) {
             panel_vec sum = acc[0][i];
-            for (int c = 1; c < chains; c++) sum += acc[c][i];
+            for (int c = 1; c < CHAINS; c++) sum += acc[c][i];
             total[i] += sum * scale;
         }
     }
@@ -234,7 +231,7 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
 }
 
 #define TAIL_I8(r) case r: row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, zeros_p, bias_p, \
-                                       r, K, N, group, format, CHAINS); break;
+                                       r, K, N, group, format); break;
 
 static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, const float *x, const int8_t *panels,
                                                                     const float *scales, const float *zeros,
@@ -249,16 +246,13 @@ static inline __attribute__((always_inline)) void panel_matmul_8bit(float *y, co
         const float *bias_p = bias ? bias + p * PANEL : 0;
         float *y_p = y + p * PANEL;
         int m = 0;
-        for (; m + WIDE_ROW_TILE_I8 <= M; m += WIDE_ROW_TILE_I8)
-            row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, zeros_p, bias_p,
-                        WIDE_ROW_TILE_I8, K, N, group, format, WIDE_CHAINS);
         for (; m + ROW_TILE_I8 <= M; m += ROW_TILE_I8)
             row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, zeros_p, bias_p, ROW_TILE_I8,
-                        K, N, group, format, CHAINS);
+                        K, N, group, format);
         switch (M - m) {
             TAIL_I8(1)
 #if ROW_TILE_I8 > 2
-            TAIL_I8(2) TAIL_I8(3)
+            TAIL_I8(2) TAIL_I8(3) TAIL_I8(4) TAIL_I8(5) TAIL_I8(6) TAIL_I8(7)
 #endif
             default: break;
         }

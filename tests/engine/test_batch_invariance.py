@@ -62,7 +62,7 @@ def _checkpoint(tmp_path, scheme: str | None):
                             tensors=quantized_tensors(source, preset(scheme), kv=False))
 
 
-SCHEMES = [None, "fp8-dynamic", pytest.param("w8a8-int8", marks=pytest.mark.skipif(
+SCHEMES = [None, "fp8-dynamic", "w8a16", "w4a16", "w4a16-asym", pytest.param("w8a8-int8", marks=pytest.mark.skipif(
     not panel_matmul.w8a8_available(), reason="the W8A8 kernel needs AVX-512 VNNI"))]
 
 

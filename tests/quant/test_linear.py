@@ -304,6 +304,31 @@ def test_asymmetric_int4_nibbles_compute_exactly_what_folded_int8_panels_do(grou
         panel_matmul.pack_int4(q, scale, zero[:1])  # zero points for one row only
 
 
+@needs_int8_panel
+@pytest.mark.parametrize("weights", ["int8", "int4", "int4-zero", "fp8"])
+def test_a_rows_weight_only_products_do_not_depend_on_the_other_rows(weights):
+    """W8A16, W4A16 (with and without zero points) and weight-only FP8: each row's floats are the
+    same alone and in batches of any size (the engine's greedy outputs must not depend on the
+    batch): every row count across the 8-row tiles and the 1-7 rows after them."""
+    n, k, group = 48, 128, 32
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(n, k // group, generator=g) + 0.05
+    if weights == "fp8":
+        weight = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+        matmul, packed = panel_matmul.matmul_fp8, panel_matmul.pack_fp8(weight, scale)
+    elif weights == "int8":
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        matmul, packed = panel_matmul.matmul_int8, panel_matmul.pack_int8(weight, scale)
+    else:
+        zero = torch.randint(-8, 8, (n, k // group), dtype=torch.int8, generator=g) if weights == "int4-zero" else None
+        weight = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+        matmul, packed = panel_matmul.matmul_int4, panel_matmul.pack_int4(weight, scale, zero)
+    x = torch.randn(41, k, generator=g)
+    whole = matmul(x, *packed)
+    for rows in range(1, 41):
+        assert torch.equal(matmul(x[-rows:], *packed), whole[-rows:]), rows
+
+
 @pytest.mark.parametrize("kernel", [pytest.param("fp8dot", marks=needs_fp8_dot),
                                     pytest.param("fp8panel", marks=needs_int8_panel)])
 @quick
