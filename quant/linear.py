@@ -630,7 +630,7 @@ class Int8Linear(_IntWeightLinear):
         s = _token_scales(x2d)
         xq = torch.round(x2d / s).clamp(-127, 127) * s
         weight = getattr(self, "weight_dense", None)
-        y = F.linear(xq, self.dequantized_weight() if weight is None else weight)
+        y = dense_matmul(xq, self.dequantized_weight() if weight is None else weight)  # prepacked on CPU
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

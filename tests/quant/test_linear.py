@@ -70,6 +70,19 @@ def test_fast_forward_matches_reference(shape, dtype, name, seed):
     assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[dtype]
 
 
+def test_w4a8_off_its_kernel_runs_prepacked():
+    """A W4A8 weight the W4A8 kernel does not take (its group wider than K here; every W4A8 weight
+    on a CPU without AVX-512 VNNI) runs the oracle over the weight dequantized once, which the
+    serving engine lays out in panels: the oracle must still multiply by it, to the same result."""
+    module, _ = build(preset("w4a8"), 64, [16, 32])
+    assert module.kernel == "reference"
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    before = module(x)
+    module.prepack()
+    assert module.weight_dense.dim() == (3 if panel_matmul.int8_available() else 2)
+    assert rel_err(module(x), before) < 1e-6
+
+
 needs_w8a8_panel = pytest.mark.skipif(not panel_matmul.w8a8_available(), reason="no AVX-512 VNNI or no C compiler")
 
 
