@@ -62,8 +62,10 @@ def _checkpoint(tmp_path, scheme: str | None):
                             tensors=quantized_tensors(source, preset(scheme), kv=False))
 
 
-SCHEMES = [None, "fp8-dynamic", "w8a16", "w4a16", "w4a16-asym", pytest.param("w8a8-int8", marks=pytest.mark.skipif(
-    not panel_matmul.w8a8_available(), reason="the W8A8 kernel needs AVX-512 VNNI"))]
+# w4a8's groups of 128 do not fit the tiny model's 64 columns: it runs the oracle on prepacked weights
+SCHEMES = [None, "fp8-dynamic", "fp8-static", "w8a16", "w4a16", "w4a16-asym", "w4a8", "mxfp4a16",
+           pytest.param("w8a8-int8", marks=pytest.mark.skipif(not panel_matmul.w8a8_available(),
+                                                              reason="the W8A8 kernel needs AVX-512 VNNI"))]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
