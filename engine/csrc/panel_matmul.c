@@ -179,9 +179,8 @@ void panel_matmul_bf16(float *y, const float *x, const uint16_t *panels, const f
  * chain c summing a group's columns c, c + CHAINS, ... With one chain a row's FMAs wait on each
  * other (4 cycles per 16 weights), which is 12 GB/s per core on int8 weights: slower than memory.
  * Every tile, whatever its rows, has the same CHAINS, so a row's floats do not depend on how many
- * rows share its call (greedy outputs must not depend on the batch). Until session 34 tiles of
- * 1-7 rows had 4 chains and tiles of 8 had 2; 2 everywhere costs nothing at 1 row on SmolLM2's
- * shapes and is 15-25% faster at 4-7 rows. */
+ * rows share its call (greedy outputs must not depend on the batch); 4 chains for 1-7 rows broke
+ * that and were no faster (bench/README.md, "Weight-only int8/int4"). */
 #define CHAINS 2
 #ifdef __AVX512F__
 #define ROW_TILE_I8 8
