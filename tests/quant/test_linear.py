@@ -342,6 +342,25 @@ def test_a_rows_weight_only_products_do_not_depend_on_the_other_rows(weights):
         assert torch.equal(matmul(x[-rows:], *packed), whole[-rows:]), rows
 
 
+@needs_w8a8_panel
+@pytest.mark.parametrize("weights", ["w8a8", "w4a8"])
+def test_a_rows_int8_activation_products_do_not_depend_on_the_other_rows(weights):
+    """W8A8 and W4A8 on VNNI (and on AMX tiles from 16 / 32 rows where the CPU has them): each
+    row's floats are the same alone and in batches of 1-40 rows."""
+    n, k = 48, 128
+    g = torch.Generator().manual_seed(0)
+    if weights == "w8a8":
+        panels, sums = panel_matmul.pack_w8a8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
+        matmul, packed = panel_matmul.matmul_w8a8, (panels, sums, torch.rand(n, generator=g) + 0.05)
+    else:
+        q, scale = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g), torch.rand(n, 2, generator=g) + 0.05
+        matmul, packed = panel_matmul.matmul_w4a8, panel_matmul.pack_w4a8(q, scale)
+    x = torch.randn(40, k, generator=g)
+    whole = matmul(x, *packed)
+    for rows in range(1, 40):
+        assert torch.equal(matmul(x[-rows:], *packed), whole[-rows:]), rows
+
+
 @pytest.mark.parametrize("kernel", [pytest.param("fp8dot", marks=needs_fp8_dot),
                                     pytest.param("fp8panel", marks=needs_int8_panel)])
 @quick
