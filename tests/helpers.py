@@ -221,3 +221,11 @@ def cpu_kernels_off() -> Iterator[None]:
         else:
             os.environ["DRIFTGATE_CPU_KERNELS"] = before
         cpu_kernels.kernel.cache_clear()
+
+
+def assert_rows_do_not_depend_on_the_batch(matmul, x: torch.Tensor, row_counts, *weights) -> None:
+    """`matmul(rows, *weights)` gives the last `rows` of x the floats the whole of x gave them (a
+    sequence's greedy outputs must not depend on what shares its batch)."""
+    whole = matmul(x, *weights)
+    for rows in row_counts:
+        assert torch.equal(matmul(x[-rows:], *weights), whole[-rows:]), rows

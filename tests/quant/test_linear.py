@@ -21,7 +21,7 @@ from quant.checkpoint import quantize_weight
 from quant.fp8 import fake_quantize_fp8, fp8_scale, quantize_fp8
 from quant.linear import Fp8Linear, Int8Linear, WeightOnlyIntLinear, make_quantized_linear
 from quant.schemes import QuantArgs, QuantScheme, preset
-from tests.helpers import cpu_kernels_off
+from tests.helpers import assert_rows_do_not_depend_on_the_batch, cpu_kernels_off
 from tests.quant.hyp import quick
 
 FAST_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -207,9 +207,7 @@ def test_a_rows_bf16_products_do_not_depend_on_the_other_rows(kernel, amx):
     before = panel_matmul.use_amx()
     try:
         panel_matmul.use_amx(amx)
-        whole = matmul(x)
-        for rows in (1, 2, 3, 5, 16, 17, 20, 32, 33, 47):
-            assert torch.equal(matmul(x[-rows:]), whole[-rows:]), rows
+        assert_rows_do_not_depend_on_the_batch(matmul, x, (1, 2, 3, 5, 16, 17, 20, 32, 33, 47))
     finally:
         panel_matmul.use_amx(before)
 
@@ -336,10 +334,7 @@ def test_a_rows_weight_only_products_do_not_depend_on_the_other_rows(weights):
         zero = torch.randint(-8, 8, (n, k // group), dtype=torch.int8, generator=g) if weights == "int4-zero" else None
         weight = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
         matmul, packed = panel_matmul.matmul_int4, panel_matmul.pack_int4(weight, scale, zero)
-    x = torch.randn(41, k, generator=g)
-    whole = matmul(x, *packed)
-    for rows in range(1, 41):
-        assert torch.equal(matmul(x[-rows:], *packed), whole[-rows:]), rows
+    assert_rows_do_not_depend_on_the_batch(matmul, torch.randn(41, k, generator=g), range(1, 41), *packed)
 
 
 @needs_w8a8_panel
@@ -355,10 +350,7 @@ def test_a_rows_int8_activation_products_do_not_depend_on_the_other_rows(weights
     else:
         q, scale = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g), torch.rand(n, 2, generator=g) + 0.05
         matmul, packed = panel_matmul.matmul_w4a8, panel_matmul.pack_w4a8(q, scale)
-    x = torch.randn(40, k, generator=g)
-    whole = matmul(x, *packed)
-    for rows in range(1, 40):
-        assert torch.equal(matmul(x[-rows:], *packed), whole[-rows:]), rows
+    assert_rows_do_not_depend_on_the_batch(matmul, torch.randn(40, k, generator=g), range(1, 40), *packed)
 
 
 @pytest.mark.parametrize("kernel", [pytest.param("fp8dot", marks=needs_fp8_dot),
