@@ -580,8 +580,8 @@ class Int8Linear(_IntWeightLinear):
     - Other CPUs: fbgemm's dynamic int8 GEMM, which quantizes its input per tensor to 7 bits
       (``reduce_range``, which avoids int16 saturation on AVX2). To keep one loud token from
       flattening every other row of a batch, rows are first divided by their own absmax and the
-      output rows multiplied back: the result no longer depends on batch composition, at about
-      twice the per-token rounding error.
+      output rows multiplied back, at about twice the per-token rounding error; a last row of -1
+      and +1 pins the range fbgemm picks to [-1, 1], so each row's floats do not depend on the batch.
     - CUDA: per-token quantization and ``torch._int_mm`` (in and out multiples of 8; other
       shapes run the oracle).
     """
@@ -606,6 +606,8 @@ class Int8Linear(_IntWeightLinear):
         else:
             self.kernel = "fbgemm"
             self._packed = _fbgemm_prepack(self.qweight, self.weight_scale[:, 0])
+            self._range_row = torch.zeros(1, self.input_size)
+            self._range_row[0, 0], self._range_row[0, -1] = -1.0, 1.0
 
     def _build_int4(self) -> None:
         group = self.scheme.weights.group_size or self.input_size
@@ -651,11 +653,10 @@ class Int8Linear(_IntWeightLinear):
                 xq = F.pad(xq, (0, 0, 0, 17 - m))
             acc = torch._int_mm(xq, self.qweight.t())[:m]  # [M, out] int32
             y = acc.float() * s * self.weight_scale.t()
-        elif x2d.shape[0] == 1:  # one row: fbgemm's per-tensor scale already is per token
-            y = torch.ops.quantized.linear_dynamic(x2d, self._packed, True)
         else:
             row_scale = x2d.abs().amax(-1, keepdim=True).clamp_(min=_EPS)  # [M, 1]
-            y = torch.ops.quantized.linear_dynamic(x2d / row_scale, self._packed, True).mul_(row_scale)
+            rows = torch.cat([x2d / row_scale, self._range_row])
+            y = torch.ops.quantized.linear_dynamic(rows, self._packed, True)[:-1].mul_(row_scale)
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
 

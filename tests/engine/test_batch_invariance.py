@@ -13,6 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.layers import cpu_attention, panel_matmul
+from engine.layers.linear import matmul_kernels
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
 from quant.schemes import preset
@@ -64,16 +65,10 @@ def _checkpoint(tmp_path, scheme: str | None):
 
 # w4a8's groups of 128 do not fit the tiny model's 64 columns: it runs the oracle on prepacked weights
 SCHEMES = [None, "fp8-dynamic", "fp8-static", "w8a16", "w4a16", "w4a16-asym", "w4a8", "mxfp4a16",
-           pytest.param("w8a8-int8", marks=pytest.mark.skipif(not panel_matmul.w8a8_available(),
-                                                              reason="the W8A8 kernel needs AVX-512 VNNI"))]
+           "w8a8-int8"]  # on the VNNI kernel where the CPU has it, else on fbgemm
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_greedy_outputs_do_not_depend_on_the_batch(tmp_path, threads, scheme):
-    """Four prompts decoded together give each one's tokens and logprobs decoded alone, exactly:
-    at two threads a lone sequence's context is spread over both, in a batch each walks its own."""
-    threads(2)
-    llm = LLM(str(_checkpoint(tmp_path, scheme)), enable_prefix_caching=False)
+def _assert_greedy_outputs_alone_equal_together(llm: LLM) -> None:
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (150, 90, 200, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -84,6 +79,25 @@ def test_greedy_outputs_do_not_depend_on_the_batch(tmp_path, threads, scheme):
     together = decoded(llm.generate(prompts, params, use_tqdm=False))
     alone = [decoded(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_outputs_do_not_depend_on_the_batch(tmp_path, threads, scheme):
+    """Four prompts decoded together give each one's tokens and logprobs decoded alone, exactly:
+    at two threads a lone sequence's context is spread over both, in a batch each walks its own."""
+    threads(2)
+    _assert_greedy_outputs_alone_equal_together(LLM(str(_checkpoint(tmp_path, scheme)), enable_prefix_caching=False))
+
+
+def test_w8a8_on_fbgemm_does_not_depend_on_the_batch(tmp_path, threads, monkeypatch):
+    """CPUs without AVX-512 VNNI run W8A8 on fbgemm, which quantizes its whole input to one range:
+    pinned to [-1, 1] (rows over their absmax, and a row holding both), a row's outputs are the
+    same alone and in a batch (they were not before: checked with an AVX2 build)."""
+    monkeypatch.setattr(panel_matmul, "w8a8_fits", lambda n, k: False)
+    threads(2)
+    llm = LLM(str(_checkpoint(tmp_path, "w8a8-int8")), enable_prefix_caching=False)
+    assert set(matmul_kernels(llm.engine.model)) == {"fbgemm"}
+    _assert_greedy_outputs_alone_equal_together(llm)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
