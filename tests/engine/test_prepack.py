@@ -69,13 +69,12 @@ def test_packed_linear_equals_plain(rows, in_features, sizes, bias, seed, bf16_v
 
 @needs_kernel
 @pytest.mark.parametrize("bf16_values", [False, True])
-@pytest.mark.parametrize("out_features", [48, 64])
-def test_a_rows_products_do_not_depend_on_the_other_rows(bf16_values, out_features):
+def test_a_rows_products_do_not_depend_on_the_other_rows(bf16_values):
     """Each row's floats are the same alone and in batches of any size (the engine's greedy
     outputs must not depend on the batch): whole row tiles and every leftover count, fp32 and
     bf16 panels, and every batch is the plain Linear's product."""
     g = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(out_features, 100, generator=g), torch.randn(out_features, generator=g)
+    weight, bias = torch.randn(48, 100, generator=g), torch.randn(48, generator=g)
     if bf16_values:
         weight = weight.bfloat16().float()
     panels = panel_matmul.pack(weight)
