@@ -10,10 +10,13 @@ run so the machine's noise lands on all of them:
 - `panel-f32`: the same kernel on float32 panels (what a checkpoint with fp32 weights gets);
 - `onednn`: torch's oneDNN linear on its blocked prepacked weight (the engine's previous layout);
 - `linear`: `F.linear` on the plain row-major weight;
-- `w8a8` / `w8a8-vnni` (CPUs with AVX-512 VNNI): the weight quantized to int8 per channel, each
-            row to int8 per token (engine/csrc/panel_matmul.c's W8A8 kernel), on AMX tiles from
-            16 rows where the CPU has them, and kept to vpdpbusd (the two give equal floats);
+- `w8a8` (CPUs with AVX2): the weight quantized to int8 per channel, each row to int8 per token
+            (engine/csrc/panel_matmul.c's W8A8 kernel: vpdpbusd with AVX-512 VNNI, else
+            pmaddubsw); where the CPU has AMX, `w8a8` takes its tiles from 16 rows and
+            `w8a8-vnni` keeps to vpdpbusd (the two give equal floats);
 - `w4a8` / `w4a8-vnni`: the same with int4 weights in groups of 64 columns (the W4A8 kernel);
+- `fbgemm`: torch's dynamic int8 linear (what `torch.ao.quantization.quantize_dynamic` gives) on
+            the same int8 weight, its input quantized per tensor to 7 bits;
 - `fp8` / `fp8-avx512` (CPUs with AVX-512 BF16): FP8 W8A8, e4m3 weights per channel times rows
             rounded to fp8 per token, multiplied as bf16 values on AMX-BF16 tiles (every row
             count) where the CPU has them, and kept to vdpbf16ps;
@@ -21,7 +24,7 @@ run so the machine's noise lands on all of them:
             checkpoint's unquantized Linears), on the same two routes.
 
 Each contender's output is checked against `F.linear` before it is timed (to 1e-4, or to the
-rounding's 3% for W8A8, 15% for W4A8, 10% for FP8 and 2% for bf16 rows).
+rounding's 3% for W8A8, 5% for fbgemm, 15% for W4A8, 10% for FP8 and 2% for bf16 rows).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,6 +73,20 @@ def _w8a8_layout(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return panels, sums, scale[:, 0].contiguous()
 
 
+def _fbgemm_layout(w: torch.Tensor) -> torch.Tensor:
+    """The same RTN int8 weights per channel, prepacked for fbgemm."""
+    scale, _ = compute_qparams(w, 8, group_size=None, symmetric=True)
+    q = quantize_int(w, scale, None, 8, group_size=None)
+    with warnings.catch_warnings():  # the quantized-tensor API is deprecated upstream, still fbgemm's door
+        warnings.simplefilter("ignore")
+        packed = torch._make_per_channel_quantized_tensor(q, scale[:, 0].double(), torch.zeros(len(q), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(packed, None)
+
+
+def _fbgemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x, packed, True)
+
+
 def _w4a8_layout(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, ...]:
     """RTN symmetric int4 weights per group of `group` input columns, packed for the W4A8 kernel."""
     scale, _ = compute_qparams(w, 4, group_size=group, symmetric=True)
@@ -93,7 +111,7 @@ def _on_route(kernel: Callable[..., torch.Tensor], amx: bool) -> Matmul:
 
 
 # the rounding of weights (int8, int4) and rows (int8); the rest 1e-4
-TOLERANCE = {"w8a8": 3e-2, "w8a8-vnni": 3e-2, "w4a8": 0.15, "w4a8-vnni": 0.15, "fp8": 0.1, "fp8-avx512": 0.1,
+TOLERANCE = {"w8a8": 3e-2, "w8a8-vnni": 3e-2, "fbgemm": 5e-2, "w4a8": 0.15, "w4a8-vnni": 0.15, "fp8": 0.1, "fp8-avx512": 0.1,
              "bf16-dot": 2e-2, "bf16-dot-avx512": 2e-2}
 
 
@@ -112,7 +130,11 @@ def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Mat
                                      ("w4a8", _w4a8_layout, panel_matmul.matmul_w4a8)):
             if panel_matmul.use_amx():
                 out[name] = (layout, _on_route(kernel, amx=True))
-            out[f"{name}-vnni"] = (layout, _on_route(kernel, amx=False))
+                out[f"{name}-vnni"] = (layout, _on_route(kernel, amx=False))
+            else:
+                out[name] = (layout, lambda x, packed, kernel=kernel: kernel(x, *packed))
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        out["fbgemm"] = (_fbgemm_layout, _fbgemm)
     if panel_matmul.bf16_dot_available():
         for name, layout, kernel in (("fp8", _fp8_layout, _fp8_per_token),
                                      ("bf16-dot", lambda w: (panel_matmul.pack_bf16_pairs(w),), panel_matmul.matmul)):
@@ -173,7 +195,9 @@ def _time_contenders(args: argparse.Namespace, contenders: dict, plain: list[tor
     return rows_out
 
 
-def _nbytes(weight: torch.Tensor | tuple[torch.Tensor, ...]) -> int:
+def _nbytes(weight: torch.Tensor | tuple[torch.Tensor, ...] | torch.ScriptObject) -> int:
+    if isinstance(weight, torch.ScriptObject):  # fbgemm's packed weight: its int8 values
+        weight = torch.ops.quantized.linear_unpack(weight)[0].int_repr()
     parts = weight if isinstance(weight, tuple) else (weight,)
     return sum(t.numel() * t.element_size() for t in parts)
 

@@ -15,7 +15,6 @@ covers every shard layout. The kernel is picked for the device the module sits o
 from __future__ import annotations
 
 import abc
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -553,37 +552,21 @@ def _token_scales(x2d: torch.Tensor) -> torch.Tensor:
     return (x2d.abs().amax(-1, keepdim=True) / 127).clamp(min=_EPS)
 
 
-def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fbgemm's packed per-channel int8 weight (qweight int8 [out, in], scale fp32 [out])."""
-    with warnings.catch_warnings():
-        # The quantized-tensor API is deprecated upstream, but it is the only door to fbgemm's
-        # dynamic int8 GEMM, still the fastest linear on AVX2 CPUs.
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        qt = torch._make_per_channel_quantized_tensor(
-            qweight.cpu(), scale.double().cpu(), torch.zeros_like(scale, dtype=torch.long).cpu(), 0
-        )
-        return torch.ops.quantized.linear_prepack(qt, None)
-
-
 class Int8Linear(_IntWeightLinear):
     """W8A8 / W4A8 INT (``int-quantized``): symmetric int8 weights per channel, or int4 weights per
     channel or group, dynamic per-token int8 inputs.
 
-    The oracle quantizes each token with scale absmax/127 (vLLM's runtime kernel). Int4 weights run
-    on ``panel_matmul_w4a8`` (AVX-512 VNNI: the W8A8 products on nibble panels, each group's
-    integer dot scaled by its scale), elsewhere on the oracle over the weight dequantized once.
-    Int8 kernels:
-    - CPU with AVX-512 VNNI: ``panel_matmul_w8a8`` (engine/csrc/panel_matmul.c) quantizes each
-      row exactly as the oracle does and multiplies in integers: the oracle up to fp32 rounding
-      of the final scaling, and faster than fbgemm at every batch size measured here.
-    - Other CPUs: fbgemm's dynamic int8 GEMM, which quantizes its input per tensor to 7 bits
-      (``reduce_range``, which avoids int16 saturation on AVX2). To keep one loud token from
-      flattening every other row of a batch, rows are first divided by their own absmax and the
-      output rows multiplied back, at about twice the per-token rounding error; a last row of -1
-      and +1 pins the range fbgemm picks to [-1, 1], so each row's floats do not depend on the batch.
-    - CUDA: per-token quantization and ``torch._int_mm`` (in and out multiples of 8; other
-      shapes run the oracle).
+    The oracle quantizes each token with scale absmax/127 (vLLM's runtime kernel). Kernels:
+    - CPU (AVX2 and up): ``panel_matmul_w8a8`` (engine/csrc/panel_matmul.c) quantizes each row
+      exactly as the oracle does and multiplies in integers: the oracle up to fp32 rounding of
+      the final scaling, the same floats with or without AVX-512 VNNI. Int4 weights run on
+      ``panel_matmul_w4a8``: the same products on nibble panels, each group's integer dot scaled
+      by its scale.
+    - CUDA: per-token quantization and ``torch._int_mm`` (in and out multiples of 8).
+    - Elsewhere (other shapes, other CPUs, act-order int4) the oracle, over the weight
+      dequantized once. (fbgemm's dynamic int8 GEMM, which torch offers on CPUs, quantizes its
+      whole input to one 7-bit range: a loud token flattens its batch's other rows, and a row's
+      floats depend on what shares its batch.)
     """
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
@@ -593,21 +576,16 @@ class Int8Linear(_IntWeightLinear):
         self.register_buffer("g_idx", merged["g_idx"], persistent=False)  # [in] | None
         if self.scheme.weights.is_int4:
             self._build_int4()
-        elif self.qweight.is_cuda:
-            # cuBLASLt int8 GEMM needs in and out multiples of 8; otherwise run the oracle.
-            dims_ok = self.input_size % 8 == 0 and self.output_size % 8 == 0
-            self.kernel = "int_mm" if dims_ok else "reference"
-        elif panel_matmul.w8a8_fits(self.output_size, self.input_size):
+        elif self.qweight.is_cuda and self.input_size % 8 == 0 and self.output_size % 8 == 0:
+            self.kernel = "int_mm"  # cuBLASLt's int8 GEMM needs in and out multiples of 8
+        elif not self.qweight.is_cuda and panel_matmul.w8a8_fits(self.output_size, self.input_size):
             self.kernel = "w8a8panel"
             panels, sums = panel_matmul.pack_w8a8(self.qweight)
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_sums", sums, persistent=False)
             self.register_buffer("kernel_scales", self.weight_scale[:, 0].contiguous(), persistent=False)
         else:
-            self.kernel = "fbgemm"
-            self._packed = _fbgemm_prepack(self.qweight, self.weight_scale[:, 0])
-            self._range_row = torch.zeros(1, self.input_size)
-            self._range_row[0, 0], self._range_row[0, -1] = -1.0, 1.0
+            self._use_reference()
 
     def _build_int4(self) -> None:
         group = self.scheme.weights.group_size or self.input_size
@@ -620,8 +598,11 @@ class Int8Linear(_IntWeightLinear):
             self.register_buffer("kernel_sums", sums, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
         else:
-            self.kernel = "reference"
-            self.register_buffer("weight_dense", self.dequantized_weight(), persistent=False)
+            self._use_reference()
+
+    def _use_reference(self) -> None:
+        self.kernel = "reference"
+        self.register_buffer("weight_dense", self.dequantized_weight(), persistent=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int(self.qweight, self.weight_scale, None, group_size=self.scheme.weights.group_size,
@@ -645,18 +626,13 @@ class Int8Linear(_IntWeightLinear):
             y = panel_matmul.matmul_w8a8(x, self.kernel_weight, self.kernel_sums, self.kernel_scales, self.bias)
             return y.to(x.dtype)
         x2d = x.reshape(-1, self.input_size).float()
-        if self.kernel == "int_mm":
-            s = _token_scales(x2d)
-            xq = torch.round(x2d / s).clamp(-127, 127).to(torch.int8)
-            m = xq.shape[0]
-            if m <= 16:  # _int_mm on CUDA needs more than 16 rows
-                xq = F.pad(xq, (0, 0, 0, 17 - m))
-            acc = torch._int_mm(xq, self.qweight.t())[:m]  # [M, out] int32
-            y = acc.float() * s * self.weight_scale.t()
-        else:
-            row_scale = x2d.abs().amax(-1, keepdim=True).clamp_(min=_EPS)  # [M, 1]
-            rows = torch.cat([x2d / row_scale, self._range_row])
-            y = torch.ops.quantized.linear_dynamic(rows, self._packed, True)[:-1].mul_(row_scale)
+        s = _token_scales(x2d)
+        xq = torch.round(x2d / s).clamp(-127, 127).to(torch.int8)
+        m = xq.shape[0]
+        if m <= 16:  # _int_mm on CUDA needs more than 16 rows
+            xq = F.pad(xq, (0, 0, 0, 17 - m))
+        acc = torch._int_mm(xq, self.qweight.t())[:m]  # [M, out] int32
+        y = acc.float() * s * self.weight_scale.t()
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
 

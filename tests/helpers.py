@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -206,21 +206,46 @@ def quantized_tensors(source_dir: Path, scheme, scale_dtype: torch.dtype | None 
 
 
 @contextmanager
-def cpu_kernels_off() -> Iterator[None]:
-    """Run the block with the engine's C kernels disabled (DRIFTGATE_CPU_KERNELS=0): the torch paths."""
+def _kernel_env(name: str, value: str) -> Iterator[None]:
+    """Run the block with environment variable `name` set to `value`, the C kernels loaded anew."""
     from engine.layers import cpu_kernels
 
-    before = os.environ.get("DRIFTGATE_CPU_KERNELS")
-    os.environ["DRIFTGATE_CPU_KERNELS"] = "0"
+    before = os.environ.get(name)
+    os.environ[name] = value
     cpu_kernels.kernel.cache_clear()
     try:
         yield
     finally:
         if before is None:
-            del os.environ["DRIFTGATE_CPU_KERNELS"]
+            del os.environ[name]
         else:
-            os.environ["DRIFTGATE_CPU_KERNELS"] = before
+            os.environ[name] = before
         cpu_kernels.kernel.cache_clear()
+
+
+def cpu_kernels_off() -> AbstractContextManager[None]:
+    """Run the block with the engine's C kernels disabled (DRIFTGATE_CPU_KERNELS=0): the torch paths."""
+    return _kernel_env("DRIFTGATE_CPU_KERNELS", "0")
+
+
+# what each -march the tests build for needs of the CPU that runs it (/proc/cpuinfo's names)
+MARCH_NEEDS = {"haswell": {"avx2", "fma", "bmi1", "bmi2", "movbe", "f16c"},
+               "skylake-avx512": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}}
+
+
+def cpu_runs(march: str) -> bool:
+    """Whether this CPU runs code built with -march=`march` (one of MARCH_NEEDS)."""
+    try:
+        flags = {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                 for f in line.split(":", 1)[1].split()}
+    except OSError:
+        return False
+    return MARCH_NEEDS[march] <= flags
+
+
+def cpu_kernels_built_for(march: str) -> AbstractContextManager[None]:
+    """Run the block on C kernels built for another CPU (DRIFTGATE_CPU_MARCH), which this one must run."""
+    return _kernel_env("DRIFTGATE_CPU_MARCH", march)
 
 
 def assert_rows_do_not_depend_on_the_batch(matmul, x: torch.Tensor, row_counts, *weights) -> None:

@@ -142,7 +142,7 @@ static int base_linear(const Linear *l, float *y, const float *x, float *staging
         else
             panel_matmul_i4(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);
         return STEP_OK;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef W8A8_KERNELS
     case LINEAR_W8A8:
         return panel_matmul_w8a8(y, x, l->weight, l->sums, l->scales, l->bias, rows, l->n, l->k, threads);
     case LINEAR_W4A8:

@@ -434,48 +434,156 @@ int use_amx(int on) {
 #endif
 
 /* W8A8: int8 weights per output channel, activations quantized per row (token) to int8 here, an
- * exact integer dot product on AVX-512 VNNI (vpdpbusd: 64 int8 products per instruction, four
- * times the fp32 FMA rate), then y = dot · row scale · channel scale + bias. This is the
+ * exact integer dot product, then y = dot · row scale · channel scale + bias. This is the
  * arithmetic of vLLM's per-token dynamic int8 kernel, rounding included (x / scale rounded half
- * to even, scale = absmax / 127 clamped to FLT_EPSILON).
+ * to even, scale = absmax / 127 clamped to FLT_EPSILON). The integers come from AVX-512 VNNI's
+ * vpdpbusd (64 int8 products per instruction, four times the fp32 FMA rate) where the CPU has it,
+ * elsewhere from pmaddubsw (AVX2, or AVX-512 without VNNI; see dot4): every route sums the same
+ * integers, so its floats are the same on every x86 CPU from AVX2 on.
  *
  * Layouts:
  *   panels [N / 16, K / 4, 16, 4] int8: panel p, step s, lane j holds W[16p + j][4s .. 4s + 3]
  *   bias_sums [N] int32: 128 · Σ_k W[n][k] (vpdpbusd multiplies unsigned bytes, so rows are
- *                        stored as x_q + 128 and this term is taken back off)
+ *                        stored as x_q + 128 and this term is taken back off; see dot4)
  *   weight_scales [N] float32
  * K must be a multiple of 4 and N of 16.
  */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
+#define W8A8_KERNELS /* panel_matmul_w8a8 and panel_matmul_w4a8 are built (decode_step.c asks) */
 
 int w8a8_available(void) { return 1; }
 
-/* One row to unsigned bytes x_q + 128; returns the row's scale. */
+/* 64 bytes of a panel step: 16 int32 sums, or 16 lanes x 4 int8 weights. In one register with
+ * AVX-512; with AVX2 in two (GCC's 64-byte vector types would pass through memory there). */
+#if defined(__AVX512F__)
+typedef __m512i lanes;
+
+static inline __attribute__((always_inline)) lanes lanes_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline __attribute__((always_inline)) lanes lanes_zero(void) { return _mm512_setzero_si512(); }
+static inline __attribute__((always_inline)) lanes lanes_add(lanes a, lanes b) { return _mm512_add_epi32(a, b); }
+
+/* a - b as floats */
+static inline __attribute__((always_inline)) panel_vec lanes_difference(lanes a, lanes b) {
+    return (panel_vec)_mm512_cvtepi32_ps(_mm512_sub_epi32(a, b));
+}
+
+/* One 64-byte block of nibbles → the two steps it holds (q = nibble - 8): low nibbles are
+ * k .. k + 3, high ones k + 4 .. k + 7. */
+static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, lanes *first, lanes *second) {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8), both = lanes_load(block);
+    *first = _mm512_sub_epi8(_mm512_and_si512(both, low_nibbles), eight);
+    *second = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles), eight);
+}
+#else
+typedef struct {
+    __m256i lo, hi;
+} lanes;
+
+static inline __attribute__((always_inline)) lanes lanes_load(const void *p) {
+    return (lanes){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+}
+static inline __attribute__((always_inline)) lanes lanes_zero(void) {
+    return (lanes){_mm256_setzero_si256(), _mm256_setzero_si256()};
+}
+static inline __attribute__((always_inline)) lanes lanes_add(lanes a, lanes b) {
+    return (lanes){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)};
+}
+
+static inline __attribute__((always_inline)) panel_vec lanes_difference(lanes a, lanes b) {
+    union { panel_vec v; __m256 half[2]; } u;
+    u.half[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(a.lo, b.lo));
+    u.half[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(a.hi, b.hi));
+    return u.v;
+}
+
+static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, lanes *first, lanes *second) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    const lanes both = lanes_load(block);
+    *first = (lanes){_mm256_sub_epi8(_mm256_and_si256(both.lo, low_nibbles), eight),
+                     _mm256_sub_epi8(_mm256_and_si256(both.hi, low_nibbles), eight)};
+    *second = (lanes){_mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(both.lo, 4), low_nibbles), eight),
+                      _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(both.hi, 4), low_nibbles), eight)};
+}
+#endif
+
+/* acc plus one row's four activation bytes (as an int32) times a 16-lane, 4-deep step of weights.
+ * dot_start(sums) is where a sum starts, so that each route's sum, less the sums the epilogues
+ * take off (128 · Σ w), is Σ x_q · w. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+enum { ACTIVATION_OFFSET = 128 }; /* vpdpbusd multiplies unsigned bytes */
+
+static inline __attribute__((always_inline)) lanes dot4(lanes acc, int32_t four, lanes w) {
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four), w);
+}
+
+static inline __attribute__((always_inline)) lanes dot_start(const int32_t *sums) {
+    (void)sums;
+    return lanes_zero();
+}
+#else
+/* Without VNNI, pmaddubsw multiplies unsigned by signed bytes into int16 pairs, which x_q + 128
+ * would overflow. Instead |w| times x_q with w's sign: each pair is at most 2 · 128 · 127, which
+ * fits; pmaddwd then adds the pairs into the int32 lanes. That is Σ x_q · w, so the sum starts at
+ * the 128 · Σ w the epilogue takes off. */
+enum { ACTIVATION_OFFSET = 0 };
+
+static inline __attribute__((always_inline)) lanes dot_start(const int32_t *sums) { return lanes_load(sums); }
+
+#if defined(__AVX512BW__)
+static inline __attribute__((always_inline)) lanes dot4(lanes acc, int32_t four, lanes w) {
+    const __m512i q = _mm512_set1_epi32(four);
+    const __m512i signed_q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q);
+    const __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_q);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+#else
+static inline __attribute__((always_inline)) __m256i dot4_half(__m256i acc, __m256i q, __m256i w) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) lanes dot4(lanes acc, int32_t four, lanes w) {
+    const __m256i q = _mm256_set1_epi32(four);
+    return (lanes){dot4_half(acc.lo, q, w.lo), dot4_half(acc.hi, q, w.hi)};
+}
+#endif
+#endif
+
+/* One row to bytes x_q + ACTIVATION_OFFSET; returns the row's scale. Plain C the compiler
+ * vectorizes for any width: the absmax compares the magnitudes' bit patterns, which for floats
+ * order as their values do. */
 static float quantize_row(uint8_t *restrict out, const float *restrict x, int K) {
-    __m512 vmax = _mm512_setzero_ps();
-    int k = 0;
-    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    float absmax = _mm512_reduce_max_ps(vmax);
-    for (; k < K; k++) absmax = fmaxf(absmax, fabsf(x[k]));
-    float scale = fmaxf(absmax / 127.0f, FLT_EPSILON);
-    __m512 vscale = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    __m512i offset = _mm512_set1_epi32(128);
-    for (k = 0; k + 16 <= K; k += 16) {
-        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), vscale),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-        __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), offset);
-        _mm_storeu_si128((__m128i *)(out + k), _mm512_cvtepi32_epi8(u));
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t max_bits = 0;
+    for (int k = 0; k < K; k++) {
+        const uint32_t magnitude = bits[k] & 0x7FFFFFFFu;
+        max_bits = magnitude > max_bits ? magnitude : max_bits;
     }
-    for (; k < K; k++) out[k] = (uint8_t)((int)fminf(fmaxf(nearbyintf(x[k] / scale), -127.0f), 127.0f) + 128);
+    float absmax;
+    __builtin_memcpy(&absmax, &max_bits, sizeof absmax);
+    const float scale = fmaxf(absmax / 127.0f, FLT_EPSILON);
+    for (int k = 0; k < K; k++) {
+        int q = (int)nearbyintf(x[k] / scale);
+        q = q > -127 ? q : -127; /* clamped as integers, which vectorizes to vpmaxsd, vpminsd */
+        q = q < 127 ? q : 127;
+        out[k] = (uint8_t)(q + ACTIVATION_OFFSET);
+    }
     return scale;
 }
 
 /* W8A8_ROW_BLOCK: rows per block of a prefill-sized product (a multiple of ROW_TILE_W8A8). Every
  * panel reads all rows' int8 activations, which at 2048 rows (1.2-3 MB) spill from L2; panels
  * sweeping one block at a time ran a layer's four products at 593-609 GOP/s against 554-571
- * (2048 rows, best of 25, alternated three times on a busy host). */
-enum { ROW_TILE_W8A8 = 8, W8A8_CHAINS = 2, W8A8_ROW_BLOCK = 256 };
+ * (2048 rows, best of 25, alternated three times on a busy host). With AVX2 an accumulator takes
+ * two of the 16 registers: 4 rows and one chain. */
+#ifdef __AVX512F__
+#define ROW_TILE_W8A8 8
+#define W8A8_CHAINS 2
+#else
+#define ROW_TILE_W8A8 4
+#define W8A8_CHAINS 1
+#endif
+enum { W8A8_ROW_BLOCK = 256 };
 
 /* The W8A8 kernel's next panel, fetched a cache line per k-step by this task's first row tiles, so
  * it is in cache when its own first tile starts. At 32 decode rows a panel serves four 8-row
@@ -501,81 +609,74 @@ static inline void lookahead_step(Lookahead *ahead) {
 
 /* The 16 sums of one panel's W8A8 epilogue, loaded once for every row that ends there. */
 typedef struct {
-    __m512i bias_sums;
-    __m512 weight_scales, bias;
+    lanes bias_sums;
+    panel_vec weight_scales, bias;
 } W8A8Epilogue;
 
 static inline __attribute__((always_inline)) W8A8Epilogue w8a8_epilogue(const int32_t *bias_sums,
                                                                         const float *weight_scales, const float *bias) {
-    return (W8A8Epilogue){_mm512_loadu_si512((const void *)bias_sums), _mm512_loadu_ps(weight_scales),
-                          bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps()};
+    return (W8A8Epilogue){lanes_load(bias_sums), *(const panel_vec *)weight_scales,
+                          bias ? *(const panel_vec *)bias : (panel_vec){0}};
 }
 
 /* y[0..15] = (acc - 128 · row sums) · channel scales · row scale + bias: every W8A8 route ends here,
  * so the same integers give the same floats whichever instructions summed them. */
-static inline __attribute__((always_inline)) void store_w8a8_row(float *y, __m512i acc, W8A8Epilogue e,
+static inline __attribute__((always_inline)) void store_w8a8_row(float *y, lanes acc, W8A8Epilogue e,
                                                                 float row_scale) {
-    const __m512i dot = _mm512_sub_epi32(acc, e.bias_sums);
-    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), e.weight_scales), _mm512_set1_ps(row_scale));
-    _mm512_storeu_ps(y, _mm512_add_ps(v, e.bias));
+    *(panel_vec *)y = lanes_difference(acc, e.bias_sums) * e.weight_scales * row_scale + e.bias;
 }
 
 static inline __attribute__((always_inline)) void row_tile_w8a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const int8_t *restrict panel,
     const int32_t *bias_sums, const float *weight_scales, const float *bias, int rows, int K, int N,
     Lookahead *ahead) {
-    __m512i acc[W8A8_CHAINS][ROW_TILE_W8A8];
-    for (int c = 0; c < W8A8_CHAINS; c++)
-        for (int i = 0; i < rows; i++) acc[c][i] = _mm512_setzero_si512();
+    lanes acc[W8A8_CHAINS][ROW_TILE_W8A8];
+    for (int i = 0; i < rows; i++) {
+        acc[0][i] = dot_start(bias_sums);
+        for (int c = 1; c < W8A8_CHAINS; c++) acc[c][i] = lanes_zero();
+    }
     int k = 0;
     for (; k + 4 * W8A8_CHAINS <= K; k += 4 * W8A8_CHAINS, panel += 64 * W8A8_CHAINS) {
         lookahead_step(ahead);
         for (int c = 0; c < W8A8_CHAINS; c++) {
             __builtin_prefetch(panel + 2 * PREFETCH_BYTES + 64 * c);  /* each step is one cache line */
-            __m512i w = _mm512_loadu_si512((const void *)(panel + 64 * c));
+            const lanes w = lanes_load(panel + 64 * c);
             for (int i = 0; i < rows; i++) {
                 int32_t four;
                 __builtin_memcpy(&four, xq + (int64_t)i * K + k + 4 * c, 4);
-                acc[c][i] = _mm512_dpbusd_epi32(acc[c][i], _mm512_set1_epi32(four), w);
+                acc[c][i] = dot4(acc[c][i], four, w);
             }
         }
     }
     for (; k < K; k += 4, panel += 64) {
-        __m512i w = _mm512_loadu_si512((const void *)panel);
+        const lanes w = lanes_load(panel);
         for (int i = 0; i < rows; i++) {
             int32_t four;
             __builtin_memcpy(&four, xq + (int64_t)i * K + k, 4);
-            acc[0][i] = _mm512_dpbusd_epi32(acc[0][i], _mm512_set1_epi32(four), w);
+            acc[0][i] = dot4(acc[0][i], four, w);
         }
     }
     const W8A8Epilogue e = w8a8_epilogue(bias_sums, weight_scales, bias);
-    for (int i = 0; i < rows; i++) store_w8a8_row(y + (int64_t)i * N, _mm512_add_epi32(acc[0][i], acc[1][i]), e, row_scales[i]);
+    for (int i = 0; i < rows; i++) {
+        for (int c = 1; c < W8A8_CHAINS; c++) acc[0][i] = lanes_add(acc[0][i], acc[c][i]);
+        store_w8a8_row(y + (int64_t)i * N, acc[0][i], e, row_scales[i]);
+    }
 }
 
 /* W4A8's float steps, shared by every route so that the same integers give the same floats: a
  * group's integer dot, less 128 times its weight sum, times its scales onto the running total;
  * then the row's scale and the bias. */
-static inline __attribute__((always_inline)) __m512 w4a8_add_group(__m512 total, __m512i acc, __m512i sums,
-                                                                   __m512 scale) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, sums)), scale, total);
+static inline __attribute__((always_inline)) panel_vec w4a8_add_group(panel_vec total, lanes acc, lanes sums,
+                                                                      panel_vec scale) {
+    return lanes_difference(acc, sums) * scale + total;
 }
 
-static inline __attribute__((always_inline)) __m512 w4a8_row(__m512 total, float row_scale, __m512 bias) {
-    return _mm512_fmadd_ps(total, _mm512_set1_ps(row_scale), bias);
-}
-
-/* One 64-byte block of nibbles → the two VNNI steps it holds (q = nibble - 8): low nibbles are
- * k .. k + 3, high ones k + 4 .. k + 7. */
-static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, __m512i *first,
-                                                                  __m512i *second) {
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-    const __m512i both = _mm512_loadu_si512((const void *)block);
-    *first = _mm512_sub_epi8(_mm512_and_si512(both, low_nibbles), eight);
-    *second = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles), eight);
+static inline __attribute__((always_inline)) panel_vec w4a8_row(panel_vec total, float row_scale, panel_vec bias) {
+    return total * row_scale + bias;
 }
 
 /* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
- * the same per-token int8 activations and vpdpbusd products as W8A8; the integer dot of each
+ * the same per-token int8 activations and integer products as W8A8; the integer dot of each
  * group is scaled by its group's scales before the next group adds in, and the row scale comes
  * last:  y = (Σ_g s_g · (Σ_{k∈g} x_q[k] · q[k])) · row scale + b.  Half W8A8's weight bytes, which
  * decode streams once a step; the arithmetic llama.cpp's 4-bit formats use with 8-bit activations.
@@ -583,7 +684,7 @@ static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t 
  * Layouts:
  *   panels [N / 16, K / 8, 64] uint8: panel p, block b, lane j, byte t holds u[16p + j][8b + t] in
  *          its low nibble and u[16p + j][8b + 4 + t] in its high one (t = 0..3), u = q + 8 in 0..15
- *   group_sums [N / 16, K / G, 16] int32: 128 · Σ_{k∈g} q[n][k] (rows are stored as x_q + 128)
+ *   group_sums [N / 16, K / G, 16] int32: 128 · Σ_{k∈g} q[n][k] (as W8A8's bias_sums)
  *   group_scales [N / 16, K / G, 16] float32
  * K and the group size G must be multiples of 8 (G = K: per channel), N of 16.
  */
@@ -591,30 +692,29 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const uint8_t *restrict panel,
     const int32_t *group_sums, const float *group_scales, const float *bias, int rows, int K, int N, int G,
     Lookahead *ahead) {
-    __m512 total[ROW_TILE_W8A8];
-    __m512i acc[ROW_TILE_W8A8];
-    for (int i = 0; i < rows; i++) total[i] = _mm512_setzero_ps();
+    panel_vec total[ROW_TILE_W8A8];
+    lanes acc[ROW_TILE_W8A8];
+    for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
     for (int g = 0; g < K / G; g++) {
-        for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_si512();
+        const int32_t *sums = group_sums + g * PANEL;
+        for (int i = 0; i < rows; i++) acc[i] = dot_start(sums);
         for (int k = g * G; k < (g + 1) * G; k += 8, panel += 64) {
             lookahead_step(ahead);
             __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
-            __m512i first, second;
+            lanes first, second;
             unpack_w4_block(panel, &first, &second);
             for (int i = 0; i < rows; i++) {
                 int32_t lo, hi;
                 __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
                 __builtin_memcpy(&hi, xq + (int64_t)i * K + k + 4, 4);
-                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(lo), first);
-                acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(hi), second);
+                acc[i] = dot4(dot4(acc[i], lo, first), hi, second);
             }
         }
-        const __m512i sums = _mm512_loadu_si512((const void *)(group_sums + g * PANEL));
-        const __m512 scale = _mm512_loadu_ps(group_scales + g * PANEL);
-        for (int i = 0; i < rows; i++) total[i] = w4a8_add_group(total[i], acc[i], sums, scale);
+        const panel_vec scale = *(const panel_vec *)(group_scales + g * PANEL);
+        for (int i = 0; i < rows; i++) total[i] = w4a8_add_group(total[i], acc[i], lanes_load(sums), scale);
     }
-    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (int64_t)i * N, w4a8_row(total[i], row_scales[i], b));
+    const panel_vec b = bias ? *(const panel_vec *)bias : (panel_vec){0};
+    for (int i = 0; i < rows; i++) *(panel_vec *)(y + (int64_t)i * N) = w4a8_row(total[i], row_scales[i], b);
 }
 
 /* AMX-INT8's tdpbusd multiplies a 16 x 64 tile of unsigned activation bytes by a 64 x 16 tile of
@@ -622,7 +722,7 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
  * vpdpbusd's arithmetic, 16 rows at a time. That weight tile is 16 steps of a W8A8 panel as they
  * lie (W4A8's nibbles are unpacked into it), so prefill-sized products need no other layout, and
  * the integers, hence the floats after the shared epilogues, are the VNNI route's exactly. */
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
 enum { AMX_INT8_BUILT = 1 };
 
 /* The weight tile for k .. k + 63 of a panel: W8A8's bytes as they lie, or W4A8's 8 nibble
@@ -631,7 +731,7 @@ static inline const int8_t *amx_weight_tile(const uint8_t *panel, int k, int nib
     if (!nibbles) return (const int8_t *)panel + (int64_t)k * PANEL;
     const uint8_t *blocks = panel + (int64_t)k * PANEL / 2;
     for (int b = 0; b < AMX_DEPTH / 8; b++) {
-        __m512i first, second;
+        lanes first, second;
         unpack_w4_block(blocks + 64 * b, &first, &second);
         _mm512_store_si512((void *)buffer[2 * b], first);
         _mm512_store_si512((void *)buffer[2 * b + 1], second);
@@ -648,7 +748,7 @@ static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, 
                           int N, int G, int nibbles) {
     int32_t tiles[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
     int8_t unpacked[2][AMX_ROWS][64] __attribute__((aligned(64)));
-    __m512 total[2][2 * AMX_ROWS];
+    panel_vec total[2][2 * AMX_ROWS];
     const int deep = K / AMX_DEPTH * AMX_DEPTH, two_panels = panels[1] != 0, groups = K / G;
     /* what is summed in int32 before the floats: each W4A8 group, or all of W8A8's whole tiles */
     const int passes = nibbles ? groups : 1, span = nibbles ? G : deep, rows = r0 + r1;
@@ -661,31 +761,27 @@ static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, 
         amx_store_sums(tiles);
         for (int q = 0; nibbles && q <= two_panels; q++) {
             const int64_t at = ((int64_t)q * groups + g) * PANEL;
-            const __m512i group_sums = _mm512_loadu_si512((const void *)(sums + at));
-            const __m512 group_scales = _mm512_loadu_ps(scales + at);
-            for (int i = 0; i < rows; i++) {
-                const __m512i acc = _mm512_load_si512((const void *)PASS_SUMS(tiles, q, i, r0));
-                total[q][i] = w4a8_add_group(g ? total[q][i] : _mm512_setzero_ps(), acc, group_sums, group_scales);
-            }
+            for (int i = 0; i < rows; i++)
+                total[q][i] = w4a8_add_group(g ? total[q][i] : (panel_vec){0}, lanes_load(PASS_SUMS(tiles, q, i, r0)),
+                                             lanes_load(sums + at), *(const panel_vec *)(scales + at));
         }
     }
     for (int q = 0; q <= two_panels; q++) {
         const float *bias_q = bias ? bias + q * PANEL : 0;
         if (nibbles) {
-            const __m512 b = bias_q ? _mm512_loadu_ps(bias_q) : _mm512_setzero_ps();
+            const panel_vec b = bias_q ? *(const panel_vec *)bias_q : (panel_vec){0};
             for (int i = 0; i < rows; i++)
-                _mm512_storeu_ps(y + (int64_t)(m + i) * N + q * PANEL, w4a8_row(total[q][i], row_scales[m + i], b));
+                *(panel_vec *)(y + (int64_t)(m + i) * N + q * PANEL) = w4a8_row(total[q][i], row_scales[m + i], b);
             continue;
         }
         const W8A8Epilogue e = w8a8_epilogue(sums + q * PANEL, scales + q * PANEL, bias_q);
         const int8_t *panel = (const int8_t *)panels[q];
         for (int i = 0; i < rows; i++) {
-            __m512i acc = _mm512_load_si512((const void *)PASS_SUMS(tiles, q, i, r0));
+            lanes acc = lanes_load(PASS_SUMS(tiles, q, i, r0));
             for (int k = deep; k < K; k += 4) {
                 int32_t four;
                 __builtin_memcpy(&four, a + (int64_t)i * K + k, 4);
-                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four),
-                                          _mm512_loadu_si512((const void *)(panel + (int64_t)k * PANEL)));
+                acc = dot4(acc, four, lanes_load(panel + (int64_t)k * PANEL));
             }
             store_w8a8_row(y + (int64_t)(m + i) * N + q * PANEL, acc, e, row_scales[m + i]);
         }
@@ -717,7 +813,10 @@ static inline __attribute__((always_inline)) void int8_panel_rows(
     const float *scales_p, const float *bias_p, int m, int end, int K, int N, int G, int nibbles, Lookahead ahead) {
     for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8) TILE_INT8(ROW_TILE_W8A8);
     switch (end - m) {
-        TAIL_INT8(1) TAIL_INT8(2) TAIL_INT8(3) TAIL_INT8(4) TAIL_INT8(5) TAIL_INT8(6) TAIL_INT8(7)
+        TAIL_INT8(1) TAIL_INT8(2) TAIL_INT8(3)
+#if ROW_TILE_W8A8 > 4
+        TAIL_INT8(4) TAIL_INT8(5) TAIL_INT8(6) TAIL_INT8(7)
+#endif
         default: break;
     }
 }

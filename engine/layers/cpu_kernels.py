@@ -3,7 +3,8 @@
 Each kernel is compiled at first use with the system C compiler (`-march=native`, so the
 cached library is keyed by the CPU as well as the source and flags) into
 `$DRIFTGATE_HOME/kernels/`. Without a compiler, or with `DRIFTGATE_CPU_KERNELS=0`, `kernel()`
-gives None and callers keep their torch path.
+gives None and callers keep their torch path. `DRIFTGATE_CPU_MARCH` names another `-march`
+(`haswell`: AVX2 without VNNI), to run here the routes an older CPU takes.
 """
 
 from __future__ import annotations
@@ -25,15 +26,19 @@ from engine.model_import import driftgate_home
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent.parent / "csrc"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 
 @functools.cache
+def _has_libmvec() -> bool:
+    return ctypes.util.find_library("mvec") is not None
+
+
 def _flags() -> list[str]:
-    """CFLAGS, plus glibc's vector math library where there is one (kernels then vectorize expf)."""
-    if ctypes.util.find_library("mvec") is None:
-        return CFLAGS
-    return [*CFLAGS, "-fno-math-errno", "-DHAVE_LIBMVEC", "-lmvec"]
+    """CFLAGS and the target CPU, plus glibc's vector math library where there is one (kernels then
+    vectorize expf)."""
+    flags = [*CFLAGS, f"-march={os.environ.get('DRIFTGATE_CPU_MARCH', 'native')}"]
+    return [*flags, "-fno-math-errno", "-DHAVE_LIBMVEC", "-lmvec"] if _has_libmvec() else flags
 
 
 def cpu_signature() -> str:

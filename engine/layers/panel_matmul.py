@@ -239,7 +239,8 @@ _ARGTYPES_W8A8 = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4)
 
 
 def w8a8_available() -> bool:
-    """Whether the exact per-token W8A8 kernel runs here (it needs AVX-512 VNNI)."""
+    """Whether the exact per-token W8A8 and W4A8 kernels run here (they need AVX2; AVX-512 VNNI
+    runs them fastest, with the same floats)."""
     probe = cpu_kernels.kernel("panel_matmul", "w8a8_available", (), ctypes.c_int)
     return probe is not None and probe() == 1
 
@@ -260,7 +261,7 @@ def w8a8_fits(n: int, k: int) -> bool:
 
 
 def pack_w8a8(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 weight [N, K] → (VNNI panels [N / 16, K / 4, 16, 4], 128 · row sums [N] int32).
+    """int8 weight [N, K] → (panels [N / 16, K / 4, 16, 4], 128 · row sums [N] int32).
     The caller checks `w8a8_fits` first."""
     n, k = qweight.shape
     if qweight.device.type != "cpu" or qweight.dtype != torch.int8 or not w8a8_fits(n, k):

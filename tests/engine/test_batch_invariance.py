@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers import cpu_attention, panel_matmul
+from engine.layers import cpu_attention
 from engine.layers.linear import matmul_kernels
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
 from quant.schemes import preset
 from tests.engine.test_cpu_attention import _random_cache
-from tests.helpers import make_tiny_model_dir, quantized_tensors
+from tests.helpers import cpu_kernels_built_for, cpu_runs, make_tiny_model_dir, quantized_tensors
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(torch.float32, torch.device("cpu")),
                                 reason="no C compiler for the attention kernels")
@@ -65,7 +65,7 @@ def _checkpoint(tmp_path, scheme: str | None):
 
 # w4a8's groups of 128 do not fit the tiny model's 64 columns: it runs the oracle on prepacked weights
 SCHEMES = [None, "fp8-dynamic", "fp8-static", "w8a16", "w4a16", "w4a16-asym", "w4a8", "mxfp4a16",
-           "w8a8-int8"]  # on the VNNI kernel where the CPU has it, else on fbgemm
+           "w8a8-int8"]
 
 
 def _assert_greedy_outputs_alone_equal_together(llm: LLM) -> None:
@@ -89,15 +89,15 @@ def test_greedy_outputs_do_not_depend_on_the_batch(tmp_path, threads, scheme):
     _assert_greedy_outputs_alone_equal_together(LLM(str(_checkpoint(tmp_path, scheme)), enable_prefix_caching=False))
 
 
-def test_w8a8_on_fbgemm_does_not_depend_on_the_batch(tmp_path, threads, monkeypatch):
-    """CPUs without AVX-512 VNNI run W8A8 on fbgemm, which quantizes its whole input to one range:
-    pinned to [-1, 1] (rows over their absmax, and a row holding both), a row's outputs are the
-    same alone and in a batch (they were not before: checked with an AVX2 build)."""
-    monkeypatch.setattr(panel_matmul, "w8a8_fits", lambda n, k: False)
+@pytest.mark.skipif(not cpu_runs("haswell"), reason="this CPU does not run AVX2 code")
+def test_w8a8_on_an_avx2_build_does_not_depend_on_the_batch(tmp_path, threads):
+    """Every C kernel built for an AVX2 CPU without VNNI (W8A8 on pmaddubsw, 4-row tiles, the
+    float kernels on 8-lane vectors): a row's outputs are the same alone and in a batch."""
     threads(2)
-    llm = LLM(str(_checkpoint(tmp_path, "w8a8-int8")), enable_prefix_caching=False)
-    assert set(matmul_kernels(llm.engine.model)) == {"fbgemm"}
-    _assert_greedy_outputs_alone_equal_together(llm)
+    with cpu_kernels_built_for("haswell"):
+        llm = LLM(str(_checkpoint(tmp_path, "w8a8-int8")), enable_prefix_caching=False)
+        assert set(matmul_kernels(llm.engine.model)) == {"w8a8panel"}
+        _assert_greedy_outputs_alone_equal_together(llm)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

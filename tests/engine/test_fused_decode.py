@@ -18,7 +18,7 @@ from quant.schemes import FP8_KV, QuantArgs, QuantScheme, preset
 from tests.helpers import make_tiny_model_dir, quantized_tensors, write_lora_adapter
 
 needs_kernel = pytest.mark.skipif(fused_decode._kernel() is None, reason="no C compiler here")
-needs_vnni = pytest.mark.skipif(not panel_matmul.w8a8_available(), reason="the W8A8 kernel needs AVX-512 VNNI")
+needs_w8a8_kernel = pytest.mark.skipif(not panel_matmul.w8a8_available(), reason="the W8A8 kernel needs AVX2")
 
 _FUSED_CALL = FusedDecode.__call__  # the real one: each _run wraps this, never an earlier wrapper
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -144,7 +144,7 @@ def test_fused_step_with_lora_adapters_equals_module_path(tmp_path, monkeypatch,
 
 
 # FP8 W8A8 also on the fp32 kernel the bf16-product one replaces where AVX-512 BF16 is missing
-QUANTIZED = [pytest.param(n, True, marks=needs_vnni) if n in ("w8a8-int8", "w4a8") else (n, True) for n in SCHEMES] + [
+QUANTIZED = [pytest.param(n, True, marks=needs_w8a8_kernel) if n in ("w8a8-int8", "w4a8") else (n, True) for n in SCHEMES] + [
     (n, False) for n in ("fp8-dynamic", "fp8-static", "fp8-tensor-dynamic")]
 
 
