@@ -12,6 +12,15 @@
 
 typedef float fp8_vec __attribute__((vector_size(16 * sizeof(float)), aligned(sizeof(float))));
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* 8 fp8 e4m3 bytes as floats / 256, as widen_fp8 below explains. */
+static inline __attribute__((always_inline)) __m256 widen_fp8_8(const int8_t *p) {
+    const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7F)), 7),
+                                        _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8)));
+}
+#endif
+
 /* 16 fp8 e4m3 bytes as floats, each divided by 256 (exactly): the 7 magnitude bits shifted
  * into an fp16's exponent and mantissa make an fp16 of value v / 256, subnormals included, and the
  * hardware fp16 → fp32 conversion does the rest. The caller's scales carry the 256 back.
@@ -24,12 +33,7 @@ static inline __attribute__((always_inline)) fp8_vec widen_fp8(const int8_t *p) 
     return (fp8_vec)_mm512_cvtph_ps(h);
 #elif defined(__AVX2__) && defined(__F16C__)
     union { fp8_vec v; __m256 half[2]; } out;
-    for (int i = 0; i < 2; i++) {
-        __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * i)));
-        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7F)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8));
-        out.half[i] = _mm256_cvtph_ps(h);
-    }
+    for (int i = 0; i < 2; i++) out.half[i] = widen_fp8_8(p + 8 * i);
     return out.v;
 #else
     fp8_vec v;

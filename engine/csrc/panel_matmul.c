@@ -38,43 +38,73 @@
 #include "fp8.h"
 
 enum { PANEL = 16 };
-typedef float panel_vec __attribute__((vector_size(PANEL * sizeof(float)), aligned(sizeof(float))));
 
-/* 16 int8 weights as floats. Spelled with intrinsics: GCC scalarizes the generic int8 → float
- * vector conversion into 16 byte loads and inserts. */
-static inline __attribute__((always_inline)) panel_vec widen_int8(const int8_t *p) {
-#if defined(__AVX512F__)
-    return (panel_vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    union { panel_vec v; __m256 half[2]; } u;
-    u.half[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    u.half[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-    return u.v;
+/* A panel's 16 lanes as the vector registers hold them: one vector of 16 floats with AVX-512, two
+ * parts of 8 elsewhere. (GCC keeps a 64-byte vector type in memory where no register is that
+ * wide: the fp32 kernel written on one ran ~10x slower on an AVX2 build, bench/README.md.) Each
+ * lane sums the same products in the same order either way, so the floats are the same. */
+#ifdef __AVX512F__
+#define PARTS 1
 #else
-    panel_vec v;
-    for (int i = 0; i < PANEL; i++) v[i] = p[i];
+#define PARTS 2
+#endif
+enum { PART = PANEL / PARTS };
+typedef float part_vec __attribute__((vector_size(PART * sizeof(float)), aligned(sizeof(float))));
+
+/* Part h of the 16 floats at p. */
+static inline __attribute__((always_inline)) part_vec load_part(const float *p, int h) {
+    return *(const part_vec *)(p + h * PART);
+}
+
+static inline __attribute__((always_inline)) void store_part(float *p, int h, part_vec v) {
+    *(part_vec *)(p + h * PART) = v;
+}
+
+/* Part h of 16 int8 weights as floats. Spelled with intrinsics: GCC scalarizes the generic int8 →
+ * float vector conversion into byte loads and inserts. */
+static inline __attribute__((always_inline)) part_vec widen_int8(const int8_t *p, int h) {
+#if defined(__AVX512F__)
+    (void)h;
+    return (part_vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (part_vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + h * PART))));
+#else
+    part_vec v;
+    for (int i = 0; i < PART; i++) v[i] = p[h * PART + i];
     return v;
 #endif
 }
 
-/* One nibble of 16 bytes of int4 pairs as floats: the high nibble is the sign-extended byte
- * shifted right by 4; the low one is shifted to the top of its lane and back. */
-static inline __attribute__((always_inline)) panel_vec widen_int4(const int8_t *p, int high) {
+/* Part h of one nibble of 16 bytes of int4 pairs as floats: the high nibble is the sign-extended
+ * byte shifted right by 4; the low one is shifted to the top of its lane and back. */
+static inline __attribute__((always_inline)) part_vec widen_int4(const int8_t *p, int high, int h) {
 #if defined(__AVX512F__)
+    (void)h;
     __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
     v = high ? _mm512_srai_epi32(v, 4) : _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
-    return (panel_vec)_mm512_cvtepi32_ps(v);
+    return (part_vec)_mm512_cvtepi32_ps(v);
 #elif defined(__AVX2__)
-    union { panel_vec v; __m256 half[2]; } u;
-    for (int h = 0; h < 2; h++) {
-        __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
-        v = high ? _mm256_srai_epi32(v, 4) : _mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28);
-        u.half[h] = _mm256_cvtepi32_ps(v);
-    }
-    return u.v;
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + h * PART)));
+    v = high ? _mm256_srai_epi32(v, 4) : _mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28);
+    return (part_vec)_mm256_cvtepi32_ps(v);
 #else
-    panel_vec v;
-    for (int i = 0; i < PANEL; i++) v[i] = high ? p[i] >> 4 : (int8_t)(p[i] << 4) >> 4;
+    part_vec v;
+    for (int i = 0; i < PART; i++) v[i] = high ? p[h * PART + i] >> 4 : (int8_t)(p[h * PART + i] << 4) >> 4;
+    return v;
+#endif
+}
+
+/* Part h of 16 fp8 e4m3 weights as floats / 256 (fp8.h's widen_fp8). */
+static inline __attribute__((always_inline)) part_vec widen_fp8_part(const int8_t *p, int h) {
+#if defined(__AVX512F__)
+    (void)h;
+    return (part_vec)widen_fp8(p);
+#elif defined(__AVX2__) && defined(__F16C__)
+    return (part_vec)widen_fp8_8(p + h * PART);
+#else
+    const fp8_vec all = widen_fp8(p);
+    part_vec v;
+    __builtin_memcpy(&v, (const float *)&all + h * PART, sizeof v);
     return v;
 #endif
 }
@@ -87,14 +117,14 @@ static inline int is_int4(int format) { return format == WEIGHTS_INT4 || format 
 /* Bytes of panel per input column: int4 packs two columns' weights into each PANEL bytes. */
 static inline int panel_row_bytes(int format) { return is_int4(format) ? PANEL / 2 : PANEL; }
 
-/* Column c of a panel run (from an even column for int4) as floats. */
-static inline __attribute__((always_inline)) panel_vec widen(const int8_t *p, int c, int format) {
-    if (is_int4(format)) return widen_int4(p + (c >> 1) * PANEL, c & 1);
-    return format == WEIGHTS_FP8 ? widen_fp8(p + c * PANEL) : widen_int8(p + c * PANEL);
+/* Part h of column c of a panel run (from an even column for int4) as floats. */
+static inline __attribute__((always_inline)) part_vec widen(const int8_t *p, int c, int format, int h) {
+    if (is_int4(format)) return widen_int4(p + (c >> 1) * PANEL, c & 1, h);
+    return format == WEIGHTS_FP8 ? widen_fp8_part(p + c * PANEL, h) : widen_int8(p + c * PANEL, h);
 }
 
 /* Activation rows per register tile: ROW_TILE accumulators plus the weight vector must fit the
- * vector registers (32 with AVX-512, 16 with AVX2, where one panel_vec takes two). */
+ * vector registers (32 with AVX-512, 16 with AVX2, where a panel's lanes take two). */
 #ifdef __AVX512F__
 #define ROW_TILE 8
 #else
@@ -106,36 +136,58 @@ enum { PREFETCH_BYTES = 1024 };
 
 /* Row k of a float panel: float32, or bfloat16 (the upper half of a float32, so widening is
  * exact: a model whose weights are bf16 values computes the same fp32 products from half the bytes). */
-static inline __attribute__((always_inline)) panel_vec panel_row(const void *panel, int k, int bf16) {
-    if (!bf16) return *(const panel_vec *)((const float *)panel + (int64_t)k * PANEL);
-    const uint16_t *p = (const uint16_t *)panel + (int64_t)k * PANEL;
+static inline __attribute__((always_inline)) part_vec panel_row(const void *panel, int k, int bf16, int h) {
+    if (!bf16) return load_part((const float *)panel + (int64_t)k * PANEL, h);
+    const uint16_t *p = (const uint16_t *)panel + (int64_t)k * PANEL + h * PART;
 #if defined(__AVX512F__)
-    return (panel_vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (part_vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #elif defined(__AVX2__)
-    union { panel_vec v; __m256i half[2]; } u;
-    u.half[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-    u.half[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16);
-    return u.v;
+    return (part_vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 #else
-    union { uint32_t bits[PANEL]; panel_vec v; } u;
-    for (int i = 0; i < PANEL; i++) u.bits[i] = (uint32_t)p[i] << 16;
+    union { uint32_t bits[PART]; part_vec v; } u;
+    for (int i = 0; i < PART; i++) u.bits[i] = (uint32_t)p[i] << 16;
     return u.v;
 #endif
+}
+
+/* a · b + c in one rounding, spelled out where floats must not depend on how GCC contracts
+ * (the int8 routes' epilogues, which builds for every CPU share). */
+static inline __attribute__((always_inline)) part_vec fmadd(part_vec a, part_vec b, part_vec c) {
+#if defined(__AVX512F__)
+    return (part_vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (part_vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    part_vec r;
+    for (int i = 0; i < PART; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
+/* s in every lane */
+static inline __attribute__((always_inline)) part_vec splat(float s) { return s + (part_vec){0}; }
+
+/* Part h of the bias, or zeros. */
+static inline __attribute__((always_inline)) part_vec bias_part(const float *bias, int h) {
+    return bias ? load_part(bias, h) : (part_vec){0};
 }
 
 static inline __attribute__((always_inline)) void row_tile(float *restrict y, const float *restrict x,
                                                            const void *restrict panel, const float *bias,
                                                            int rows, int K, int N, int bf16) {
     const int row_bytes = PANEL * (bf16 ? 2 : 4);
-    panel_vec acc[ROW_TILE];
-    for (int i = 0; i < rows; i++) acc[i] = (panel_vec){0};
+    part_vec acc[ROW_TILE][PARTS];
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < PARTS; h++) acc[i][h] = (part_vec){0};
     for (int k = 0; k < K; k++) {
         __builtin_prefetch((const char *)panel + (int64_t)k * row_bytes + PREFETCH_BYTES);
-        panel_vec w = panel_row(panel, k, bf16);
-        for (int i = 0; i < rows; i++) acc[i] += x[(int64_t)i * K + k] * w;
+        for (int h = 0; h < PARTS; h++) {
+            const part_vec w = panel_row(panel, k, bf16, h);
+            for (int i = 0; i < rows; i++) acc[i][h] += x[(int64_t)i * K + k] * w;
+        }
     }
-    panel_vec b = bias ? *(const panel_vec *)bias : (panel_vec){0};
-    for (int i = 0; i < rows; i++) *(panel_vec *)(y + (int64_t)i * N) = acc[i] + b;
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < PARTS; h++) store_part(y + (int64_t)i * N, h, acc[i][h] + bias_part(bias, h));
 }
 
 /* Rows come in tiles of ROW_TILE; the leftover tile gets its own constant size so the
@@ -198,35 +250,42 @@ static inline __attribute__((always_inline)) void row_tile_i8(float *restrict y,
                                                               const float *zeros, const float *bias, int rows,
                                                               int K, int N, int group, int format) {
     const int row_bytes = panel_row_bytes(format);
-    panel_vec total[ROW_TILE_I8];
-    for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
+    part_vec total[ROW_TILE_I8][PARTS];
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < PARTS; h++) total[i][h] = (part_vec){0};
     for (int k0 = 0; k0 < K; k0 += group, scales += PANEL, zeros += format == WEIGHTS_INT4_ZERO ? PANEL : 0) {
-        const panel_vec zero = format == WEIGHTS_INT4_ZERO ? *(const panel_vec *)zeros : (panel_vec){0};
-        panel_vec acc[CHAINS][ROW_TILE_I8];
-        for (int c = 0; c < CHAINS; c++)
-            for (int i = 0; i < rows; i++) acc[c][i] = (panel_vec){0};
+        part_vec zero[PARTS], acc[CHAINS][ROW_TILE_I8][PARTS];
+        for (int h = 0; h < PARTS; h++) {
+            zero[h] = format == WEIGHTS_INT4_ZERO ? load_part(zeros, h) : (part_vec){0};
+            for (int c = 0; c < CHAINS; c++)
+                for (int i = 0; i < rows; i++) acc[c][i][h] = (part_vec){0};
+        }
         int k = k0;
         for (; k + CHAINS <= k0 + group; k += CHAINS, panel += CHAINS * row_bytes) {
             __builtin_prefetch(panel + PREFETCH_BYTES);
-            for (int c = 0; c < CHAINS; c++) {
-                panel_vec w = widen(panel, c, format);
-                if (format == WEIGHTS_INT4_ZERO) w -= zero;
-                for (int i = 0; i < rows; i++) acc[c][i] += x[(int64_t)i * K + k + c] * w;
+            for (int c = 0; c < CHAINS; c++)
+                for (int h = 0; h < PARTS; h++) {
+                    part_vec w = widen(panel, c, format, h);
+                    if (format == WEIGHTS_INT4_ZERO) w -= zero[h];
+                    for (int i = 0; i < rows; i++) acc[c][i][h] += x[(int64_t)i * K + k + c] * w;
+                }
+        }
+        for (; k < k0 + group; k++, panel += row_bytes)
+            for (int h = 0; h < PARTS; h++) {
+                const part_vec w = widen(panel, 0, format, h);
+                for (int i = 0; i < rows; i++) acc[0][i][h] += x[(int64_t)i * K + k] * w;
+            }
+        for (int h = 0; h < PARTS; h++) {
+            const part_vec scale = load_part(scales, h);
+            for (int i = 0; i < rows; i++) {
+                part_vec sum = acc[0][i][h];
+                for (int c = 1; c < CHAINS; c++) sum += acc[c][i][h];
+                total[i][h] += sum * scale;
             }
         }
-        for (; k < k0 + group; k++, panel += row_bytes) {
-            panel_vec w = widen(panel, 0, format);
-            for (int i = 0; i < rows; i++) acc[0][i] += x[(int64_t)i * K + k] * w;
-        }
-        panel_vec scale = *(const panel_vec *)scales;
-        for (int i = 0; i < rows; i++) {
-            panel_vec sum = acc[0][i];
-            for (int c = 1; c < CHAINS; c++) sum += acc[c][i];
-            total[i] += sum * scale;
-        }
     }
-    panel_vec b = bias ? *(const panel_vec *)bias : (panel_vec){0};
-    for (int i = 0; i < rows; i++) *(panel_vec *)(y + (int64_t)i * N) = total[i] + b;
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < PARTS; h++) store_part(y + (int64_t)i * N, h, total[i][h] + bias_part(bias, h));
 }
 
 #define TAIL_I8(r) case r: row_tile_i8(y_p + (int64_t)m * N, x + (int64_t)m * K, panel, scales_p, zeros_p, bias_p, \
@@ -462,9 +521,10 @@ static inline __attribute__((always_inline)) lanes lanes_load(const void *p) { r
 static inline __attribute__((always_inline)) lanes lanes_zero(void) { return _mm512_setzero_si512(); }
 static inline __attribute__((always_inline)) lanes lanes_add(lanes a, lanes b) { return _mm512_add_epi32(a, b); }
 
-/* a - b as floats */
-static inline __attribute__((always_inline)) panel_vec lanes_difference(lanes a, lanes b) {
-    return (panel_vec)_mm512_cvtepi32_ps(_mm512_sub_epi32(a, b));
+/* Part h of a - b, as floats */
+static inline __attribute__((always_inline)) part_vec lanes_difference(lanes a, lanes b, int h) {
+    (void)h;
+    return (part_vec)_mm512_cvtepi32_ps(_mm512_sub_epi32(a, b));
 }
 
 /* One 64-byte block of nibbles → the two steps it holds (q = nibble - 8): low nibbles are
@@ -489,11 +549,8 @@ static inline __attribute__((always_inline)) lanes lanes_add(lanes a, lanes b) {
     return (lanes){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)};
 }
 
-static inline __attribute__((always_inline)) panel_vec lanes_difference(lanes a, lanes b) {
-    union { panel_vec v; __m256 half[2]; } u;
-    u.half[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(a.lo, b.lo));
-    u.half[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(a.hi, b.hi));
-    return u.v;
+static inline __attribute__((always_inline)) part_vec lanes_difference(lanes a, lanes b, int h) {
+    return (part_vec)_mm256_cvtepi32_ps(h ? _mm256_sub_epi32(a.hi, b.hi) : _mm256_sub_epi32(a.lo, b.lo));
 }
 
 static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, lanes *first, lanes *second) {
@@ -610,20 +667,25 @@ static inline void lookahead_step(Lookahead *ahead) {
 /* The 16 sums of one panel's W8A8 epilogue, loaded once for every row that ends there. */
 typedef struct {
     lanes bias_sums;
-    panel_vec weight_scales, bias;
+    part_vec weight_scales[PARTS], bias[PARTS];
 } W8A8Epilogue;
 
 static inline __attribute__((always_inline)) W8A8Epilogue w8a8_epilogue(const int32_t *bias_sums,
                                                                         const float *weight_scales, const float *bias) {
-    return (W8A8Epilogue){lanes_load(bias_sums), *(const panel_vec *)weight_scales,
-                          bias ? *(const panel_vec *)bias : (panel_vec){0}};
+    W8A8Epilogue e = {.bias_sums = lanes_load(bias_sums)};
+    for (int h = 0; h < PARTS; h++) {
+        e.weight_scales[h] = load_part(weight_scales, h);
+        e.bias[h] = bias_part(bias, h);
+    }
+    return e;
 }
 
 /* y[0..15] = (acc - 128 · row sums) · channel scales · row scale + bias: every W8A8 route ends here,
  * so the same integers give the same floats whichever instructions summed them. */
 static inline __attribute__((always_inline)) void store_w8a8_row(float *y, lanes acc, W8A8Epilogue e,
                                                                 float row_scale) {
-    *(panel_vec *)y = lanes_difference(acc, e.bias_sums) * e.weight_scales * row_scale + e.bias;
+    for (int h = 0; h < PARTS; h++)
+        store_part(y, h, fmadd(lanes_difference(acc, e.bias_sums, h) * e.weight_scales[h], splat(row_scale), e.bias[h]));
 }
 
 static inline __attribute__((always_inline)) void row_tile_w8a8(
@@ -666,13 +728,13 @@ static inline __attribute__((always_inline)) void row_tile_w8a8(
 /* W4A8's float steps, shared by every route so that the same integers give the same floats: a
  * group's integer dot, less 128 times its weight sum, times its scales onto the running total;
  * then the row's scale and the bias. */
-static inline __attribute__((always_inline)) panel_vec w4a8_add_group(panel_vec total, lanes acc, lanes sums,
-                                                                      panel_vec scale) {
-    return lanes_difference(acc, sums) * scale + total;
+static inline __attribute__((always_inline)) part_vec w4a8_add_group(part_vec total, lanes acc, lanes sums,
+                                                                     part_vec scale, int h) {
+    return fmadd(lanes_difference(acc, sums, h), scale, total);
 }
 
-static inline __attribute__((always_inline)) panel_vec w4a8_row(panel_vec total, float row_scale, panel_vec bias) {
-    return total * row_scale + bias;
+static inline __attribute__((always_inline)) part_vec w4a8_row(part_vec total, float row_scale, part_vec bias) {
+    return fmadd(total, splat(row_scale), bias);
 }
 
 /* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
@@ -692,9 +754,10 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const uint8_t *restrict panel,
     const int32_t *group_sums, const float *group_scales, const float *bias, int rows, int K, int N, int G,
     Lookahead *ahead) {
-    panel_vec total[ROW_TILE_W8A8];
+    part_vec total[ROW_TILE_W8A8][PARTS];
     lanes acc[ROW_TILE_W8A8];
-    for (int i = 0; i < rows; i++) total[i] = (panel_vec){0};
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < PARTS; h++) total[i][h] = (part_vec){0};
     for (int g = 0; g < K / G; g++) {
         const int32_t *sums = group_sums + g * PANEL;
         for (int i = 0; i < rows; i++) acc[i] = dot_start(sums);
@@ -710,11 +773,15 @@ static inline __attribute__((always_inline)) void row_tile_w4a8(
                 acc[i] = dot4(dot4(acc[i], lo, first), hi, second);
             }
         }
-        const panel_vec scale = *(const panel_vec *)(group_scales + g * PANEL);
-        for (int i = 0; i < rows; i++) total[i] = w4a8_add_group(total[i], acc[i], lanes_load(sums), scale);
+        const lanes group_sums_g = lanes_load(sums);
+        for (int h = 0; h < PARTS; h++) {
+            const part_vec scale = load_part(group_scales + g * PANEL, h);
+            for (int i = 0; i < rows; i++) total[i][h] = w4a8_add_group(total[i][h], acc[i], group_sums_g, scale, h);
+        }
     }
-    const panel_vec b = bias ? *(const panel_vec *)bias : (panel_vec){0};
-    for (int i = 0; i < rows; i++) *(panel_vec *)(y + (int64_t)i * N) = w4a8_row(total[i], row_scales[i], b);
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < PARTS; h++)
+            store_part(y + (int64_t)i * N, h, w4a8_row(total[i][h], row_scales[i], bias_part(bias, h)));
 }
 
 /* AMX-INT8's tdpbusd multiplies a 16 x 64 tile of unsigned activation bytes by a 64 x 16 tile of
@@ -748,7 +815,7 @@ static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, 
                           int N, int G, int nibbles) {
     int32_t tiles[4][AMX_ROWS][PANEL] __attribute__((aligned(64)));
     int8_t unpacked[2][AMX_ROWS][64] __attribute__((aligned(64)));
-    panel_vec total[2][2 * AMX_ROWS];
+    part_vec total[2][2 * AMX_ROWS]; /* one part: AMX builds have AVX-512 */
     const int deep = K / AMX_DEPTH * AMX_DEPTH, two_panels = panels[1] != 0, groups = K / G;
     /* what is summed in int32 before the floats: each W4A8 group, or all of W8A8's whole tiles */
     const int passes = nibbles ? groups : 1, span = nibbles ? G : deep, rows = r0 + r1;
@@ -762,16 +829,16 @@ static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, 
         for (int q = 0; nibbles && q <= two_panels; q++) {
             const int64_t at = ((int64_t)q * groups + g) * PANEL;
             for (int i = 0; i < rows; i++)
-                total[q][i] = w4a8_add_group(g ? total[q][i] : (panel_vec){0}, lanes_load(PASS_SUMS(tiles, q, i, r0)),
-                                             lanes_load(sums + at), *(const panel_vec *)(scales + at));
+                total[q][i] = w4a8_add_group(g ? total[q][i] : (part_vec){0}, lanes_load(PASS_SUMS(tiles, q, i, r0)),
+                                             lanes_load(sums + at), load_part(scales + at, 0), 0);
         }
     }
     for (int q = 0; q <= two_panels; q++) {
         const float *bias_q = bias ? bias + q * PANEL : 0;
         if (nibbles) {
-            const panel_vec b = bias_q ? *(const panel_vec *)bias_q : (panel_vec){0};
+            const part_vec b = bias_part(bias_q, 0);
             for (int i = 0; i < rows; i++)
-                *(panel_vec *)(y + (int64_t)(m + i) * N + q * PANEL) = w4a8_row(total[q][i], row_scales[m + i], b);
+                store_part(y + (int64_t)(m + i) * N + q * PANEL, 0, w4a8_row(total[q][i], row_scales[m + i], b));
             continue;
         }
         const W8A8Epilogue e = w8a8_epilogue(sums + q * PANEL, scales + q * PANEL, bias_q);

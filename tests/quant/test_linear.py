@@ -6,6 +6,7 @@ Tolerances (relative Frobenius error of forward vs reference_forward):
 - W8A8 int8 on the int8 panel kernel quantizes exactly as the oracle: 1e-5 per row.
 """
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -244,26 +245,35 @@ def test_w4a8_panel_kernel_is_the_per_token_reference(k, group, sizes, m, seed, 
 
 @needs_w8a8_panel
 @pytest.mark.parametrize("march", sorted(MARCH_NEEDS))
-def test_int8_activation_kernels_give_the_same_floats_on_cpus_without_vnni(march):
-    """Without AVX-512 VNNI (AVX2, or Skylake's AVX-512) pmaddubsw sums what vpdpbusd does, from
-    signed rows, and every route ends in one epilogue: kernels built for those CPUs give this
-    one's floats bit for bit, so a gate's verdict holds on either. Rows: every tile and tail of
-    both tile sizes (4 and 8) and a 256-row block's tail; K = 100 ends on single steps."""
+def test_cpu_kernels_give_the_same_floats_built_for_older_cpus(march):
+    """Kernels built for an AVX2 CPU, or Skylake's AVX-512 without VNNI, give this one's floats
+    bit for bit, so a gate's verdict holds on either: each lane of the float panels (fp32, bf16
+    values, int8 and int4 weights with or without zero points) sums the same products in the same
+    order on 16 lanes or two parts of 8; W8A8 and W4A8 sum vpdpbusd's integers with pmaddubsw
+    and share one epilogue. Rows: every tile and tail of every tile size and a 256-row block's
+    tail; K = 100 ends on single steps."""
     if not cpu_runs(march):
         pytest.skip(f"this CPU does not run -march={march} code")
     w4a8 = QuantScheme(QuantArgs(num_bits=4, strategy="group", group_size=32),
                        QuantArgs(strategy="token", dynamic=True), "int-quantized")
     g = torch.Generator().manual_seed(0)
-    for scheme, k in ((preset("w8a8-int8"), 100), (preset("w8a8-int8"), 576), (w4a8, 576)):
+    w = (torch.randn(48, 100, generator=g) * 0.05).bfloat16().float()
+    cases = [(name, 100, functools.partial(lambda x, packed: panel_matmul.matmul(x, packed), packed=packed))
+             for name, packed in (("fp32", panel_matmul.pack(w, narrow=False)), ("bf16", panel_matmul.pack(w)))]
+    for scheme, k in ((preset("w8a16"), 100), (preset("w4a16", group_size=32), 128),
+                      (preset("w4a16-asym", group_size=32), 128), (preset("w8a8-int8"), 100),
+                      (preset("w8a8-int8"), 576), (w4a8, 576)):
         module, _ = build(scheme, k, [16, 48], seed=1)
-        assert module.kernel in ("w8a8panel", "w4a8panel")
+        assert module.kernel in ("int8panel", "int4panel", "w8a8panel", "w4a8panel")
+        cases.append((module.kernel, k, module))
+    for name, k, matmul in cases:
         x = torch.randn(263, k, generator=g)
         x[0] *= 100
-        for rows in (1, 3, 5, 7, 13, 263):
-            here = module(x[:rows])
+        for rows in (1, 2, 3, 5, 7, 13, 263):
+            here = matmul(x[:rows])
             with cpu_kernels_built_for(march):
-                built_for_march = module(x[:rows])
-            assert torch.equal(built_for_march, here), (module.kernel, k, rows)
+                built_for_march = matmul(x[:rows])
+            assert torch.equal(built_for_march, here), (name, k, rows)
 
 
 needs_int8_panel = pytest.mark.skipif(not panel_matmul.int8_available(), reason="no C compiler here")
