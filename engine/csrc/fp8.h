@@ -47,6 +47,13 @@ static inline __attribute__((always_inline)) fp8_vec widen_fp8(const int8_t *p) 
 #endif
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* 8 fp8 e5m2 bytes as floats, as widen_e5m2 below explains. */
+static inline __attribute__((always_inline)) __m256 widen_e5m2_8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+}
+#endif
+
 /* 16 fp8 e5m2 bytes as floats: an e5m2 byte is the high byte of the fp16 of the same value (same
  * exponent bias, two of fp16's ten mantissa bits), so shifting it up makes that fp16 exactly. */
 static inline __attribute__((always_inline)) fp8_vec widen_e5m2(const uint8_t *p) {
@@ -55,8 +62,7 @@ static inline __attribute__((always_inline)) fp8_vec widen_e5m2(const uint8_t *p
     return (fp8_vec)_mm512_cvtph_ps(h);
 #elif defined(__AVX2__) && defined(__F16C__)
     union { fp8_vec v; __m256 half[2]; } out;
-    for (int i = 0; i < 2; i++)
-        out.half[i] = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * i))), 8));
+    for (int i = 0; i < 2; i++) out.half[i] = widen_e5m2_8(p + 8 * i);
     return out.v;
 #else
     fp8_vec v;

@@ -3,12 +3,12 @@
  *
  * torch's SDPA needs each sequence's K and V gathered into dense tensors first, and on this
  * shape (three query heads of 64 per KV head, a few hundred tokens) runs near 50 GFLOP/s, a
- * quarter of the FMA peak the matmuls reach. Here a task takes 16 query tokens of one sequence
+ * quarter of the FMA peak the matmuls reach. Here a task takes LANES query tokens of one sequence
  * and every query head of one KV head, holds their queries transposed (a vector per head and
- * dimension, one lane per token; 16x16 register transposes in and out), and walks the keys 16
+ * dimension, one lane per token; register transposes in and out), and walks the keys 16
  * at a time with an online softmax (FlashAttention): scores are lane-wise FMAs of those vectors
  * with each key's broadcast elements, and the output accumulates the same way from each value's
- * elements, so no horizontal sums and no transposes of K or V are needed. A head's 16 scores of
+ * elements, so no horizontal sums and no transposes of K or V are needed. A head's scores of
  * a key tile stay in registers from the dot products through the softmax (an inline exp) to the
  * weighted sum; the FMA loops then run near the core's peak and the softmax is most of the rest.
  * Key tiles past a task's last query are skipped; the one crossing the diagonal masks scores
@@ -35,9 +35,18 @@
 
 #include "paged_cache.h"
 
-enum { LANES = 16, QUERY_TILE = LANES, KEY_TILE = 16, KEY_BLOCK = 8, DIM_BLOCK = 8 };
+/* Query tokens a vector holds: 16 with AVX-512, 8 elsewhere (GCC keeps a 64-byte vector in memory
+ * where no register is that wide, and the kernel ran 8x slower on an AVX2 build). A lane is one
+ * query over the same tiles of keys either way, so its floats are the same. */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+enum { QUERY_TILE = LANES, KEY_TILE = 16, KEY_BLOCK = 8, DIM_BLOCK = 8 };
 
-typedef int32_t vec16i __attribute__((vector_size(64)));
+typedef float lane_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef int32_t lane_int __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 /* Per-thread scratch, in floats: each query head's queries and output accumulators transposed
  * ([D] vectors each) and its running max and sum (a vector each), upcast K and V tiles
@@ -46,124 +55,137 @@ static size_t scratch_floats(int group, int head_dim) {
     return (size_t)LANES * group * (2 * head_dim + 2) + (size_t)(2 * KEY_TILE + 1) * head_dim;
 }
 
-static inline vec16 select16(vec16i mask, vec16 if_set, vec16 if_clear) {
-    return (vec16)(((vec16i)if_set & mask) | ((vec16i)if_clear & ~mask));
+static inline lane_vec select_lanes(lane_int mask, lane_vec if_set, lane_vec if_clear) {
+    return (lane_vec)(((lane_int)if_set & mask) | ((lane_int)if_clear & ~mask));
 }
 
-/* e^x for x <= 0 (softmax exponents), 16 lanes in registers: 2^n · e^r with n = round(x / ln 2),
+/* e^x for x <= 0 (softmax exponents), a vector's lanes in registers: 2^n · e^r with n = round(x / ln 2),
  * e^r by its Taylor series to r^7 (|r| <= ln 2 / 2, relative error under 1e-8 before rounding).
  * Below -87 (e^-87 is near the smallest normal float) the result is 0, which covers -inf; those
  * lanes are clamped first so none computes with infinities or denormals. A call into the vector
- * libm per 16 lanes cost a tenth of the kernel's time. */
-static inline vec16 exp16(vec16 x) {
-    const vec16i underflow = x < -87.0f;
-    x = select16(underflow, (vec16){0} - 87.0f, x);
+ * libm per vector cost a tenth of the kernel's time. */
+static inline lane_vec exp_lanes(lane_vec x) {
+    const lane_int underflow = x < -87.0f;
+    x = select_lanes(underflow, (lane_vec){0} - 87.0f, x);
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
-    const vec16 shifted = x * 1.44269504f + magic, n = shifted - magic;
-    const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln 2 in two parts, so r stays exact */
-    vec16 p = r * (1.0f / 5040) + 1.0f / 720;
+    const lane_vec shifted = x * 1.44269504f + magic, n = shifted - magic;
+    const lane_vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln 2 in two parts, so r stays exact */
+    lane_vec p = r * (1.0f / 5040) + 1.0f / 720;
     p = p * r + 1.0f / 120;
     p = p * r + 1.0f / 24;
     p = p * r + 1.0f / 6;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const vec16i two_to_n = (((vec16i)shifted - (vec16i)((vec16){0} + magic)) + 127) << 23;
-    return select16(underflow, (vec16){0}, p * (vec16)two_to_n);
+    const lane_int two_to_n = (((lane_int)shifted - (lane_int)((lane_vec){0} + magic)) + 127) << 23;
+    return select_lanes(underflow, (lane_vec){0}, p * (lane_vec)two_to_n);
 }
 
-/* 16 vectors of 16 lanes transposed in place (m[i][j] <-> m[j][i]): four rounds that swap the
- * off-diagonal halves of ever smaller blocks (8, 4, 2, 1 lanes wide), 64 two-source shuffles
- * (KEEP_b / TAKE_b, paged_cache.h). */
-static inline __attribute__((always_inline)) void transpose16(vec16 *m) {
-#define SWAP_BLOCKS(b)                                          \
+/* The 8-lane KEEP_b / TAKE_b (paged_cache.h has the 16-lane ones). */
+#define KEEP8_4 0, 1, 2, 3, 8, 9, 10, 11
+#define TAKE8_4 4, 5, 6, 7, 12, 13, 14, 15
+#define KEEP8_2 0, 1, 8, 9, 4, 5, 12, 13
+#define TAKE8_2 2, 3, 10, 11, 6, 7, 14, 15
+#define KEEP8_1 0, 8, 2, 10, 4, 12, 6, 14
+#define TAKE8_1 1, 9, 3, 11, 5, 13, 7, 15
+
+/* LANES vectors of LANES lanes transposed in place (m[i][j] <-> m[j][i]): rounds that swap the
+ * off-diagonal halves of ever smaller blocks (8, 4, 2, 1 lanes wide), two-source shuffles
+ * (KEEP_b / TAKE_b). */
+static inline __attribute__((always_inline)) void transpose_lanes(lane_vec *m) {
+#define SWAP_BLOCKS(b, keep, take)                              \
     for (int i = 0; i < LANES; i++)                             \
         if (!(i & (b))) {                                       \
-            const vec16 x = m[i], y = m[i + (b)];               \
-            m[i] = __builtin_shufflevector(x, y, KEEP_##b);     \
-            m[i + (b)] = __builtin_shufflevector(x, y, TAKE_##b); \
+            const lane_vec x = m[i], y = m[i + (b)];            \
+            m[i] = __builtin_shufflevector(x, y, keep);         \
+            m[i + (b)] = __builtin_shufflevector(x, y, take);   \
         }
-    SWAP_BLOCKS(8) SWAP_BLOCKS(4) SWAP_BLOCKS(2) SWAP_BLOCKS(1)
+#if LANES == 16
+    SWAP_BLOCKS(8, KEEP_8, TAKE_8) SWAP_BLOCKS(4, KEEP_4, TAKE_4) SWAP_BLOCKS(2, KEEP_2, TAKE_2)
+    SWAP_BLOCKS(1, KEEP_1, TAKE_1)
+#else
+    SWAP_BLOCKS(4, KEEP8_4, TAKE8_4) SWAP_BLOCKS(2, KEEP8_2, TAKE8_2) SWAP_BLOCKS(1, KEEP8_1, TAKE8_1)
+#endif
 #undef SWAP_BLOCKS
 }
 
-/* dst[d] (lane t) = scale * src[t * stride + d] for the first n of 16 rows (zero lanes after). */
-static inline __attribute__((always_inline)) void load_transposed(vec16 *dst, const float *src, int64_t stride,
+/* dst[d] (lane t) = scale * src[t * stride + d] for the first n of LANES rows (zero lanes after). */
+static inline __attribute__((always_inline)) void load_transposed(lane_vec *dst, const float *src, int64_t stride,
                                                                   int n, int D, float scale) {
     int d0 = 0;
     for (; d0 + LANES <= D; d0 += LANES) {
-        vec16 m[LANES];
-        for (int t = 0; t < LANES; t++) m[t] = t < n ? *(const vec16 *)(src + t * stride + d0) * scale : (vec16){0};
-        transpose16(m);
+        lane_vec m[LANES];
+        for (int t = 0; t < LANES; t++) m[t] = t < n ? *(const lane_vec *)(src + t * stride + d0) * scale : (lane_vec){0};
+        transpose_lanes(m);
         for (int i = 0; i < LANES; i++) dst[d0 + i] = m[i];
     }
-    for (; d0 < D; d0++) /* dimensions past the last multiple of 16 */
+    for (; d0 < D; d0++) /* dimensions past the last multiple of LANES */
         for (int t = 0; t < LANES; t++) ((float *)&dst[d0])[t] = t < n ? src[t * stride + d0] * scale : 0.0f;
 }
 
-/* dst[t * stride + d] = src[d] (lane t) * factor (lane t) for the first n of 16 rows. */
-static inline __attribute__((always_inline)) void store_transposed(float *dst, int64_t stride, const vec16 *src,
-                                                                   vec16 factor, int n, int D) {
+/* dst[t * stride + d] = src[d] (lane t) * factor (lane t) for the first n of LANES rows. */
+static inline __attribute__((always_inline)) void store_transposed(float *dst, int64_t stride, const lane_vec *src,
+                                                                   lane_vec factor, int n, int D) {
     int d0 = 0;
     for (; d0 + LANES <= D; d0 += LANES) {
-        vec16 m[LANES];
+        lane_vec m[LANES];
         for (int i = 0; i < LANES; i++) m[i] = src[d0 + i];
-        transpose16(m);
-        for (int t = 0; t < n; t++) *(vec16 *)(dst + t * stride + d0) = m[t] * factor[t];
+        transpose_lanes(m);
+        for (int t = 0; t < n; t++) *(lane_vec *)(dst + t * stride + d0) = m[t] * factor[t];
     }
     for (; d0 < D; d0++)
         for (int t = 0; t < n; t++) dst[t * stride + d0] = ((const float *)&src[d0])[t] * factor[t];
 }
 
-/* softcap · tanh(x / softcap), 16 lanes: tanh from exp16 of -2|y|, which stays in its domain. */
-static inline vec16 softcap16(vec16 x, float softcap) {
-    const vec16 y = x / softcap, negative_y = (vec16){0} - y;
-    const vec16i negative = y < 0.0f;
-    const vec16 t = exp16(select16(negative, y, negative_y) * 2.0f); /* e^(-2|y|) */
-    const vec16 magnitude = (1.0f - t) / (1.0f + t);
-    return select16(negative, (vec16){0} - magnitude, magnitude) * softcap;
+/* softcap · tanh(x / softcap), lane by lane: tanh from exp_lanes of -2|y|, which stays in its domain. */
+static inline lane_vec softcap_lanes(lane_vec x, float softcap) {
+    const lane_vec y = x / softcap, negative_y = (lane_vec){0} - y;
+    const lane_int negative = y < 0.0f;
+    const lane_vec t = exp_lanes(select_lanes(negative, y, negative_y) * 2.0f); /* e^(-2|y|) */
+    const lane_vec magnitude = (1.0f - t) / (1.0f + t);
+    return select_lanes(negative, (lane_vec){0} - magnitude, magnitude) * softcap;
 }
 
-/* One query head's 16 query tokens (lanes) against one tile of keys (rows krow/vrow; the first
+/* One query head's LANES query tokens against one tile of keys (rows krow/vrow; the first
  * `keys` are real): scores, online-softmax update of its running max and sum, and the weighted
  * sum of values into ot, with the tile's scores kept in registers throughout. `hidden` lanes
  * (keys after a query's position) score -inf. */
-static inline __attribute__((always_inline)) void attend_keys(const vec16 *qt, vec16 *ot, vec16 *run_max,
-                                                              vec16 *run_sum, const float *const *krow,
+static inline __attribute__((always_inline)) void attend_keys(const lane_vec *qt, lane_vec *ot, lane_vec *run_max,
+                                                              lane_vec *run_sum, const float *const *krow,
                                                               const float *const *vrow, int keys,
-                                                              const vec16i *hidden, float softcap, int D) {
-    const vec16 minus_inf = (vec16){0} - INFINITY;
-    vec16 s[KEY_TILE];
+                                                              const lane_int *hidden, float softcap, int D) {
+    const lane_vec minus_inf = (lane_vec){0} - INFINITY;
+    lane_vec s[KEY_TILE];
 #pragma GCC unroll 2
     for (int j0 = 0; j0 < KEY_TILE; j0 += KEY_BLOCK) {
-        vec16 acc[KEY_BLOCK] = {0};
+        lane_vec acc[KEY_BLOCK] = {0};
         if (j0 < keys)
             for (int d = 0; d < D; d++) {
-                const vec16 qd = qt[d];
+                const lane_vec qd = qt[d];
 #pragma GCC unroll 8
                 for (int jb = 0; jb < KEY_BLOCK; jb++) acc[jb] += qd * krow[j0 + jb][d];
             }
 #pragma GCC unroll 8
         for (int jb = 0; jb < KEY_BLOCK; jb++)
-            s[j0 + jb] = j0 >= keys ? minus_inf : softcap > 0.0f ? softcap16(acc[jb], softcap) : acc[jb];
+            s[j0 + jb] = j0 >= keys ? minus_inf : softcap > 0.0f ? softcap_lanes(acc[jb], softcap) : acc[jb];
     }
     if (hidden != NULL)
 #pragma GCC unroll 16
-        for (int j = 0; j < KEY_TILE; j++) s[j] = select16(hidden[j], minus_inf, s[j]);
-    vec16 tile_max = *run_max;
+        for (int j = 0; j < KEY_TILE; j++) s[j] = select_lanes(hidden[j], minus_inf, s[j]);
+    lane_vec tile_max = *run_max;
 #pragma GCC unroll 16
-    for (int j = 0; j < KEY_TILE; j++) tile_max = select16(s[j] > tile_max, s[j], tile_max);
-    const vec16 rescale = exp16(*run_max - tile_max);
-    vec16 sum = *run_sum * rescale;
+    for (int j = 0; j < KEY_TILE; j++) tile_max = select_lanes(s[j] > tile_max, s[j], tile_max);
+    const lane_vec rescale = exp_lanes(*run_max - tile_max);
+    lane_vec sum = *run_sum * rescale;
 #pragma GCC unroll 16
     for (int j = 0; j < KEY_TILE; j++) {
-        s[j] = exp16(s[j] - tile_max);
+        s[j] = exp_lanes(s[j] - tile_max);
         sum += s[j];
     }
     *run_max = tile_max;
     *run_sum = sum;
     for (int d0 = 0; d0 < D; d0 += DIM_BLOCK) {
-        vec16 acc[DIM_BLOCK];
+        lane_vec acc[DIM_BLOCK];
 #pragma GCC unroll 8
         for (int db = 0; db < DIM_BLOCK; db++) acc[db] = ot[d0 + db] * rescale;
 #pragma GCC unroll 2
@@ -171,7 +193,7 @@ static inline __attribute__((always_inline)) void attend_keys(const vec16 *qt, v
             if (j0 < keys)
 #pragma GCC unroll 8
                 for (int jb = 0; jb < KEY_BLOCK; jb++) {
-                    const vec16 p = s[j0 + jb];
+                    const lane_vec p = s[j0 + jb];
                     const float *v = vrow[j0 + jb] + d0;
 #pragma GCC unroll 8
                     for (int db = 0; db < DIM_BLOCK; db++) acc[db] += p * v[db];
@@ -181,7 +203,7 @@ static inline __attribute__((always_inline)) void attend_keys(const vec16 *qt, v
     }
 }
 
-/* One task: `num_queries` (<= 16) query tokens of one sequence, the first at position
+/* One task: `num_queries` (<= LANES) query tokens of one sequence, the first at position
  * `first_pos`, and query heads [kv * G, (kv + 1) * G). q and out point at the first token's row.
  * Each tile of keys is read (upcast for narrow caches) once and serves the G heads in turn. */
 static inline __attribute__((always_inline)) void attend_tile_body(
@@ -189,17 +211,17 @@ static inline __attribute__((always_inline)) void attend_tile_body(
     const int32_t *table, int block_shift, int kv, int kv_heads, int group, int head_dim, float scale,
     int cache_type, const float *k_tables, const float *v_tables, int window, float softcap, float *scratch) {
     const int G = group, D = head_dim, row = kv_heads * G * D;
-    vec16 *qt = (vec16 *)scratch, *ot = qt + G * D, *run_max = ot + G * D, *run_sum = run_max + G;
+    lane_vec *qt = (lane_vec *)scratch, *ot = qt + G * D, *run_max = ot + G * D, *run_sum = run_max + G;
     float *k_upcast = (float *)(run_sum + G), *v_upcast = k_upcast + KEY_TILE * D, *zero_row = v_upcast + KEY_TILE * D;
     for (int g = 0; g < G; g++) {
         load_transposed(qt + g * D, q + (kv * G + g) * D, row, num_queries, D, scale);
         /* finite, so a lane whose first tiles all lie before its window rescales by exp(0), not exp(NaN) */
-        run_max[g] = (vec16){0} - FLT_MAX;
-        run_sum[g] = (vec16){0};
+        run_max[g] = (lane_vec){0} - FLT_MAX;
+        run_sum[g] = (lane_vec){0};
     }
-    memset(ot, 0, sizeof(vec16) * (size_t)G * D);
+    memset(ot, 0, sizeof(lane_vec) * (size_t)G * D);
     memset(zero_row, 0, sizeof(float) * (size_t)D);
-    vec16i positions; /* lane t: query t's position */
+    lane_int positions; /* lane t: query t's position */
     for (int t = 0; t < LANES; t++) positions[t] = first_pos + t;
 
     const int last_pos = first_pos + num_queries - 1;
@@ -219,10 +241,10 @@ static inline __attribute__((always_inline)) void attend_tile_body(
         }
         /* key j is hidden from queries before it (the tile crosses the diagonal) and from those
          * `window` or more tokens after it (the tile crosses a window's start) */
-        vec16i hidden[KEY_TILE];
+        lane_int hidden[KEY_TILE];
         const int crosses = k0 + KEY_TILE - 1 > first_pos, leaves_window = window > 0 && k0 <= last_pos - window;
         for (int j = 0; j < KEY_TILE && (crosses || leaves_window); j++)
-            hidden[j] = (positions < k0 + j) | (leaves_window ? positions - window >= k0 + j : (vec16i){0});
+            hidden[j] = (positions < k0 + j) | (leaves_window ? positions - window >= k0 + j : (lane_int){0});
         for (int g = 0; g < G; g++)
             attend_keys(qt + g * D, ot + g * D, run_max + g, run_sum + g, krow, vrow, keys,
                         crosses || leaves_window ? hidden : NULL, softcap, D);

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.layers import cpu_attention, cpu_kernels
-from tests.helpers import cpu_kernels_off
+from tests.helpers import MARCH_NEEDS, cpu_kernels_built_for, cpu_kernels_off, cpu_runs
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = [torch.float32, torch.bfloat16, *FP8]
@@ -124,7 +124,7 @@ def _check_against_reference(cache_dtype, kv_heads, group, head_dim, block_size,
 def test_prefill_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, head_dim, block_size, spans, seed,
                                                   per_head_scales, window):
     """Prompt chunks of (new tokens, earlier context) attend causally to everything before them:
-    chunks longer and shorter than the kernel's 16-token tiles, contexts that start mid-tile and
+    chunks longer and shorter than the kernel's 16-token tiles (8 on AVX2), contexts that start mid-tile and
     mid-block; fp8 caches with one scale or one per KV head; the fixed shapes (3, 8 heads per KV
     head of 64 and 128) and the general code (1 or 4 of 8); head_dim 24 transposes 16 dimensions
     in registers and the last 8 one by one. A sliding window hides keys from some lanes of a
@@ -144,6 +144,32 @@ def test_prefill_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, 
         v = _gathered(v_cache, tables[i], lens[i], block_size, v_scale)
         rows = slice(int(query_start[i]), int(query_start[i + 1]))
         torch.testing.assert_close(out[rows], _attend(q[rows], k, v, context, window), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("march", sorted(MARCH_NEEDS))
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_gives_the_same_floats_built_for_older_cpus(march, cache_dtype, window):
+    """Built for an AVX2 CPU a vector holds 8 query tokens instead of 16 (in registers, not on the
+    stack); each lane still computes one query over the same key tiles, so the floats are this
+    build's bit for bit (a gate's verdict holds on either)."""
+    if not cpu_runs(march):
+        pytest.skip(f"this CPU does not run -march={march} code")
+    g = torch.Generator().manual_seed(0)
+    spans = [(37, 0), (5, 70), (130, 9)]
+    lens = [new + context for new, context in spans]
+    k_cache, v_cache, tables, k_scale, v_scale = _random_cache(cache_dtype, 3, 64, 16, lens, g, False)
+    q = torch.randn(sum(new for new, _ in spans), 9, 64, generator=g)
+    query_start = torch.tensor([0, *(new for new, _ in spans)], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    def attend() -> torch.Tensor:
+        return cpu_attention.paged_prefill_attention(q, k_cache, v_cache, tables, query_start,
+                                                     torch.tensor(lens, dtype=torch.int32), 16, 0.125, k_scale,
+                                                     v_scale, window)
+
+    here = attend()
+    with cpu_kernels_built_for(march):
+        assert torch.equal(attend(), here)
 
 
 def test_prefill_rejects_a_head_dim_its_blocks_cannot_cover():
