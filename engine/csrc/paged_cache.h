@@ -72,6 +72,13 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 #define TAKE_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
 #define KEEP_1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
 #define TAKE_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+/* the same for vectors of 8 lanes (b = 4, 2, 1), where the kernels use 8-lane vectors (no AVX-512) */
+#define KEEP8_4 0, 1, 2, 3, 8, 9, 10, 11
+#define TAKE8_4 4, 5, 6, 7, 12, 13, 14, 15
+#define KEEP8_2 0, 1, 8, 9, 4, 5, 12, 13
+#define TAKE8_2 2, 3, 10, 11, 6, 7, 14, 15
+#define KEEP8_1 0, 8, 2, 10, 4, 12, 6, 14
+#define TAKE8_1 1, 9, 3, 11, 5, 13, 7, 15
 
 /* The cache slot of a sequence's token t (block_size = 1 << block_shift). */
 static inline int64_t slot_of(const int32_t *table, int block_shift, int t) {

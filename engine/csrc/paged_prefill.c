@@ -81,17 +81,9 @@ static inline lane_vec exp_lanes(lane_vec x) {
     return select_lanes(underflow, (lane_vec){0}, p * (lane_vec)two_to_n);
 }
 
-/* The 8-lane KEEP_b / TAKE_b (paged_cache.h has the 16-lane ones). */
-#define KEEP8_4 0, 1, 2, 3, 8, 9, 10, 11
-#define TAKE8_4 4, 5, 6, 7, 12, 13, 14, 15
-#define KEEP8_2 0, 1, 8, 9, 4, 5, 12, 13
-#define TAKE8_2 2, 3, 10, 11, 6, 7, 14, 15
-#define KEEP8_1 0, 8, 2, 10, 4, 12, 6, 14
-#define TAKE8_1 1, 9, 3, 11, 5, 13, 7, 15
-
 /* LANES vectors of LANES lanes transposed in place (m[i][j] <-> m[j][i]): rounds that swap the
  * off-diagonal halves of ever smaller blocks (8, 4, 2, 1 lanes wide), two-source shuffles
- * (KEEP_b / TAKE_b). */
+ * (KEEP_b / TAKE_b, KEEP8_b / TAKE8_b: paged_cache.h). */
 static inline __attribute__((always_inline)) void transpose_lanes(lane_vec *m) {
 #define SWAP_BLOCKS(b, keep, take)                              \
     for (int i = 0; i < LANES; i++)                             \
