@@ -563,7 +563,7 @@ class Int8Linear(_IntWeightLinear):
       ``panel_matmul_w4a8``: the same products on nibble panels, each group's integer dot scaled
       by its scale.
     - CUDA: per-token quantization and ``torch._int_mm`` (in and out multiples of 8).
-    - Elsewhere (other shapes, other CPUs, act-order int4) the oracle, over the weight
+    - Elsewhere (other shapes, other CPUs, act-order int4, int4 on CUDA) the oracle, over the weight
       dequantized once. (fbgemm's dynamic int8 GEMM, which torch offers on CPUs, quantizes its
       whole input to one 7-bit range: a loud token flattens its batch's other rows, and a row's
       floats depend on what shares its batch.)
@@ -625,7 +625,7 @@ class Int8Linear(_IntWeightLinear):
         if self.kernel == "w8a8panel":
             y = panel_matmul.matmul_w8a8(x, self.kernel_weight, self.kernel_sums, self.kernel_scales, self.bias)
             return y.to(x.dtype)
-        x2d = x.reshape(-1, self.input_size).float()
+        x2d = x.reshape(-1, self.input_size).float()  # "int_mm": cuBLASLt's int8 GEMM on per-token rows
         s = _token_scales(x2d)
         xq = torch.round(x2d / s).clamp(-127, 127).to(torch.int8)
         m = xq.shape[0]

@@ -512,8 +512,8 @@ int use_amx(int on) {
 
 int w8a8_available(void) { return 1; }
 
-/* 64 bytes of a panel step: 16 int32 sums, or 16 lanes x 4 int8 weights. In one register with
- * AVX-512; with AVX2 in two (GCC's 64-byte vector types would pass through memory there). */
+/* 64 bytes of a panel step: 16 int32 sums, or 16 lanes x 4 int8 weights: in one register with
+ * AVX-512, in two with AVX2 (as PARTS says why). */
 #if defined(__AVX512F__)
 typedef __m512i lanes;
 
