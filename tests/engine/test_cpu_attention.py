@@ -147,6 +147,18 @@ def test_prefill_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, 
 
 
 @pytest.mark.parametrize("march", sorted(MARCH_NEEDS))
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_decode_built_for_older_cpus_equals_gathered_reference(march, cache_dtype):
+    """Built for an AVX2 CPU the tiled walk over bf16 and fp8 caches scores and sums in runs of 8
+    dims (16 with AVX-512): contexts of one token, part of a tile, several tiles and ranges."""
+    if not cpu_runs(march):
+        pytest.skip(f"this CPU does not run -march={march} code")
+    with cpu_kernels_built_for(march):
+        _check_against_reference(cache_dtype, 3, 3, 64, 16, [1, 7, 300, 70], seed=0)
+        _check_against_reference(cache_dtype, 2, 4, 20, 4, [33, 129], seed=1, window=20)  # a part-run of dims
+
+
+@pytest.mark.parametrize("march", sorted(MARCH_NEEDS))
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, 20])
 def test_prefill_gives_the_same_floats_built_for_older_cpus(march, cache_dtype, window):
