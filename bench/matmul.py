@@ -66,20 +66,24 @@ def layer_shapes(args: LlamaArgs) -> list[tuple[int, int]]:
             (2 * args.intermediate_size, args.hidden_size), (args.hidden_size, args.intermediate_size)]
 
 
+def _rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RTN symmetric int8 weights per channel and their scales [N]."""
+    scale, _ = compute_qparams(w, 8, group_size=None, symmetric=True)
+    return quantize_int(w, scale, None, 8, group_size=None), scale[:, 0].contiguous()
+
+
 def _w8a8_layout(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """RTN int8 weights per channel packed for the W8A8 kernel: (panels, 128 · row sums, scales)."""
-    scale, _ = compute_qparams(w, 8, group_size=None, symmetric=True)
-    panels, sums = panel_matmul.pack_w8a8(quantize_int(w, scale, None, 8, group_size=None))
-    return panels, sums, scale[:, 0].contiguous()
+    q, scale = _rtn_int8(w)
+    return (*panel_matmul.pack_w8a8(q), scale)
 
 
 def _fbgemm_layout(w: torch.Tensor) -> torch.Tensor:
     """The same RTN int8 weights per channel, prepacked for fbgemm."""
-    scale, _ = compute_qparams(w, 8, group_size=None, symmetric=True)
-    q = quantize_int(w, scale, None, 8, group_size=None)
+    q, scale = _rtn_int8(w)
     with warnings.catch_warnings():  # the quantized-tensor API is deprecated upstream, still fbgemm's door
         warnings.simplefilter("ignore")
-        packed = torch._make_per_channel_quantized_tensor(q, scale[:, 0].double(), torch.zeros(len(q), dtype=torch.long), 0)
+        packed = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(q), dtype=torch.long), 0)
         return torch.ops.quantized.linear_prepack(packed, None)
 
 

@@ -18,7 +18,7 @@ from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
 from quant.schemes import preset
 from tests.engine.test_cpu_attention import _random_cache
-from tests.helpers import cpu_kernels_built_for, cpu_runs, make_tiny_model_dir, quantized_tensors
+from tests.helpers import cpu_kernels_built_for, make_tiny_model_dir, quantized_tensors, skip_unless_cpu_runs
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(torch.float32, torch.device("cpu")),
                                 reason="no C compiler for the attention kernels")
@@ -89,10 +89,10 @@ def test_greedy_outputs_do_not_depend_on_the_batch(tmp_path, threads, scheme):
     _assert_greedy_outputs_alone_equal_together(LLM(str(_checkpoint(tmp_path, scheme)), enable_prefix_caching=False))
 
 
-@pytest.mark.skipif(not cpu_runs("haswell"), reason="this CPU does not run AVX2 code")
 def test_w8a8_on_an_avx2_build_does_not_depend_on_the_batch(tmp_path, threads):
     """Every C kernel built for an AVX2 CPU without VNNI (W8A8 on pmaddubsw, 4-row tiles, the
     float kernels on 8-lane vectors): a row's outputs are the same alone and in a batch."""
+    skip_unless_cpu_runs("haswell")
     threads(2)
     with cpu_kernels_built_for("haswell"):
         llm = LLM(str(_checkpoint(tmp_path, "w8a8-int8")), enable_prefix_caching=False)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.layers import cpu_attention, cpu_kernels
-from tests.helpers import MARCH_NEEDS, cpu_kernels_built_for, cpu_kernels_off, cpu_runs
+from tests.helpers import MARCH_NEEDS, cpu_kernels_built_for, cpu_kernels_off, skip_unless_cpu_runs
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = [torch.float32, torch.bfloat16, *FP8]
@@ -151,8 +151,7 @@ def test_prefill_kernel_equals_gathered_reference(cache_dtype, kv_heads, group, 
 def test_decode_built_for_older_cpus_equals_gathered_reference(march, cache_dtype):
     """Built for an AVX2 CPU the tiled walk over bf16 and fp8 caches scores and sums in runs of 8
     dims (16 with AVX-512): contexts of one token, part of a tile, several tiles and ranges."""
-    if not cpu_runs(march):
-        pytest.skip(f"this CPU does not run -march={march} code")
+    skip_unless_cpu_runs(march)
     with cpu_kernels_built_for(march):
         _check_against_reference(cache_dtype, 3, 3, 64, 16, [1, 7, 300, 70], seed=0)
         _check_against_reference(cache_dtype, 2, 4, 20, 4, [33, 129], seed=1, window=20)  # a part-run of dims
@@ -165,8 +164,7 @@ def test_prefill_gives_the_same_floats_built_for_older_cpus(march, cache_dtype, 
     """Built for an AVX2 CPU a vector holds 8 query tokens instead of 16 (in registers, not on the
     stack); each lane still computes one query over the same key tiles, so the floats are this
     build's bit for bit (a gate's verdict holds on either)."""
-    if not cpu_runs(march):
-        pytest.skip(f"this CPU does not run -march={march} code")
+    skip_unless_cpu_runs(march)
     g = torch.Generator().manual_seed(0)
     spans = [(37, 0), (5, 70), (130, 9)]
     lens = [new + context for new, context in spans]

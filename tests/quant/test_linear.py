@@ -25,7 +25,7 @@ from tests.helpers import (
     assert_rows_do_not_depend_on_the_batch,
     cpu_kernels_built_for,
     cpu_kernels_off,
-    cpu_runs,
+    skip_unless_cpu_runs,
 )
 from tests.quant.hyp import quick
 
@@ -252,8 +252,7 @@ def test_cpu_kernels_give_the_same_floats_built_for_older_cpus(march):
     order on 16 lanes or two parts of 8; W8A8 and W4A8 sum vpdpbusd's integers with pmaddubsw
     and share one epilogue. Rows: every tile and tail of every tile size and a 256-row block's
     tail; K = 100 ends on single steps."""
-    if not cpu_runs(march):
-        pytest.skip(f"this CPU does not run -march={march} code")
+    skip_unless_cpu_runs(march)
     w4a8 = QuantScheme(QuantArgs(num_bits=4, strategy="group", group_size=32),
                        QuantArgs(strategy="token", dynamic=True), "int-quantized")
     g = torch.Generator().manual_seed(0)
