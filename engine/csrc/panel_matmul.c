@@ -527,12 +527,12 @@ static inline __attribute__((always_inline)) part_vec lanes_difference(lanes a, 
     return (part_vec)_mm512_cvtepi32_ps(_mm512_sub_epi32(a, b));
 }
 
-/* One 64-byte block of nibbles → the two steps it holds (q = nibble - 8): low nibbles are
- * k .. k + 3, high ones k + 4 .. k + 7. */
-static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, lanes *first, lanes *second) {
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8), both = lanes_load(block);
-    *first = _mm512_sub_epi8(_mm512_and_si512(both, low_nibbles), eight);
-    *second = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles), eight);
+/* One 64-byte block of nibbles → the two steps it holds, as bytes u = q + 8 in 0..15: low nibbles
+ * are k .. k + 3, high ones k + 4 .. k + 7. */
+static inline __attribute__((always_inline)) void unpack_nibbles(const uint8_t *block, lanes *first, lanes *second) {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), both = lanes_load(block);
+    *first = _mm512_and_si512(both, low_nibbles);
+    *second = _mm512_and_si512(_mm512_srli_epi16(both, 4), low_nibbles);
 }
 #else
 typedef struct {
@@ -553,13 +553,12 @@ static inline __attribute__((always_inline)) part_vec lanes_difference(lanes a, 
     return (part_vec)_mm256_cvtepi32_ps(h ? _mm256_sub_epi32(a.hi, b.hi) : _mm256_sub_epi32(a.lo, b.lo));
 }
 
-static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, lanes *first, lanes *second) {
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+static inline __attribute__((always_inline)) void unpack_nibbles(const uint8_t *block, lanes *first, lanes *second) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
     const lanes both = lanes_load(block);
-    *first = (lanes){_mm256_sub_epi8(_mm256_and_si256(both.lo, low_nibbles), eight),
-                     _mm256_sub_epi8(_mm256_and_si256(both.hi, low_nibbles), eight)};
-    *second = (lanes){_mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(both.lo, 4), low_nibbles), eight),
-                      _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(both.hi, 4), low_nibbles), eight)};
+    *first = (lanes){_mm256_and_si256(both.lo, low_nibbles), _mm256_and_si256(both.hi, low_nibbles)};
+    *second = (lanes){_mm256_and_si256(_mm256_srli_epi16(both.lo, 4), low_nibbles),
+                      _mm256_and_si256(_mm256_srli_epi16(both.hi, 4), low_nibbles)};
 }
 #endif
 
@@ -577,6 +576,23 @@ static inline __attribute__((always_inline)) lanes dot_start(const int32_t *sums
     (void)sums;
     return lanes_zero();
 }
+
+/* W4A8 (below) on vpdpbusd: the nibbles as signed steps q = u - 8, the activations offset as W8A8's,
+ * one instruction per step and row. `row_sums` is NULL: the offset's term is in the group sums. */
+#define W4A8_ON_VNNI
+
+static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, lanes *first, lanes *second) {
+    const __m512i eight = _mm512_set1_epi8(8);
+    unpack_nibbles(block, first, second);
+    *first = _mm512_sub_epi8(*first, eight);
+    *second = _mm512_sub_epi8(*second, eight);
+}
+
+static inline __attribute__((always_inline)) lanes w4a8_start(const int32_t *sums, int32_t row_sum) {
+    (void)row_sum;
+    return dot_start(sums);
+}
+
 #else
 /* Without VNNI, pmaddubsw multiplies unsigned by signed bytes into int16 pairs, which x_q + 128
  * would overflow. Instead |w| times x_q with w's sign: each pair is at most 2 · 128 · 127, which
@@ -604,6 +620,47 @@ static inline __attribute__((always_inline)) lanes dot4(lanes acc, int32_t four,
     return (lanes){dot4_half(acc.lo, q, w.lo), dot4_half(acc.hi, q, w.hi)};
 }
 #endif
+
+/* W4A8 (below) without VNNI: pmaddubsw multiplies the nibbles u = q + 8 as they lie (unsigned, at
+ * most 15) by x_q (signed), so no sign trick is needed; each int16 pair is at most 2 · 15 · 127 =
+ * 3810, so the pairs of W4_BLOCKS_IN_INT16 blocks (8 products each, 30480 in all) add up in int16
+ * before pmaddwd widens them: about half dot4's instructions a step. The sum starts at the group
+ * sum the epilogue takes off, less 8 · Σ x_q over the group (`row_sums`, computed per row), so it
+ * ends as Σ x_q · q, as on VNNI. */
+enum { W4_BLOCKS_IN_INT16 = 4 };
+
+#if defined(__AVX512BW__)
+static inline __attribute__((always_inline)) lanes nibble_pairs(lanes pairs, lanes u, int32_t four) {
+    return _mm512_add_epi16(pairs, _mm512_maddubs_epi16(u, _mm512_set1_epi32(four)));
+}
+
+static inline __attribute__((always_inline)) lanes widen_pairs(lanes acc, lanes pairs) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) lanes w4a8_start(const int32_t *sums, int32_t row_sum) {
+    return _mm512_sub_epi32(lanes_load(sums), _mm512_set1_epi32(8 * row_sum));
+}
+#else
+static inline __attribute__((always_inline)) lanes nibble_pairs(lanes pairs, lanes u, int32_t four) {
+    const __m256i q = _mm256_set1_epi32(four);
+    return (lanes){_mm256_add_epi16(pairs.lo, _mm256_maddubs_epi16(u.lo, q)),
+                   _mm256_add_epi16(pairs.hi, _mm256_maddubs_epi16(u.hi, q))};
+}
+
+static inline __attribute__((always_inline)) lanes widen_pairs(lanes acc, lanes pairs) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return (lanes){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, ones)),
+                   _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, ones))};
+}
+
+static inline __attribute__((always_inline)) lanes w4a8_start(const int32_t *sums, int32_t row_sum) {
+    const lanes s = lanes_load(sums);
+    const __m256i offset = _mm256_set1_epi32(8 * row_sum);
+    return (lanes){_mm256_sub_epi32(s.lo, offset), _mm256_sub_epi32(s.hi, offset)};
+}
+#endif
+
 #endif
 
 /* One row to bytes x_q + ACTIVATION_OFFSET; returns the row's scale. Plain C the compiler
@@ -626,6 +683,13 @@ static float quantize_row(uint8_t *restrict out, const float *restrict x, int K)
         out[k] = (uint8_t)(q + ACTIVATION_OFFSET);
     }
     return scale;
+}
+
+/* Σ x_q over n values of a quantized row (stored as the bytes of x_q + ACTIVATION_OFFSET). */
+static int32_t group_sum(const uint8_t *xq, int n) {
+    int32_t sum = 0;
+    for (int k = 0; k < n; k++) sum += (int8_t)(xq[k] - ACTIVATION_OFFSET);
+    return sum;
 }
 
 /* W8A8_ROW_BLOCK: rows per block of a prefill-sized product (a multiple of ROW_TILE_W8A8). Every
@@ -737,6 +801,48 @@ static inline __attribute__((always_inline)) part_vec w4a8_row(part_vec total, f
     return fmadd(total, splat(row_scale), bias);
 }
 
+/* acc[i] plus row i's integer dot with the steps of blocks k .. end - 1 (8 k a block) of a panel:
+ * on VNNI one vpdpbusd a step and row; elsewhere int16 pairs widened every W4_BLOCKS_IN_INT16. */
+#ifdef W4A8_ON_VNNI
+static inline __attribute__((always_inline)) void w4a8_dots(lanes *acc, const uint8_t *panel, const uint8_t *xq,
+                                                            int rows, int K, int k, int end, Lookahead *ahead) {
+    for (; k < end; k += 8, panel += 64) {
+        lookahead_step(ahead);
+        __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
+        lanes first, second;
+        unpack_w4_block(panel, &first, &second);
+        for (int i = 0; i < rows; i++) {
+            int32_t lo, hi;
+            __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
+            __builtin_memcpy(&hi, xq + (int64_t)i * K + k + 4, 4);
+            acc[i] = dot4(dot4(acc[i], lo, first), hi, second);
+        }
+    }
+}
+#else
+static inline __attribute__((always_inline)) void w4a8_dots(lanes *acc, const uint8_t *panel, const uint8_t *xq,
+                                                            int rows, int K, int k, int end, Lookahead *ahead) {
+    while (k < end) {
+        const int chunk_end = k + 8 * W4_BLOCKS_IN_INT16 < end ? k + 8 * W4_BLOCKS_IN_INT16 : end;
+        lanes pairs[ROW_TILE_W8A8];
+        for (int i = 0; i < rows; i++) pairs[i] = lanes_zero();
+        for (; k < chunk_end; k += 8, panel += 64) {
+            lookahead_step(ahead);
+            __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
+            lanes first, second;
+            unpack_nibbles(panel, &first, &second);
+            for (int i = 0; i < rows; i++) {
+                int32_t lo, hi;
+                __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
+                __builtin_memcpy(&hi, xq + (int64_t)i * K + k + 4, 4);
+                pairs[i] = nibble_pairs(nibble_pairs(pairs[i], first, lo), second, hi);
+            }
+        }
+        for (int i = 0; i < rows; i++) acc[i] = widen_pairs(acc[i], pairs[i]);
+    }
+}
+#endif
+
 /* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
  * the same per-token int8 activations and integer products as W8A8; the integer dot of each
  * group is scaled by its group's scales before the next group adds in, and the row scale comes
@@ -748,31 +854,22 @@ static inline __attribute__((always_inline)) part_vec w4a8_row(part_vec total, f
  *          its low nibble and u[16p + j][8b + 4 + t] in its high one (t = 0..3), u = q + 8 in 0..15
  *   group_sums [N / 16, K / G, 16] int32: 128 · Σ_{k∈g} q[n][k] (as W8A8's bias_sums)
  *   group_scales [N / 16, K / G, 16] float32
+ *   row_sums [rows, K / G] int32: Σ_{k∈g} x_q[k] where the route needs it (W4A8_ON_VNNI: NULL)
  * K and the group size G must be multiples of 8 (G = K: per channel), N of 16.
  */
 static inline __attribute__((always_inline)) void row_tile_w4a8(
     float *restrict y, const uint8_t *restrict xq, const float *restrict row_scales, const uint8_t *restrict panel,
-    const int32_t *group_sums, const float *group_scales, const float *bias, int rows, int K, int N, int G,
-    Lookahead *ahead) {
+    const int32_t *group_sums, const float *group_scales, const float *bias, const int32_t *row_sums, int rows,
+    int K, int N, int G, Lookahead *ahead) {
     part_vec total[ROW_TILE_W8A8][PARTS];
     lanes acc[ROW_TILE_W8A8];
+    const int groups = K / G;
     for (int i = 0; i < rows; i++)
         for (int h = 0; h < PARTS; h++) total[i][h] = (part_vec){0};
-    for (int g = 0; g < K / G; g++) {
+    for (int g = 0; g < groups; g++, panel += (int64_t)G * 8) {
         const int32_t *sums = group_sums + g * PANEL;
-        for (int i = 0; i < rows; i++) acc[i] = dot_start(sums);
-        for (int k = g * G; k < (g + 1) * G; k += 8, panel += 64) {
-            lookahead_step(ahead);
-            __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
-            lanes first, second;
-            unpack_w4_block(panel, &first, &second);
-            for (int i = 0; i < rows; i++) {
-                int32_t lo, hi;
-                __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
-                __builtin_memcpy(&hi, xq + (int64_t)i * K + k + 4, 4);
-                acc[i] = dot4(dot4(acc[i], lo, first), hi, second);
-            }
-        }
+        for (int i = 0; i < rows; i++) acc[i] = w4a8_start(sums, row_sums ? row_sums[i * groups + g] : 0);
+        w4a8_dots(acc, panel, xq, rows, K, g * G, (g + 1) * G, ahead);
         const lanes group_sums_g = lanes_load(sums);
         for (int h = 0; h < PARTS; h++) {
             const part_vec scale = load_part(group_scales + g * PANEL, h);
@@ -868,7 +965,7 @@ static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, 
     do {                                                                                                            \
         if (nibbles)                                                                                                \
             row_tile_w4a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, panel, sums_p, scales_p,      \
-                          bias_p, r, K, N, G, &ahead);                                                             \
+                          bias_p, row_sums ? row_sums + (int64_t)m * (K / G) : 0, r, K, N, G, &ahead);              \
         else                                                                                                        \
             row_tile_w8a8(y_p + (int64_t)m * N, xq + (int64_t)m * K, row_scales + m, (const int8_t *)panel, sums_p, \
                           scales_p, bias_p, r, K, N, &ahead);                                                      \
@@ -876,8 +973,9 @@ static void amx_int8_pass(float *y, const uint8_t *xq, const float *row_scales, 
 
 /* Rows m..end of one panel in tiles of up to ROW_TILE_W8A8 rows. */
 static inline __attribute__((always_inline)) void int8_panel_rows(
-    float *y_p, const uint8_t *xq, const float *row_scales, const uint8_t *panel, const int32_t *sums_p,
-    const float *scales_p, const float *bias_p, int m, int end, int K, int N, int G, int nibbles, Lookahead ahead) {
+    float *y_p, const uint8_t *xq, const float *row_scales, const int32_t *row_sums, const uint8_t *panel,
+    const int32_t *sums_p, const float *scales_p, const float *bias_p, int m, int end, int K, int N, int G,
+    int nibbles, Lookahead ahead) {
     for (; m + ROW_TILE_W8A8 <= end; m += ROW_TILE_W8A8) TILE_INT8(ROW_TILE_W8A8);
     switch (end - m) {
         TAIL_INT8(1) TAIL_INT8(2) TAIL_INT8(3)
@@ -893,10 +991,17 @@ static inline __attribute__((always_inline)) void int8_panel_rows(
 static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, const int32_t *sums,
                             const float *scales, const float *bias, int M, int N, int K, int G, int nibbles,
                             int threads) {
-    uint8_t *xq = malloc((size_t)M * K + (size_t)M * sizeof(float));
-    if (!xq) return -1;
-    float *row_scales = (float *)(xq + (size_t)M * K);
     const int groups = K / G;
+#ifdef W4A8_ON_VNNI
+    const int need_row_sums = 0;
+#else
+    const int need_row_sums = nibbles;
+#endif
+    float *row_scales = malloc((size_t)M * sizeof(float) + (need_row_sums ? (size_t)M * groups * sizeof(int32_t) : 0) +
+                               (size_t)M * K);
+    if (!row_scales) return -1;
+    int32_t *row_sums = need_row_sums ? (int32_t *)(row_scales + M) : 0;
+    uint8_t *xq = need_row_sums ? (uint8_t *)(row_sums + (size_t)M * groups) : (uint8_t *)(row_scales + M);
     /* tiles hold 64 k: W4A8 only where each group is whole tiles, and from 32 rows in blocks of 16
      * (its weight tiles are unpacked per pass: at 16 rows VNNI was faster, 6.0 vs 6.8 ms), the rows
      * after them on VNNI; W8A8 from 16 rows, every row (at 4-8 rows VNNI was faster: 8.6-9.1 against
@@ -907,7 +1012,11 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
     {
         int configured = 0; /* the thread's tile configuration (amx_use) */
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++) row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
+        for (int m = 0; m < M; m++) {
+            row_scales[m] = quantize_row(xq + (int64_t)m * K, x + (int64_t)m * K, K);
+            for (int g = 0; row_sums && g < groups; g++)
+                row_sums[(int64_t)m * groups + g] = group_sum(xq + (int64_t)m * K + g * G, G);
+        }
         /* tasks in row-block-major order: each thread's contiguous share keeps one block of
          * activations in its L2 while every panel passes over it */
         const int num_panels = N / PANEL, row_blocks = (M + W8A8_ROW_BLOCK - 1) / W8A8_ROW_BLOCK;
@@ -931,7 +1040,7 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
             }
             for (int p = first_panel; p < last_panel; p++) {
                 const int has_next = p + 1 < num_panels || task + 1 < row_blocks * units;
-                int8_panel_rows(y + p * PANEL, xq, row_scales, panels + p * panel_bytes,
+                int8_panel_rows(y + p * PANEL, xq, row_scales, row_sums, panels + p * panel_bytes,
                                 sums + (int64_t)p * groups * PANEL, scales + (int64_t)p * groups * PANEL,
                                 bias ? bias + p * PANEL : 0, m, end, K, N, G, nibbles,
                                 lookahead(has_next ? panels + (p + 1) % num_panels * panel_bytes : 0, panel_bytes));
@@ -939,7 +1048,7 @@ static int int8_rows_matmul(float *y, const float *x, const uint8_t *panels, con
         }
         if (amx) amx_release();
     }
-    free(xq);
+    free(row_scales);
     return 0;
 }
 

@@ -6,6 +6,7 @@ Tolerances (relative Frobenius error of forward vs reference_forward):
 - W8A8 int8 on the int8 panel kernel quantizes exactly as the oracle: 1e-5 per row.
 """
 
+import contextlib
 import functools
 from dataclasses import replace
 
@@ -273,6 +274,32 @@ def test_cpu_kernels_give_the_same_floats_built_for_older_cpus(march):
             with cpu_kernels_built_for(march):
                 built_for_march = matmul(x[:rows])
             assert torch.equal(built_for_march, here), (name, k, rows)
+
+
+@needs_w8a8_panel
+@pytest.mark.parametrize("march", [None, *sorted(MARCH_NEEDS)])
+@pytest.mark.parametrize("group", [8, 24, 128, 768])
+def test_w4a8_sums_stay_exact_at_the_extremes(march, group):
+    """W4A8's integer dots at their largest: every weight 7 (or −8) times rows that quantize to
+    ±127 everywhere. Without VNNI the kernel sums nibble × activation pairs in int16 for several
+    blocks before widening them; those sums must not wrap, and the −8 · Σ x_q taken off for the
+    nibbles' offset must come out exact, in groups of one block, of part of an int16 run, of
+    several runs and of the whole row. The result is compared with the exact integers, scaled in float64."""
+    if march:
+        skip_unless_cpu_runs(march)
+    n, k = 32, 768
+    scale = torch.full((n, k // group), 0.5)
+    x = torch.cat([torch.ones(2, k), -torch.ones(2, k), torch.linspace(-1, 1, k)[None]])
+    for value in (7, -8):
+        q = torch.full((n, k), value, dtype=torch.int8)
+        q[1::2, ::3] = -8 if value == 7 else 7  # every other channel mixes both extremes
+        x_scale = x.abs().amax(1, keepdim=True) / 127
+        x_q = torch.round(x / x_scale).clamp(-127, 127).double()
+        dots = (x_q.reshape(len(x), 1, -1, group) * q.double().reshape(1, n, -1, group)).sum(-1)
+        exact = (dots * scale.double()).sum(-1) * x_scale.double()
+        with cpu_kernels_built_for(march) if march else contextlib.nullcontext():
+            y = panel_matmul.matmul_w4a8(x, *panel_matmul.pack_w4a8(q, scale))
+        assert torch.allclose(y.double(), exact, rtol=1e-6, atol=0), (value, (y.double() - exact).abs().max())
 
 
 needs_int8_panel = pytest.mark.skipif(not panel_matmul.int8_available(), reason="no C compiler here")
