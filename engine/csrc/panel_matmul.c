@@ -578,14 +578,27 @@ static inline __attribute__((always_inline)) lanes dot_start(const int32_t *sums
 }
 
 /* W4A8 (below) on vpdpbusd: the nibbles as signed steps q = u - 8, the activations offset as W8A8's,
- * one instruction per step and row. `row_sums` is NULL: the offset's term is in the group sums. */
+ * one instruction per step and row, summed in int32 all along (a run is the whole group).
+ * `row_sums` is NULL: the offset's term is in the group sums. */
 #define W4A8_ON_VNNI
+enum { W4_BLOCKS_A_RUN = 1 << 20 };
 
-static inline __attribute__((always_inline)) void unpack_w4_block(const uint8_t *block, lanes *first, lanes *second) {
+static inline __attribute__((always_inline)) void w4a8_unpack(const uint8_t *block, lanes *first, lanes *second) {
     const __m512i eight = _mm512_set1_epi8(8);
     unpack_nibbles(block, first, second);
     *first = _mm512_sub_epi8(*first, eight);
     *second = _mm512_sub_epi8(*second, eight);
+}
+
+static inline __attribute__((always_inline)) lanes w4a8_block(lanes run, lanes first, int32_t lo, lanes second,
+                                                              int32_t hi) {
+    return dot4(dot4(run, lo, first), hi, second);
+}
+
+static inline __attribute__((always_inline)) lanes w4a8_run_start(lanes acc) { return acc; }
+static inline __attribute__((always_inline)) lanes w4a8_run_end(lanes acc, lanes run) {
+    (void)acc;
+    return run;
 }
 
 static inline __attribute__((always_inline)) lanes w4a8_start(const int32_t *sums, int32_t row_sum) {
@@ -623,18 +636,27 @@ static inline __attribute__((always_inline)) lanes dot4(lanes acc, int32_t four,
 
 /* W4A8 (below) without VNNI: pmaddubsw multiplies the nibbles u = q + 8 as they lie (unsigned, at
  * most 15) by x_q (signed), so no sign trick is needed; each int16 pair is at most 2 · 15 · 127 =
- * 3810, so the pairs of W4_BLOCKS_IN_INT16 blocks (8 products each, 30480 in all) add up in int16
- * before pmaddwd widens them: about half dot4's instructions a step. The sum starts at the group
+ * 3810, so the pairs of a run of W4_BLOCKS_A_RUN blocks (8 products each, 30480 in all) add up in
+ * int16 before pmaddwd widens them: about half dot4's instructions a step. The sum starts at the group
  * sum the epilogue takes off, less 8 · Σ x_q over the group (`row_sums`, computed per row), so it
  * ends as Σ x_q · q, as on VNNI. */
-enum { W4_BLOCKS_IN_INT16 = 4 };
+enum { W4_BLOCKS_A_RUN = 4 };
+
+static inline __attribute__((always_inline)) void w4a8_unpack(const uint8_t *block, lanes *first, lanes *second) {
+    unpack_nibbles(block, first, second);
+}
+
+static inline __attribute__((always_inline)) lanes w4a8_run_start(lanes acc) {
+    (void)acc;
+    return lanes_zero();
+}
 
 #if defined(__AVX512BW__)
 static inline __attribute__((always_inline)) lanes nibble_pairs(lanes pairs, lanes u, int32_t four) {
     return _mm512_add_epi16(pairs, _mm512_maddubs_epi16(u, _mm512_set1_epi32(four)));
 }
 
-static inline __attribute__((always_inline)) lanes widen_pairs(lanes acc, lanes pairs) {
+static inline __attribute__((always_inline)) lanes w4a8_run_end(lanes acc, lanes pairs) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 }
 
@@ -648,7 +670,7 @@ static inline __attribute__((always_inline)) lanes nibble_pairs(lanes pairs, lan
                    _mm256_add_epi16(pairs.hi, _mm256_maddubs_epi16(u.hi, q))};
 }
 
-static inline __attribute__((always_inline)) lanes widen_pairs(lanes acc, lanes pairs) {
+static inline __attribute__((always_inline)) lanes w4a8_run_end(lanes acc, lanes pairs) {
     const __m256i ones = _mm256_set1_epi16(1);
     return (lanes){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, ones)),
                    _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, ones))};
@@ -661,6 +683,10 @@ static inline __attribute__((always_inline)) lanes w4a8_start(const int32_t *sum
 }
 #endif
 
+static inline __attribute__((always_inline)) lanes w4a8_block(lanes pairs, lanes first, int32_t lo, lanes second,
+                                                              int32_t hi) {
+    return nibble_pairs(nibble_pairs(pairs, first, lo), second, hi);
+}
 #endif
 
 /* One row to bytes x_q + ACTIVATION_OFFSET; returns the row's scale. Plain C the compiler
@@ -801,47 +827,29 @@ static inline __attribute__((always_inline)) part_vec w4a8_row(part_vec total, f
     return fmadd(total, splat(row_scale), bias);
 }
 
-/* acc[i] plus row i's integer dot with the steps of blocks k .. end - 1 (8 k a block) of a panel:
- * on VNNI one vpdpbusd a step and row; elsewhere int16 pairs widened every W4_BLOCKS_IN_INT16. */
-#ifdef W4A8_ON_VNNI
-static inline __attribute__((always_inline)) void w4a8_dots(lanes *acc, const uint8_t *panel, const uint8_t *xq,
-                                                            int rows, int K, int k, int end, Lookahead *ahead) {
-    for (; k < end; k += 8, panel += 64) {
-        lookahead_step(ahead);
-        __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
-        lanes first, second;
-        unpack_w4_block(panel, &first, &second);
-        for (int i = 0; i < rows; i++) {
-            int32_t lo, hi;
-            __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
-            __builtin_memcpy(&hi, xq + (int64_t)i * K + k + 4, 4);
-            acc[i] = dot4(dot4(acc[i], lo, first), hi, second);
-        }
-    }
-}
-#else
+/* acc[i] plus row i's integer dot with the steps of blocks k .. end - 1 (8 k a block) of a panel,
+ * summed a run of up to W4_BLOCKS_A_RUN blocks at a time (each route's w4a8_block says how). */
 static inline __attribute__((always_inline)) void w4a8_dots(lanes *acc, const uint8_t *panel, const uint8_t *xq,
                                                             int rows, int K, int k, int end, Lookahead *ahead) {
     while (k < end) {
-        const int chunk_end = k + 8 * W4_BLOCKS_IN_INT16 < end ? k + 8 * W4_BLOCKS_IN_INT16 : end;
-        lanes pairs[ROW_TILE_W8A8];
-        for (int i = 0; i < rows; i++) pairs[i] = lanes_zero();
-        for (; k < chunk_end; k += 8, panel += 64) {
+        const int run_end = end - k > 8 * W4_BLOCKS_A_RUN ? k + 8 * W4_BLOCKS_A_RUN : end;
+        lanes run[ROW_TILE_W8A8];
+        for (int i = 0; i < rows; i++) run[i] = w4a8_run_start(acc[i]);
+        for (; k < run_end; k += 8, panel += 64) {
             lookahead_step(ahead);
             __builtin_prefetch(panel + 2 * PREFETCH_BYTES);
             lanes first, second;
-            unpack_nibbles(panel, &first, &second);
+            w4a8_unpack(panel, &first, &second);
             for (int i = 0; i < rows; i++) {
                 int32_t lo, hi;
                 __builtin_memcpy(&lo, xq + (int64_t)i * K + k, 4);
                 __builtin_memcpy(&hi, xq + (int64_t)i * K + k + 4, 4);
-                pairs[i] = nibble_pairs(nibble_pairs(pairs[i], first, lo), second, hi);
+                run[i] = w4a8_block(run[i], first, lo, second, hi);
             }
         }
-        for (int i = 0; i < rows; i++) acc[i] = widen_pairs(acc[i], pairs[i]);
+        for (int i = 0; i < rows; i++) acc[i] = w4a8_run_end(acc[i], run[i]);
     }
 }
-#endif
 
 /* W4A8: symmetric int4 weights with a float32 scale per group of input columns (or per channel),
  * the same per-token int8 activations and integer products as W8A8; the integer dot of each
@@ -896,7 +904,7 @@ static inline const int8_t *amx_weight_tile(const uint8_t *panel, int k, int nib
     const uint8_t *blocks = panel + (int64_t)k * PANEL / 2;
     for (int b = 0; b < AMX_DEPTH / 8; b++) {
         lanes first, second;
-        unpack_w4_block(blocks + 64 * b, &first, &second);
+        w4a8_unpack(blocks + 64 * b, &first, &second);
         _mm512_store_si512((void *)buffer[2 * b], first);
         _mm512_store_si512((void *)buffer[2 * b + 1], second);
     }
