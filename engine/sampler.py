@@ -148,7 +148,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
         params = [rows[i].params for i in random_rows]
         sub = sub / torch.tensor([p.temperature for p in params]).unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            sub = _filter(sub, torch.tensor([p.top_k for p in params]),
+            # a top_k past the vocabulary keeps every token (and would not fit an int64 tensor)
+            sub = _filter(sub, torch.tensor([min(p.top_k, sub.shape[-1]) for p in params]),
                           torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
         probs = sub.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a CPU sync per row.

@@ -28,6 +28,16 @@ def test_top_k_top_p_min_p_restrict_support():
         assert seen == allowed, kw
 
 
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    """A client's top_k may exceed the vocabulary, even int64 (2**64 crashed the step, failing every
+    request in the batch): it filters nothing, beside a row with a real top_k."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).repeat(2, 1)
+    g = torch.Generator().manual_seed(0)
+    rows = [_row(temperature=1.0, top_k=2**64), _row(temperature=1.0, top_k=1)]
+    draws = [sample(logits.clone(), rows, g)[0] for _ in range(300)]
+    assert {d[0] for d in draws} == {0, 1, 2, 3} and {d[1] for d in draws} == {0}
+
+
 def test_sampling_follows_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     g = torch.Generator().manual_seed(1)
