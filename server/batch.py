@@ -87,7 +87,8 @@ async def answer_lines(app: FastAPI, lines: list[tuple[int, str]], concurrency: 
         finally:
             progress.update()
 
-    transport = httpx.ASGITransport(app=app)
+    # an error the app did not foresee is that line's 500 (the server's error body), not the batch's end
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
         try:
             return await asyncio.gather(*(answer(client, number, text) for number, text in lines))
@@ -103,7 +104,11 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         config = server_config(args)
         lines = numbered_lines(args.input_file, "batch input file")
+        if not lines:
+            raise ValueError(f"{args.input_file}: no requests in the batch input file")
         check_output_path(args.output_file, folder=False)  # before the answers, not after
+        if args.output_file.resolve() == args.input_file.resolve():
+            raise ValueError(f"{args.output_file} is the batch input file; give the answers another file")
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -90,3 +90,37 @@ def test_a_missing_input_or_model_is_one_line_and_exit_2(tmp_path, tiny_model_di
     assert f"{latin} is a file, not a folder" in capsys.readouterr().err
     assert main(["run-batch", "-i", str(source), "-o", str(tmp_path), str(tiny_model_dir)]) == 2
     assert f"{tmp_path} is a folder; give a file name" in capsys.readouterr().err
+
+
+def test_an_unforeseen_error_is_its_lines_500_and_the_rest_are_answered(tmp_path, tiny_model_dir, monkeypatch,
+                                                                        capsys):
+    """An error the routes did not foresee (here a sampler fault) ends as that line's 500 with the
+    server's error body; the batch still writes every line's answer."""
+    import engine.sampler
+
+    def fault(*args):
+        raise RuntimeError("sampler fault")
+
+    monkeypatch.setattr(engine.sampler, "_filter", fault)
+    source, answers = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(_line("faulty", "/v1/completions", {**COMPLETION, "temperature": 1, "top_k": 5}) + "\n")
+    assert main(["run-batch", "-i", str(source), "-o", str(answers), str(tiny_model_dir), "--log-level", "error"]) == 0
+    [record] = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert record["custom_id"] == "faulty" and record["response"]["status_code"] == 500
+    assert record["response"]["body"]["error"]["message"] == "internal server error"
+    source.write_text(_line("fine", "/v1/completions", COMPLETION) + "\n")
+    assert main(["run-batch", "-i", str(source), "-o", str(answers), str(tiny_model_dir)]) == 0
+    assert json.loads(answers.read_text())["response"]["status_code"] == 200  # the engine lived on
+
+
+def test_an_empty_input_or_answers_over_the_input_are_refused(tmp_path, tiny_model_dir, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n \n")
+    assert main(["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), str(tiny_model_dir)]) == 2
+    assert "no requests in the batch input file" in capsys.readouterr().err
+    request = _line("x", "/v1/completions", COMPLETION) + "\n"
+    source.write_text(request)
+    for same in (source, tmp_path / "." / "in.jsonl"):
+        assert main(["run-batch", "-i", str(source), "-o", str(same), str(tiny_model_dir)]) == 2
+        assert "is the batch input file" in capsys.readouterr().err
+    assert source.read_text() == request
