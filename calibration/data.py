@@ -147,6 +147,16 @@ def tokenize_record(record: CalibrationRecord, tokenizer: Tokenizer, max_seq_len
     return torch.tensor(ids[:max_seq_len], dtype=torch.long)
 
 
+def _tokenize_line(path: Path, record: CalibrationRecord, tokenizer: Tokenizer, max_seq_len: int) -> torch.Tensor:
+    """tokenize_record, with a chat template's refusal (roles must alternate, say) named by file and line."""
+    try:
+        return tokenize_record(record, tokenizer, max_seq_len)
+    except Exception as exc:  # jinja's raise_exception and friends: the template's words say why
+        if record.kind is not RecordKind.MESSAGES:
+            raise
+        raise CalibrationDataError(f"{path}:{record.line_no}: the chat template failed on \"messages\": {exc}") from None
+
+
 def load_calibration_set(
     path: Path,
     tokenizer: Tokenizer,
@@ -184,11 +194,11 @@ def load_calibration_set(
     is_disjoint = bool(heldout_ids) or num_heldout == 0
     if not is_disjoint:
         heldout_ids = chosen[-num_heldout:]
-    samples = [tokenize_record(records[i], tokenizer, max_seq_len) for i in chosen]
+    samples = [_tokenize_line(path, records[i], tokenizer, max_seq_len) for i in chosen]
     if any(s.numel() == 0 for s in samples):
         empty = next(records[i].line_no for i, s in zip(chosen, samples, strict=True) if s.numel() == 0)
         raise CalibrationDataError(f"{path}:{empty}: tokenizes to no tokens")
-    heldout = [tokenize_record(records[i], tokenizer, max_seq_len) for i in heldout_ids]
+    heldout = [_tokenize_line(path, records[i], tokenizer, max_seq_len) for i in heldout_ids]
     return CalibrationSet(path=path, sha256=file_sha256(path), num_records=len(records),
                           samples=samples, heldout=[h for h in heldout if h.numel()],
                           is_heldout_disjoint=is_disjoint)

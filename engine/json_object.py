@@ -21,15 +21,17 @@ def numbered_lines(path: Path, what: str, error: type[Exception] = ValueError) -
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    return [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    # lines end at "\n" only: str.splitlines() also breaks at U+2028, U+2029 and U+0085, which JSON
+    # strings may hold unescaped (json.dumps(..., ensure_ascii=False) writes them so)
+    return [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
 
 
 def parse_json_object(text: str) -> dict[str, Any]:
-    """`text` as a dict, or ValueError: "not valid JSON (... at column N)" or "expected a JSON object, got a JSON list"."""
+    """`text` as a dict, or ValueError: "not valid JSON (..., column N)" or "expected a JSON object, got a JSON list"."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise ValueError(f"not valid JSON ({exc.msg}, column {exc.colno})") from None
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got a JSON {_json_kind(value)}")
     return value

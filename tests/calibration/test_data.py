@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -82,6 +84,31 @@ def test_messages_without_chat_template_is_an_error(tmp_path, tiny_tokenizer):
             _load(path, tiny_tokenizer, num_samples=2, num_heldout=0)
     finally:
         tiny_tokenizer.chat_template = template
+
+
+def test_a_chat_template_refusing_a_conversation_names_the_line(tmp_path, tiny_tokenizer):
+    """Templates such as Llama 2's and Mistral's raise on two user turns in a row: the file and line,
+    with the template's reason, not a jinja traceback."""
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}, {"messages": [{"role": "user", "content": "b"},
+                                                                           {"role": "user", "content": "c"}]}])
+    strict = ("{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+              "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}")
+    template, tiny_tokenizer.chat_template = tiny_tokenizer.chat_template, strict
+    try:
+        with pytest.raises(CalibrationDataError, match=r"c\.jsonl:2: .*chat template.*roles must alternate"):
+            _load(path, tiny_tokenizer, num_samples=2, num_heldout=0)
+    finally:
+        tiny_tokenizer.chat_template = template
+
+
+def test_line_separators_inside_strings_do_not_split_lines(tmp_path, tiny_tokenizer):
+    """U+2028, U+2029 and U+0085 may stand unescaped in a JSON string (json.dumps with
+    ensure_ascii=False writes them so); only a newline ends a line."""
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"one{sep}two"}, ensure_ascii=False) + "\n"
+                            for sep in ("\u2028", "\u2029", "\x85")), encoding="utf-8")
+    assert [(r.line_no, r.text) for r in read_records(path)] == [
+        (1, "one\u2028two"), (2, "one\u2029two"), (3, "one\x85two")]
 
 
 def test_truncates_to_max_seq_len(tmp_path, tiny_tokenizer):
