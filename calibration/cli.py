@@ -60,7 +60,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="seed of the calibration-sample draw")
     parser.add_argument("--allow-few", action="store_true",
                         help="warn instead of failing when the file has fewer samples than --num-samples")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint folder (one a quantize run wrote, or an empty folder)")
 
 
 def options_from_args(args: argparse.Namespace) -> QuantizeOptions:

@@ -9,6 +9,7 @@ and renamed into place by ``quant.checkpoint``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -55,8 +56,28 @@ def _check_output(options: QuantizeOptions) -> None:
         check_output_path(options.output_dir, folder=True)
     except ValueError as exc:
         raise QuantizeError(str(exc)) from None
-    if options.output_dir.exists() and not options.overwrite:
+    if not options.output_dir.exists():
+        return
+    if not options.overwrite:
         raise QuantizeError(f"output folder {options.output_dir} exists; pass --overwrite to replace it")
+    # --overwrite replaces the whole folder: only a checkpoint this tool wrote, and nothing in use
+    if Path.cwd().is_relative_to(out):
+        raise QuantizeError(f"output folder {options.output_dir} is (or holds) the current folder; "
+                            "--overwrite replaces the whole folder, so write the checkpoint elsewhere")
+    if options.calib_path.resolve().is_relative_to(out):
+        raise QuantizeError(f"output folder {options.output_dir} holds the calibration file {options.calib_path}; "
+                            "--overwrite would delete it, so write the checkpoint elsewhere")
+    if any(out.iterdir()) and not _is_quantized_checkpoint(out):
+        raise QuantizeError(f"output folder {options.output_dir} holds files but no quantized checkpoint (a config.json "
+                            "with a quantization_config); --overwrite replaces only a checkpoint, so give a new or "
+                            "empty folder")
+
+
+def _is_quantized_checkpoint(folder: Path) -> bool:
+    try:
+        return "quantization_config" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _plan(options: QuantizeOptions, config: dict) -> tuple[list[LinearTarget], list[str], int | None]:

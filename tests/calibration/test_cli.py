@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,14 @@ def test_existing_output_is_kept_without_overwrite(tmp_path, tiny_model_dir, cal
     assert _quantize(tiny_model_dir, calib_file, out, "--scheme", "w4a16") == 2
     assert "exists; pass --overwrite" in _one_line_error(capsys)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite replaces a checkpoint, not a folder of other files
+    assert _quantize(tiny_model_dir, calib_file, out, "--scheme", "w4a16", "--overwrite") == 2
+    assert "holds files but no quantized checkpoint" in _one_line_error(capsys)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert _quantize(tiny_model_dir, calib_file, out, "--scheme", "w8a16", "--overwrite") == 0  # an empty folder
+    capsys.readouterr()
+    (out / "keep.txt").write_text("beside the checkpoint")
     assert _quantize(tiny_model_dir, calib_file, out, "--scheme", "w4a16", "--overwrite") == 0
     assert not (out / "keep.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp folder left next to it
@@ -111,6 +120,22 @@ def test_an_output_that_is_or_holds_the_model_is_refused(tmp_path, tiny_model_di
         assert _quantize(model, calib_file, out, "--scheme", "w8a16", "--overwrite") == 2
         assert "is (or holds) the model folder" in _one_line_error(capsys)
     assert _file_digests(model) == before
+
+
+def test_overwrite_never_deletes_the_calibration_file_or_the_current_folder(tmp_path, tiny_model_dir, calib_file,
+                                                                             capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert _quantize(tiny_model_dir, calib_file, out, "--scheme", "w8a16") == 0
+    capsys.readouterr()
+    calib = out / "calib.jsonl"
+    shutil.copy(calib_file, calib)
+    assert _quantize(tiny_model_dir, calib, out, "--scheme", "w8a16", "--overwrite") == 2
+    assert "holds the calibration file" in _one_line_error(capsys)
+    monkeypatch.chdir(out)
+    for here in (Path("."), Path("..") / "out"):
+        assert _quantize(tiny_model_dir, calib_file, here, "--scheme", "w8a16", "--overwrite") == 2
+        assert "is (or holds) the current folder" in _one_line_error(capsys)
+    assert calib.exists() and (out / "config.json").exists()
 
 
 def test_an_output_that_cannot_be_written_stops_before_calibrating(tmp_path, tiny_model_dir, calib_file, capsys):
