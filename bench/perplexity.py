@@ -153,7 +153,7 @@ def add_ppl_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace, data_path: Path) -> dict:
-    from evals.data import file_sha256
+    from engine.file_hash import file_sha256
 
     return {"data": str(data_path), "data_sha256": file_sha256(data_path), "max_tokens": args.max_tokens,
             "context": args.context, "stride": args.stride or args.context, "dtype": args.dtype}

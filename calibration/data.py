@@ -17,7 +17,6 @@ text it will actually serve, which is the chat-rendered form.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import warnings
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.file_hash import file_sha256
 from engine.json_object import numbered_lines, parse_json_object
 
 
@@ -121,15 +121,6 @@ def read_records(path: Path) -> list[CalibrationRecord]:
     if not records:
         raise CalibrationDataError(f"{path}: no calibration samples (the file is empty)")
     return records
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of the file's bytes, recorded so a calibration run can be traced to its data."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tokenize_record(record: CalibrationRecord, tokenizer: Tokenizer, max_seq_len: int) -> torch.Tensor:

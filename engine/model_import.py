@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from engine.file_hash import file_sha256
+
 
 @dataclass(frozen=True, slots=True)
 class KnownModel:
@@ -50,8 +52,19 @@ def default_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return driftgate_home() / "models" / KNOWN_MODELS[name].folder
 
 
+SOURCE_FILE = "driftgate_import.json"  # which GGUF an import came from: {"gguf": name, "sha256": hex}
+
+
 def is_imported(dest: Path) -> bool:
     return all((dest / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def _imported_from(dest: Path) -> dict:
+    """The import's record of its GGUF ({} for a folder imported before the record was kept)."""
+    try:
+        return json.loads((dest / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def check_dest(dest: Path, *, force: bool) -> None:
@@ -140,6 +153,8 @@ def convert_gguf(gguf_path: Path, dest: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
+        source = {"gguf": gguf_path.name, "sha256": file_sha256(gguf_path)}
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         publish_folder(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -163,11 +178,19 @@ def import_model(name: str | None = None, *, gguf: Path | None = None, dest: Pat
     else:
         dest = Path(dest) if dest else driftgate_home() / "models" / Path(gguf).stem.lower()
     check_dest(dest, force=force)
+    if gguf is not None:
+        gguf = Path(gguf)
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf}")
     if is_imported(dest) and not force:
-        return dest
+        if gguf is None or _imported_from(dest).get("sha256") == file_sha256(gguf):
+            return dest  # the import asked for is there already
+        was = _imported_from(dest).get("gguf", "a GGUF imported before driftgate recorded which")
+        raise ValueError(f"{dest} holds the import of {was}; pass --force to replace it with {gguf.name}, "
+                         "or choose another --dest")
     dest.parent.mkdir(parents=True, exist_ok=True)
     if gguf is not None:
-        return convert_gguf(Path(gguf), dest)
+        return convert_gguf(gguf, dest)
     with tempfile.TemporaryDirectory(prefix="driftgate-dl-") as workdir:
         path = _download_gguf(KNOWN_MODELS[name], Path(workdir))
         return convert_gguf(path, dest)

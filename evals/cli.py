@@ -90,7 +90,7 @@ def check_model_dir(path: Path, role: str) -> dict[str, str]:
 def _lora(args: argparse.Namespace) -> tuple[Path | None, dict[str, str]]:
     """--lora's folder and the hashes of its weights and config (what the baseline cache and the
     report bind), or (None, {})."""
-    from evals.data import file_sha256
+    from engine.file_hash import file_sha256
 
     if args.lora is None:
         return None, {}
@@ -350,7 +350,7 @@ def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_di
 
 def _prompts_source(args: argparse.Namespace, policy) -> dict | None:
     """Where Tier 2's prompts came from: the user's file (with its hash) or GSM8K's few-shot set."""
-    from evals.data import file_sha256
+    from engine.file_hash import file_sha256
 
     if not policy.tier2.enabled:
         return None

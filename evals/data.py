@@ -8,11 +8,12 @@ across runs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from pathlib import Path
+
+from engine.file_hash import file_sha256
 
 DATA_ENV_VAR = "DRIFTGATE_DATA"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -68,14 +69,6 @@ def check_task_files(data_dir: Path, task_names: list[str]) -> dict[str, str]:
         for relative in TASK_FILES[name]:
             hashes[relative] = file_sha256(task_file(data_dir, relative))
     return hashes
-
-
-def file_sha256(path: Path, chunk_size: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from evals.data import file_sha256
+from engine.file_hash import file_sha256
 
 VERDICT_FILE = "verdict.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

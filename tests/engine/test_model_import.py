@@ -184,3 +184,19 @@ def test_an_unreadable_gguf_is_one_line_naming_it(tmp_path, tiny_gguf, capsys, m
     rc, errors = import_cli(capsys, "--gguf", path, "--dest", tmp_path / "out")
     assert rc == 2 and len(errors) == 1 and str(path) in errors[0] and expected in errors[0], errors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_an_import_of_another_gguf_or_a_missing_one_is_not_taken_for_this_one(tmp_path, tiny_gguf, capsys):
+    """An existing import is kept only for the GGUF it came from: a mistyped --gguf says the file is
+    missing, and another file asks for --force instead of printing the old folder as if imported."""
+    dest = tmp_path / "model"
+    assert import_cli(capsys, "--gguf", tiny_gguf, "--dest", dest) == (0, [])
+    before = (dest / "model.safetensors").read_bytes()
+    rc, errors = import_cli(capsys, "--gguf", tmp_path / "typo.gguf", "--dest", dest)
+    assert rc == 2 and errors == [f"error: GGUF file not found: {tmp_path / 'typo.gguf'}"]
+    other = tmp_path / "other.gguf"
+    other.write_bytes(tiny_gguf.read_bytes() + b"\0")  # another file (a byte of padding past the data)
+    rc, errors = import_cli(capsys, "--gguf", other, "--dest", dest)
+    assert rc == 2 and len(errors) == 1
+    assert f"holds the import of {tiny_gguf.name}" in errors[0] and "--force" in errors[0]
+    assert (dest / "model.safetensors").read_bytes() == before
