@@ -26,7 +26,7 @@ from tqdm import tqdm
 from engine.json_object import numbered_lines, parse_json_object
 from engine.output_paths import check_output_path
 from server.app import build_app
-from server.cli import add_serve_args, build_engine, is_cluster, server_config
+from server.cli import add_serve_args, build_engine, engine_config, is_cluster, server_config
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
@@ -102,7 +102,7 @@ def run_batch(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request says nothing the output does not
     try:
-        config = server_config(args)
+        config, settings = server_config(args), engine_config(args)
         lines = numbered_lines(args.input_file, "batch input file")
         if not lines:
             raise ValueError(f"{args.input_file}: no requests in the batch input file")
@@ -117,7 +117,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
         init_ray(args.ray_address, args.replicas)
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, settings)
         engine.start()
     except ValueError as exc:  # a setting or a checkpoint we refuse, with its reason
         print(f"error: could not load {args.model}: {exc}", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, resolve_device, serving_setting
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, EngineConfig, resolve_device, serving_setting
 from engine.generation_config import sampling_defaults
 from engine.json_object import flag_json_object
 from engine.loader import model_config
@@ -323,11 +323,10 @@ def is_cluster(args: argparse.Namespace) -> bool:
     return args.replicas > 1 or args.ray_address is not None
 
 
-def build_engine(args: argparse.Namespace) -> ServingEngine:
-    """One AsyncEngine in this process, or a ClusterEngine over `--replicas` Ray actors."""
-    from engine import AsyncEngine, EngineConfig
-
-    config = EngineConfig(
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from the flags; ValueError for one it refuses, found before the port is
+    bound or the model loaded."""
+    return EngineConfig(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         kv_scales=args.kv_scales,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -340,6 +339,13 @@ def build_engine(args: argparse.Namespace) -> ServingEngine:
         lora_modules=lora_modules(args.lora_modules), max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, hf_overrides=args.hf_overrides, max_logprobs=args.max_logprobs,
     )
+
+
+def build_engine(args: argparse.Namespace, config: EngineConfig | None = None) -> ServingEngine:
+    """One AsyncEngine in this process, or a ClusterEngine over `--replicas` Ray actors."""
+    from engine import AsyncEngine
+
+    config = config or engine_config(args)
     if not is_cluster(args):
         return AsyncEngine(config)
     from engine.cluster.cluster_engine import ClusterEngine
@@ -357,10 +363,11 @@ def _gpu_memory_utilization(args: argparse.Namespace) -> dict[str, float]:
     return {"gpu_memory_utilization": args.gpu_memory_utilization}
 
 
-def _load_engine(args: argparse.Namespace, state: ServerState, server: _DrainingServer, failed: list[str]) -> None:
+def _load_engine(args: argparse.Namespace, config: EngineConfig, state: ServerState, server: _DrainingServer,
+                 failed: list[str]) -> None:
     """Runs in a thread while uvicorn already answers 503; attaches the engine when ready."""
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, config)
         engine.start()
     except Exception as exc:
         if isinstance(exc, ValueError):  # a setting or a checkpoint we refuse, with its reason: no traceback
@@ -443,6 +450,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     _check_vllm_flags(args)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty (an unset shell variable?): give the key, or leave the flag out "
+                         "to serve without one")
     if is_cluster(args) and importlib.util.find_spec("ray") is None:
         raise ValueError("--replicas above 1 and --ray-address need Ray, which is not installed; "
                          "install it with `pip install driftgate[cluster]`")
@@ -478,6 +488,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         _check_tls(args)
         config = server_config(args)
+        settings = engine_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -506,7 +517,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                             ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE),
                              state)
     failed: list[str] = []
-    loader = threading.Thread(target=_load_engine, args=(args, state, server, failed), daemon=True)
+    loader = threading.Thread(target=_load_engine, args=(args, settings, state, server, failed), daemon=True)
     loader.start()
     try:
         server.run(sockets=[sock])

@@ -115,6 +115,27 @@ def test_taken_port_or_bad_host_exit_2_before_anything_loads(tiny_model_dir: Pat
         assert "argument --port" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--api-key", ""], "--api-key is empty"),
+    (["--block-size", "0"], "block_size must be a power of two"),
+    (["--max-lora-rank", "0"], "max_lora_rank must be at least 1"),
+    (["--max-logprobs", "-5"], "max_logprobs must be -1"),
+    (["--kv-scales", "dynamic"], "kv_scales='dynamic' only applies to an fp8"),
+])
+def test_bad_engine_flags_exit_2_before_the_port_is_bound(tiny_model_dir: Path, monkeypatch, capsys, flags, message):
+    """A flag the engine refuses is a usage error, said before anything listens or loads (it was
+    exit 1 from the loader thread, after binding); an empty --api-key would have served unguarded."""
+    import server.cli
+    from server.cli import main
+
+    def must_not_listen(*args):
+        raise AssertionError("the port was bound for flags that cannot serve")
+
+    monkeypatch.setattr(server.cli, "_listen", must_not_listen)
+    assert main([str(tiny_model_dir), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_unreadable_generation_config_exits_2_naming_the_file(tiny_model_dir: Path, tmp_path: Path, capsys):
     import shutil
 
