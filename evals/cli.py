@@ -87,6 +87,41 @@ def check_model_dir(path: Path, role: str) -> dict[str, str]:
     return weight_hashes(path)
 
 
+# Texts both tokenizers must split alike: case, digits, accents, CJK, an emoji, runs of whitespace.
+_TOKENIZER_PROBES = ("The Quick brown FOX jumps; 3.14159 and 1,000,000.", "naïve café Straße 東京 🙂",
+                     "  indented\n\tline\r\nx  ", "def f(x):\n    return x ** 2  # ok")
+
+
+def check_comparable(baseline_dir: Path, candidate_dir: Path, *, same_allowed: bool = False) -> None:
+    """Refuse a pair the gate cannot compare item for item: one folder twice (unless `same_allowed`:
+    a server serving the baseline, checked against it), other vocabularies, or tokenizers that split
+    text differently (the arms' prompts would differ; Tier 0 compares logits position by position).
+    A baseline that is quantized when the candidate is not is probably a swap."""
+    from transformers import AutoTokenizer
+
+    if baseline_dir.resolve() == candidate_dir.resolve() and not same_allowed:
+        raise GateInputError(f"baseline and candidate are the same folder ({baseline_dir}); gate a quantized "
+                             "checkpoint against the model it was quantized from")
+    configs = {role: json.loads((folder / "config.json").read_text())
+               for role, folder in (("baseline", baseline_dir), ("candidate", candidate_dir))}
+    vocab = {role: config.get("vocab_size") for role, config in configs.items()}
+    if vocab["baseline"] != vocab["candidate"]:
+        raise GateInputError(f"baseline and candidate have other vocabularies (vocab_size {vocab['baseline']} and "
+                             f"{vocab['candidate']}): the candidate is not a quantization of the baseline")
+    try:
+        base, cand = (AutoTokenizer.from_pretrained(str(folder)) for folder in (baseline_dir, candidate_dir))
+    except (OSError, ValueError) as exc:
+        raise GateInputError(f"cannot load the tokenizers to compare them: {exc}") from None
+    for text in _TOKENIZER_PROBES:
+        if base.encode(text) != cand.encode(text):
+            raise GateInputError(f"baseline and candidate tokenize {text!r} differently ({base.encode(text)} and "
+                                 f"{cand.encode(text)}); give the candidate the baseline's tokenizer files")
+    if "quantization_config" in configs["baseline"] and "quantization_config" not in configs["candidate"]:
+        print(f"[gate] warning: the baseline {baseline_dir} is quantized and the candidate {candidate_dir} is not; "
+              "were --baseline and --candidate swapped? The verdict goes to the candidate's folder.",
+              file=sys.stderr, flush=True)
+
+
 def _lora(args: argparse.Namespace) -> tuple[Path | None, dict[str, str]]:
     """--lora's folder and the hashes of its weights and config (what the baseline cache and the
     report bind), or (None, {})."""
@@ -144,6 +179,7 @@ def _run(args: argparse.Namespace) -> int:
     lora_dir, lora_hashes = _lora(args)
     device, serving = _numerics(args)
     own_prompts = _own_prompts(args, policy, candidate_dir)  # checked before anything loads
+    check_comparable(baseline_dir, candidate_dir, same_allowed=bool(args.server))
     ids = arms.selected_ids(policy, data_dir)
     cache = arms.BaselineCache(Path(args.cache_dir) if args.cache_dir else arms.DEFAULT_CACHE_DIR)
 

@@ -395,3 +395,35 @@ def test_an_adapter_is_gated_over_both_arms(setup, tmp_path, capsys):
     assert _gate(baseline, candidate, policy, root, "--lora", str(adapter), "--server",
                  "http://127.0.0.1:9") == EXIT_ERROR
     assert "--lora gates local arms" in capsys.readouterr().err
+
+
+def test_a_pair_the_gate_cannot_compare_is_exit_2_before_any_arm_runs(setup, tmp_path, capsys, monkeypatch):
+    """One folder twice, another vocabulary, or a tokenizer that splits text otherwise: refused up front
+    (other vocabularies crashed after both arms ran; another tokenizer passed silently); a quantized
+    baseline against an unquantized candidate, probably a swap, is said."""
+    from evals import arms
+
+    root, baseline, policy = setup
+
+    def no_arms(*args, **kwargs):
+        raise AssertionError("an arm ran for a pair that cannot be compared")
+
+    monkeypatch.setattr(arms, "run_arm", no_arms)
+    assert _gate(baseline, baseline, policy, root) == EXIT_ERROR
+    assert "baseline and candidate are the same folder" in capsys.readouterr().err
+    vocab = shutil.copytree(baseline, tmp_path / "vocab")
+    config = json.loads((vocab / "config.json").read_text())
+    (vocab / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] - 1}))
+    assert _gate(baseline, vocab, policy, root) == EXIT_ERROR
+    assert f"other vocabularies (vocab_size {config['vocab_size']} and {config['vocab_size'] - 1})" in \
+        capsys.readouterr().err
+    lowercase = shutil.copytree(baseline, tmp_path / "lowercase")
+    spec = json.loads((lowercase / "tokenizer.json").read_text())
+    (lowercase / "tokenizer.json").write_text(json.dumps({**spec, "normalizer": {"type": "Lowercase"}}))
+    assert _gate(baseline, lowercase, policy, root) == EXIT_ERROR
+    assert "baseline and candidate tokenize 'The Quick brown FOX" in capsys.readouterr().err
+    swapped = shutil.copytree(baseline, tmp_path / "swapped")
+    (swapped / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "x"}}))
+    assert _gate(swapped, shutil.copytree(baseline, tmp_path / "plain"), policy, root) == EXIT_ERROR
+    err = capsys.readouterr().err  # warned, then went on to run the arms (here: the stub's refusal)
+    assert "were --baseline and --candidate swapped?" in err and "an arm ran" in err
