@@ -8,6 +8,16 @@ from pathlib import Path
 from typing import Any
 
 
+def check_result_paths(args: Any) -> None:
+    """ValueError now, before the benchmark runs, if its --result-json or --plot could not be written
+    after it (a folder given, or a path under a file): minutes of measurement would be lost."""
+    from engine.output_paths import check_output_path
+
+    for flag in ("result_json", "plot"):
+        if (path := getattr(args, flag, None)) is not None:
+            check_output_path(Path(path), folder=False)
+
+
 def save_result(result: Any, json_path: Path | None, plot_path: Path | None,
                 plot: Callable[[Any, Path], None]) -> None:
     if json_path:

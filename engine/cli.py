@@ -120,8 +120,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """A missing or corrupt model, or missing data, is the user's to fix: one line, exit 2."""
+    from bench.output import check_result_paths
+
     module, _, run_fn, _ = BENCHES[args.bench_command]
     try:
+        check_result_paths(args)
         return getattr(importlib.import_module(module), run_fn)(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -504,7 +504,10 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    from bench.output import check_result_paths
+
     try:
+        check_result_paths(args)
         loads = [float(x) for x in args.load.split(",")]
         policies = [Policy(p) for p in args.policies.split(",")]
         node = NodeConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
