@@ -30,6 +30,7 @@ from bench.output import save_result
 from bench.schemes import size_on_disk
 from engine import LLM
 from engine.config import KV_CACHE_DTYPES, KV_SCALES, kv_cache_setting
+from engine.loader import read_config
 
 WIKITEXT_FILE = "wikitext/wiki.test.raw"
 
@@ -174,6 +175,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     if args.labels is not None and len(args.labels) != len(args.models):
         print(f"error: {len(args.labels)} labels for {len(args.models)} models", file=sys.stderr)
         return 2
+    for model in args.models:  # every folder checked before the first is measured
+        read_config(model)
     data_path = args.data or task_file(resolve_data_dir(args.data_dir), WIKITEXT_FILE)
     settings = _settings(args, data_path)
     results = []

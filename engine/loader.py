@@ -34,6 +34,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 def read_config(model_dir: str | Path) -> dict:
     """config.json of an HF folder, with errors that say what to do."""
     model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise ValueError(f"{model_dir} is a file; give the model's folder (the one holding config.json)")
     if not model_dir.is_dir():
         raise ValueError(f"model folder not found: {model_dir} "
                          "(import the default model with `driftgate import-model smollm2-135m`)")

@@ -30,7 +30,7 @@ import uvicorn
 from engine.config import KV_CACHE_DTYPES, KV_SCALES, EngineConfig, resolve_device, serving_setting
 from engine.generation_config import sampling_defaults
 from engine.json_object import flag_json_object
-from engine.loader import model_config
+from engine.loader import model_config, read_config
 from engine.pooling import classifier_config, pooling_config
 from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
@@ -441,8 +441,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The serve arguments checked and turned into the app's config; ValueError says what is wrong."""
     if args.model is None:
         raise ValueError("no model: name its folder first (driftgate serve MODEL_DIR), or as `model:` in --config")
-    if not Path(args.model).is_dir():
-        raise ValueError(f"model folder not found: {args.model}")
+    read_config(args.model)  # a missing folder, a file given, no or a broken config.json: said now
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise ValueError(f"tokenizer folder not found: {args.tokenizer}")
     if args.require_gate and (reason := _check_gate(args)) is not None:

@@ -93,6 +93,20 @@ def test_cli_writes_json_and_appends_compatible_runs(tiny_model_dir, text_file, 
     assert "cannot --append" in capsys.readouterr().err
 
 
+def test_every_model_folder_is_checked_before_the_first_is_measured(tiny_model_dir, text_file, tmp_path, capsys,
+                                                                       monkeypatch):
+    import bench.perplexity
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("a model was measured although a later folder is missing")
+
+    monkeypatch.setattr(bench.perplexity, "measure", must_not_measure)
+    config = tiny_model_dir / "config.json"
+    for bad, says in ((tmp_path / "missing", "model folder not found"), (config, "is a file; give the model's folder")):
+        assert driftgate_main(["bench", "ppl", "--data", str(text_file), str(tiny_model_dir), str(bad)]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_the_kv_cache_recorded_is_the_one_measured(tiny_model_dir, text_file, tmp_path):
     """A checkpoint declaring an fp8 KV cache is measured with it under `auto` (engine.config's
     rule, vLLM's), and the result says fp8 with checkpoint scales, not `auto`."""
