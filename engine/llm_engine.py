@@ -41,6 +41,15 @@ class _SequenceState:
     logprobs: list[LogprobsDict] | None
     finish_reason: str | None = None
 
+    def shown_text(self, params: SamplingParams) -> str:
+        """The text an output may show so far. Until the sequence ends, its last (longest stop string
+        - 1) characters wait: they may begin a stop string the next tokens complete, which would take
+        them back out, and a stream cannot unsend what it sent (vLLM holds back the same)."""
+        text = self.detok.text
+        if self.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
+            return text
+        return text[: max(0, len(text) - max(map(len, params.stop)) + 1)]
+
 
 @dataclass(slots=True)
 class _RequestState:
@@ -59,7 +68,7 @@ class _RequestState:
 
     def to_output(self) -> RequestOutput:
         outputs = [
-            CompletionOutput(i, s.detok.text, list(s.request.output_token_ids),
+            CompletionOutput(i, s.shown_text(self.params), list(s.request.output_token_ids),
                              list(s.logprobs) if s.logprobs is not None else None,
                              s.finish_reason, s.request.stop_reason)
             for i, s in enumerate(self.sequences)

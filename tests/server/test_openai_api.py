@@ -70,6 +70,27 @@ def test_stop_string_truncates(client):
     assert out.text == free[: free.index(stop)]
 
 
+def test_a_stream_never_shows_the_start_of_a_stop_string(client):
+    """A stop string spanning tokens: its first tokens must not reach the stream before the last
+    completes it (the final text is cut before it, and a stream cannot take text back), on both
+    routes; the streamed text equals the unstreamed one."""
+    free = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2: len(free) // 2 + 8]  # several tokens of the tiny model's text
+    common = {"model": MODEL_NAME, "max_tokens": 24, "temperature": 0, "stop": [stop, "never said"],
+              "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(prompt=PROMPT, **common).choices[0].text
+    assert whole == free[: free.index(stop)]
+    streamed = client.completions.create(prompt=PROMPT, stream=True, **common)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole
+    chat = {**common, "messages": MESSAGES}
+    free_chat = client.chat.completions.create(**{**chat, "stop": None}).choices[0].message.content
+    chat["stop"] = [free_chat[len(free_chat) // 2: len(free_chat) // 2 + 8]]
+    whole_chat = client.chat.completions.create(**chat).choices[0].message.content
+    streamed_chat = client.chat.completions.create(stream=True, **chat)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed_chat if c.choices) == whole_chat
+
+
 def test_completion_logprobs(client):
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
