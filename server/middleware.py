@@ -87,6 +87,9 @@ class AccessLogMiddleware:
         scope.setdefault("state", {})
         try:
             await self.app(scope, receive, send_wrapper)
+        except Exception:  # unhandled: the error middleware outside this one answers 500 (or the stream breaks)
+            status, completed = 500, True
+            raise
         finally:
             self._log(scope, status if completed else 499, time.monotonic() - started)
 

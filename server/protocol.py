@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from server.errors import APIError
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -20,8 +22,31 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string in a JSON value holding a lone UTF-16 surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        return next((hit for key, item in value.items() if (hit := _lone_surrogate(item, f"{path}.{key}"))), None)
+    elif isinstance(value, list):
+        return next((hit for i, item in enumerate(value) if (hit := _lone_surrogate(item, f"{path}[{i}]"))), None)
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        """JSON may escape half a surrogate pair ("\\ud800"), which is no character: the tokenizer
+        (and a stop string, a bad word) would fail on it deep inside; a 400 naming the field instead."""
+        if isinstance(data, dict) and (path := _lone_surrogate(data, "")):
+            raise APIError(400, f"{path[1:]}: a lone UTF-16 surrogate is not text", param=path[1:])
+        return data
 
 
 class StreamOptions(_Request):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -88,6 +90,40 @@ def test_chat_refuses_what_it_cannot_honour(base_url, extra, param):
     for anyway in ({"response_format": {"type": "text"}}, {"modalities": ["text"]}):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **anyway}
         assert httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+    ("/v1/completions", {"prompt": ["fine", "\udc00"]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["\ud800"]}, "bad_words[0]"),
+    ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}, "stop"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/embeddings", {"input": "\ud800"}, "input"),
+    ("/v1/responses", {"input": "\ud800"}, "input"),
+])
+def test_half_a_surrogate_pair_is_a_400_naming_the_field(base_url, route, body, param):
+    """JSON may escape a lone UTF-16 surrogate, which is no character; it failed in the tokenizer
+    (or inside the engine, for bad_words) as a 500."""
+    escaped = json.dumps(body).encode()  # "\\ud800" in the body, as JSON allows (and httpx's json= cannot write)
+    response = httpx.post(base_url + route, content=escaped, headers={"content-type": "application/json"}, timeout=30)
+    error = assert_openai_error(response, 400)
+    assert error["param"] == param and "lone UTF-16 surrogate" in error["message"]
+    emoji = {"prompt": "\U0001f642", "max_tokens": 1}  # a pair, escaped by json.dumps: a character
+    assert httpx.post(base_url + "/v1/completions", json=emoji, timeout=30).status_code == 200
+
+
+def test_an_unforeseen_error_is_counted_as_500_not_as_a_client_that_left(engine, monkeypatch):
+    import server.completions
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("unforeseen")
+
+    monkeypatch.setattr(server.completions, "tokenized_prompts", fault)
+    with serve(engine) as url:
+        assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10), 500)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert 'http_requests_total{route="/v1/completions",status="500"} 1.0' in metrics
+    assert 'status="499"' not in metrics
 
 
 def test_openai_client_raises_bad_request(client):
