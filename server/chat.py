@@ -23,6 +23,7 @@ from server.params import (
     engine_params,
     refuse_unsupported,
     requested_adapter,
+    running_usage,
     truncate_prompt,
 )
 from server.protocol import (
@@ -162,6 +163,9 @@ class _Renderer:
             if c.finished:
                 self.done.add(c.index)
                 self.usage.completion_tokens += len(c.token_ids)
+        if usage := running_usage(self.body, self.usage.prompt_tokens, (sent[-1] for sent in self.sent.values())):
+            for chunk in chunks:
+                chunk.usage = usage
         return chunks
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
@@ -196,14 +200,19 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
                           engine.max_model_len)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = check_prompt_ids(ids, vocab_size=len(engine.tokenizer), max_model_len=engine.max_model_len,
-                                  max_tokens=requested)
+                                  max_tokens=requested, param="messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n,
-                           logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                           prompt_logprobs=body.prompt_logprobs, vocab_size=len(engine.tokenizer),
-                           max_logprobs=engine.max_logprobs, defaults=config.sampling_defaults,
-                           tool_constraint=reader.constraint)
+    try:
+        params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n,
+                               logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                               prompt_logprobs=body.prompt_logprobs, vocab_size=len(engine.tokenizer),
+                               max_logprobs=engine.max_logprobs, defaults=config.sampling_defaults,
+                               tool_constraint=reader.constraint)
+    except APIError as exc:  # chat's count of logprobs is top_logprobs (its logprobs is a switch)
+        if exc.param != "logprobs":
+            raise
+        raise APIError(400, exc.message.replace("logprobs", "top_logprobs", 1), param="top_logprobs") from None
     think_end = engine.tokenizer.encode(THINK_END, add_special_tokens=False) if config.reasoning_parser else None
     if think_end and isinstance(params, SamplingParams) and params.structured_outputs is not None:
         # the constraint holds the answer, from the token after </think> (as vLLM does): in the

@@ -17,6 +17,7 @@ from server.params import (
     engine_params,
     refuse_unsupported,
     requested_adapter,
+    running_usage,
     truncate_prompt,
 )
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
@@ -106,7 +107,9 @@ class _Renderer:
                 self.done.add(index)
                 self.usage.completion_tokens += len(c.token_ids)
         # one choice per chunk, as OpenAI streams it (clients read choices[0])
-        return [CompletionResponse(id=self.request_id, model=self.model, choices=[choice]) for choice in choices]
+        usage = running_usage(self.body, self.usage.prompt_tokens, (tokens for _, tokens in self.sent.values()))
+        return [CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage)
+                for choice in choices]
 
     def usage_chunk(self) -> list[CompletionResponse]:
         if not (self.body.stream_options and self.body.stream_options.include_usage):

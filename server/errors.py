@@ -69,14 +69,31 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+def _is_union_member(part: Any) -> bool:
+    """pydantic names the member of a union it tried in the location ("str", "list[constrained-int]")."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict"))
+
+
 def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """First pydantic error as one readable line, and the body field it concerns."""
+    """The most telling pydantic error as one readable line, and the body field it concerns. A field
+    that may take several shapes (prompt: text, token ids, lists of either) fails once per shape;
+    a value the right shape refused ("at least 1 item", "greater than or equal to 0") says more
+    than "Input should be a valid string" from the first shape tried."""
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":  # its location is a character offset (if any), not a field
+        offset = [part for part in first.get("loc", ()) if isinstance(part, int)]
+        reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return f"the body is not valid JSON ({reason}{f' at character {offset[0]}' if offset else ''})", None
+    def field(error: Any) -> Any:
+        return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+    same_field = [e for e in errors if field(e) == field(first)]
+    chosen = next((e for e in same_field if not e.get("type", "").endswith(("_type", "_parsing"))), first)
+    loc = [str(part) for part in chosen.get("loc", ()) if part != "body" and not _is_union_member(part)]
     param = ".".join(loc) or None
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+    return f"{param or 'body'}: {chosen.get('msg', 'invalid value')}", param
 
 
 def invalid_body(exc: ValidationError) -> APIError:

@@ -5,12 +5,14 @@ Everything a client can get wrong is a 400 here, before the engine sees the requ
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputs
 from server.config import ServerConfig
 from server.errors import APIError, ContextLengthError
-from server.protocol import SamplingFields, StreamOptions
+from server.protocol import SamplingFields, StreamOptions, Usage
 
 _INT64 = 2**63
 # fields that would change the output and that this server cannot honour: refused by name, never
@@ -29,9 +31,22 @@ _UNSUPPORTED = {
 def apply_server_defaults(body: SamplingFields, config: ServerConfig) -> None:
     """Lay the server's request-field defaults over the body (serve --return-tokens-as-token-ids,
     --enable-force-include-usage): each turns a field on that the request left off."""
+    if body.stream_options is not None and not body.stream:  # as vLLM: nothing would read them
+        raise APIError(400, "stream_options is only for stream=true", param="stream_options")
     body.return_tokens_as_token_ids |= config.return_tokens_as_token_ids
     if config.force_include_usage and body.stream and not (body.stream_options and body.stream_options.include_usage):
         body.stream_options = StreamOptions(include_usage=True)
+
+
+def running_usage(body: SamplingFields, prompt_tokens: int, tokens_sent: Iterable[int]) -> Usage | None:
+    """stream_options.continuous_usage_stats (vLLM's, with include_usage): the usage so far, which
+    every chunk carries; None when not asked for."""
+    options = body.stream_options
+    if not (options and options.include_usage and options.continuous_usage_stats):
+        return None
+    completion_tokens = sum(tokens_sent)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
@@ -49,7 +64,7 @@ def requested_adapter(requested: str | None, config: ServerConfig) -> str | None
     """The LoRA adapter a request's `model` names (None: the base model), once checked as served."""
     names = config.model_names + tuple(config.lora_modules)
     if requested is not None and requested not in names:
-        raise APIError(400, f"model {requested!r} is not served here; this server serves "
+        raise APIError(404, f"model {requested!r} is not served here; this server serves "
                             f"{', '.join(repr(n) for n in names)}", param="model")
     return requested if requested in config.lora_modules else None
 

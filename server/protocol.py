@@ -51,6 +51,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class SamplingFields(_Request):

@@ -27,7 +27,6 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
     ({"prompt": "hi " * 600, "max_tokens": 4}, "prompt"),
-    ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": "hi", "n": 1000}, "n"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": ""}, "prompt"),
@@ -56,6 +55,9 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": "hi", "use_beam_search": True, "n": 1000}, "n"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [-1]}, "prompt.0"),
+    ({"prompt": []}, "prompt"),
 ])
 def test_completion_400s(base_url, body, param):
     error = assert_openai_error(httpx.post(base_url + "/v1/completions", json=body, timeout=30), 400)
@@ -63,10 +65,34 @@ def test_completion_400s(base_url, body, param):
     assert error["type"] == "invalid_request_error"
 
 
+def test_an_unknown_model_is_a_404_as_openai_and_vllm_answer(base_url, client):
+    """OpenAI's clients raise NotFoundError for it, which callers catch to fall back to another model."""
+    for route, body in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        error = assert_openai_error(httpx.post(base_url + route, json={**body, "model": "no-such-model"}), 404)
+        assert error["param"] == "model" and "is not served here" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+
+
 def test_malformed_json_and_chat_400s(base_url):
     r = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", timeout=10,
                    headers={"content-type": "application/json"})
-    assert_openai_error(r, 400)
+    error = assert_openai_error(r, 400)
+    assert error["param"] is None and error["message"].startswith("the body is not valid JSON (")
+    # a field that takes several shapes names the value its shape refused, not the first shape tried
+    for prompt, says in (([-1], "prompt.0: Input should be greater than or equal to 0"),
+                         ([], "prompt: List should have at least 1 item")):
+        error = assert_openai_error(httpx.post(base_url + "/v1/completions", json={"prompt": prompt}), 400)
+        assert error["message"].startswith(says)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for bad in (21, -1):
+        error = assert_openai_error(httpx.post(base_url + "/v1/chat/completions", timeout=10,
+                                               json={**chat, "logprobs": True, "top_logprobs": bad}), 400)
+        assert error["param"] == "top_logprobs" and error["message"].startswith("top_logprobs")
+    long = {**chat, "messages": [{"role": "user", "content": "hi " * 2000}]}
+    error = assert_openai_error(httpx.post(base_url + "/v1/chat/completions", json=long, timeout=10), 400)
+    assert error["param"] == "messages"
     r = httpx.post(base_url + "/v1/chat/completions", json={"messages": []}, timeout=10)
     assert_openai_error(r, 400)
     r = httpx.post(base_url + "/v1/chat/completions", timeout=10,

@@ -60,7 +60,7 @@ def test_a_request_naming_the_adapter_is_served_by_it(lora_url, tiny_model_dir, 
     assert cards["sql"]["parent"] == MODEL_NAME and cards["sql"]["root"] == str(tiny_lora_dir)
     assert cards[MODEL_NAME]["parent"] is None
     unknown = httpx.post(lora_url + "/v1/completions", json={"model": "nosql", "prompt": "hi"})
-    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "model"
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
     assert "'sql'" in unknown.json()["error"]["message"]
     info = [line for line in httpx.get(lora_url + "/metrics").text.splitlines()
             if line.startswith("driftgate:lora_requests_info{")]  # vLLM's, for LoRA-aware gateways
@@ -98,5 +98,5 @@ def test_adapters_load_and_unload_at_run_time_when_allowed(lora_engine, lora_url
         assert kept.status_code == 400 and "stays" in kept.json()["error"]["message"]
         assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}).status_code == 200
         gone = httpx.post(url + "/v1/completions", json={**completion, "model": "sql2"})
-        assert gone.status_code == 400 and gone.json()["error"]["param"] == "model"
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"
         assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}).status_code == 404

@@ -113,7 +113,6 @@ def test_count_tokens_counts_the_rendered_prompt(claude, base_url):
     ({"messages": MESSAGES, "max_tokens": 4, "tool_choice": {"type": "sometimes"}}, "tool_choice type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]}],
       "max_tokens": 4}, "tool_use blocks belong in assistant messages"),
-    ({"messages": MESSAGES, "max_tokens": 4, "model": "other"}, "other"),
     ({"messages": MESSAGES, "max_tokens": 4, "output_config": {"effort": "extreme"}}, "output_config.effort"),
 ])
 def test_bad_requests_are_400s_in_anthropics_shape(claude, base_url, body, message):
@@ -125,6 +124,11 @@ def test_bad_requests_are_400s_in_anthropics_shape(claude, base_url, body, messa
     if "max_tokens" in body:  # the SDK itself refuses a body without it
         with pytest.raises(anthropic.BadRequestError, match=message.split(".")[0]):
             claude.messages.create(**{"model": MODEL_NAME, **body})
+
+
+def test_an_unknown_model_is_anthropics_404(claude):
+    with pytest.raises(anthropic.NotFoundError, match="'other' is not served here"):
+        claude.messages.create(model="other", messages=MESSAGES, max_tokens=4)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -38,6 +38,23 @@ def test_completion_stream_matches_non_stream(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, route):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens streamed
+    up to it, so a client can bill or cut off mid-stream; the last usage chunk is the total."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": options,
+              "extra_body": {"ignore_eos": True}}
+    chunks = list(client.completions.create(prompt=PROMPT, **common) if route == "completions"
+                  else client.chat.completions.create(messages=MESSAGES, **common))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 12
+    assert len(set(counts)) > 1 and chunks[-1].usage.completion_tokens == 12
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    plain = list(client.completions.create(prompt=PROMPT, **{**common, "stream_options": {"include_usage": True}}))
+    assert all(c.usage is None for c in plain if c.choices)  # only when asked for
+
+
 def test_chat_stream_matches_non_stream(client):
     full = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=16, temperature=0)
     assert full.choices[0].message.role == "assistant"
@@ -416,7 +433,7 @@ def test_aliases_are_accepted_and_listed(engine):
         assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == [MODEL_NAME,
                                                                                              "gpt-3.5-turbo"]
         unknown = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "hi"}, timeout=10)
-        assert unknown.status_code == 400 and "'gpt-3.5-turbo'" in unknown.json()["error"]["message"]
+        assert unknown.status_code == 404 and "'gpt-3.5-turbo'" in unknown.json()["error"]["message"]
 
 
 def test_speculative_decoding_streams_what_plain_decoding_returns(tiny_model_dir, base_url):

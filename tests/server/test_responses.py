@@ -91,11 +91,15 @@ def test_reasoning_comes_as_its_own_output_item(engine):
     ({"input": QUESTION, "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": []}, "input"),
     ({"input": [{"type": "reasoning"}]}, "input"),  # found by fuzzing: was a 500 (no message left to answer)
-    ({"input": QUESTION, "model": "other"}, "model"),
 ])
 def test_what_it_cannot_honour_is_a_400(base_url, body, param):
     r = httpx.post(base_url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_an_unknown_model_is_a_404(base_url):
+    r = httpx.post(base_url + "/v1/responses", json={"input": QUESTION, "model": "other"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
 
 
 def _flat(tool: dict) -> dict:
