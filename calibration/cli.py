@@ -88,6 +88,10 @@ def run_quantize(args: argparse.Namespace) -> int:
     except QuantizeError as exc:  # every input problem; anything else is a bug and keeps its traceback
         print(f"quantize: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # the checkpoint is published whole or not at all (quant.checkpoint.publish_folder)
+        print(f"quantize: interrupted; a checkpoint is published whole, so {options.output_dir} is as it was "
+              "unless the new one was already in place", file=sys.stderr)
+        return 130
     print(f"wrote {output}")
     return 0
 

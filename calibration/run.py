@@ -156,9 +156,8 @@ def _checkpoint_tensors(model_dir: Path, result: CalibrationResult, kv_strategy:
 
 def quantize(options: QuantizeOptions) -> Path:
     """Run the whole command; returns the written checkpoint folder."""
-    from transformers import AutoTokenizer
-
     from engine.loader import load_model
+    from engine.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     config = _read_model_config(options.model_dir)
@@ -172,9 +171,9 @@ def quantize(options: QuantizeOptions) -> Path:
     if group_size is not None:
         print(f"group size {group_size}" + (" (auto)" if options.group_size is None else ""))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
-    except (OSError, ValueError) as exc:
-        raise QuantizeError(f"{options.model_dir}: cannot load the tokenizer: {exc}") from None
+        tokenizer = load_tokenizer(options.model_dir)
+    except ValueError as exc:  # no tokenizer files (transformers blamed a missing sentencepiece), or damaged ones
+        raise QuantizeError(str(exc)) from None
     try:
         calib = load_calibration_set(options.calib_path, tokenizer, num_samples=options.num_samples,
                                      max_seq_len=options.max_seq_len, seed=options.seed,

@@ -77,6 +77,9 @@ def run_generate(args: argparse.Namespace) -> int:
             print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         lora = None if args.lora is None else LoRARequest("lora", 1, args.lora)
+        if args.chat and not getattr(llm.tokenizer, "chat_template", None):
+            raise ValueError(f"{args.model}'s tokenizer has no chat template; leave out --chat to generate from "
+                             "the prompts as they are")
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, lora_request=lora)
         else:

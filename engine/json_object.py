@@ -15,6 +15,8 @@ def numbered_lines(path: Path, what: str, error: type[Exception] = ValueError) -
     """A JSONL file's non-blank lines with their 1-based numbers; `error` says which file is missing
     or not UTF-8 (`what` names its role, e.g. "calibration file")."""
     path = Path(path)
+    if path.is_dir():
+        raise error(f"{path} is a folder; give the {what} itself")
     if not path.is_file():
         raise error(f"{path}: {what} not found")
     try:

@@ -254,6 +254,8 @@ def load_policy(name_or_path: str | Path) -> GatePolicy:
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = POLICY_DIR / f"{name_or_path}.toml"
+    if path.is_dir():
+        raise PolicyError(f"policy {path} is a folder; give a TOML file, or a policy's name (quick, default, ...)")
     if not path.is_file():
         raise PolicyError(f"policy file {path} does not exist")
     try:

@@ -63,6 +63,23 @@ def _request(number: int, text: str) -> tuple[object, str, dict]:
     return custom_id, line["url"], body
 
 
+def _check_custom_ids(lines: list[tuple[int, str]]) -> None:
+    """ValueError if two requests share a custom_id, by which answers are matched to requests (OpenAI's
+    Batch API refuses such a file too). Lines that are no request are left to their own errors."""
+    seen: dict[str, int] = {}
+    for number, text in lines:
+        try:
+            custom_id = parse_json_object(text).get("custom_id")
+        except ValueError:
+            continue
+        if custom_id is None:
+            continue
+        key = json.dumps(custom_id)
+        if key in seen:
+            raise ValueError(f"custom_id {key} is on lines {seen[key]} and {number}; each request needs its own")
+        seen[key] = number
+
+
 def _record(custom_id: object, response: dict | None = None, error: str | None = None) -> dict:
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
             "error": None if error is None else {"code": "invalid_request", "message": error}}
@@ -106,6 +123,7 @@ def run_batch(args: argparse.Namespace) -> int:
         lines = numbered_lines(args.input_file, "batch input file")
         if not lines:
             raise ValueError(f"{args.input_file}: no requests in the batch input file")
+        _check_custom_ids(lines)
         check_output_path(args.output_file, folder=False)  # before the answers, not after
         if args.output_file.resolve() == args.input_file.resolve():
             raise ValueError(f"{args.output_file} is the batch input file; give the answers another file")

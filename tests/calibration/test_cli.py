@@ -56,6 +56,30 @@ def test_missing_model_folder(tmp_path, calib_file, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_without_tokenizer_files_or_a_folder_as_calibration_file_says_so(tmp_path, tiny_model_dir,
+                                                                                   calib_file, capsys):
+    """transformers blamed a missing sentencepiece for the first; the second read "not found"."""
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink(missing_ok=True)
+    assert _quantize(bare, calib_file, tmp_path / "out", "--scheme", "w8a16") == 2
+    assert "has no tokenizer.json / tokenizer_config.json" in _one_line_error(capsys)
+    assert _quantize(tiny_model_dir, tmp_path, tmp_path / "out", "--scheme", "w8a16") == 2
+    assert f"{tmp_path} is a folder; give the calibration file itself" in _one_line_error(capsys)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, tiny_model_dir, calib_file, capsys, monkeypatch):
+    import calibration.run
+
+    def interrupted(options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibration.run, "quantize", interrupted)
+    assert _quantize(tiny_model_dir, calib_file, tmp_path / "out", "--scheme", "w8a16") == 130
+    assert "interrupted; a checkpoint is published whole" in _one_line_error(capsys)
+
+
 def test_unknown_scheme(tmp_path, tiny_model_dir, calib_file, capsys):
     with pytest.raises(SystemExit) as info:
         _quantize(tiny_model_dir, calib_file, tmp_path / "out", "--scheme", "w3a16")

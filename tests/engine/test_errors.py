@@ -144,6 +144,21 @@ def test_unavailable_attention_backend_is_refused(tiny_model_dir, monkeypatch):
         LLM(str(tiny_model_dir), attention_backend="triton")
 
 
+def test_generate_chat_on_a_model_without_a_chat_template_says_to_drop_chat(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from engine.cli import main as driftgate_main
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    assert driftgate_main(["generate", str(plain), "hi", "--chat", "--max-tokens", "2"]) == 2
+    assert "has no chat template; leave out --chat" in capsys.readouterr().err
+    assert driftgate_main(["generate", str(plain), "hi", "--max-tokens", "2"]) == 0
+
+
 @pytest.mark.parametrize("bench", ["offline", "schemes", "steps", "ppl"])
 def test_bench_on_a_missing_or_corrupt_model_is_one_line(bench, tiny_model_dir, tmp_path, capsys):
     from engine.cli import main as driftgate_main

@@ -119,6 +119,12 @@ def test_a_bad_policy_is_exit_2_without_a_traceback(setup, tmp_path, capsys, pol
     assert "cannot evaluate" in err and message in err and "Traceback" not in err
 
 
+def test_a_folder_as_policy_says_so(setup, tmp_path, capsys):
+    root, baseline, _ = setup
+    assert _gate(baseline, baseline, tmp_path, root) == EXIT_ERROR
+    assert f"policy {tmp_path} is a folder; give a TOML file" in capsys.readouterr().err
+
+
 def test_a_report_dir_that_cannot_be_created_is_exit_2_before_any_arm_runs(setup, tmp_path, capsys, monkeypatch):
     """The reports are written last; a bad --report-dir must not cost the arms' run first."""
     from evals import arms

@@ -113,7 +113,7 @@ def test_an_unforeseen_error_is_its_lines_500_and_the_rest_are_answered(tmp_path
     assert json.loads(answers.read_text())["response"]["status_code"] == 200  # the engine lived on
 
 
-def test_an_empty_input_or_answers_over_the_input_are_refused(tmp_path, tiny_model_dir, capsys):
+def test_an_empty_input_answers_over_the_input_or_shared_custom_ids_are_refused(tmp_path, tiny_model_dir, capsys):
     source = tmp_path / "in.jsonl"
     source.write_text("\n \n")
     assert main(["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), str(tiny_model_dir)]) == 2
@@ -124,3 +124,6 @@ def test_an_empty_input_or_answers_over_the_input_are_refused(tmp_path, tiny_mod
         assert main(["run-batch", "-i", str(source), "-o", str(same), str(tiny_model_dir)]) == 2
         assert "is the batch input file" in capsys.readouterr().err
     assert source.read_text() == request
+    source.write_text(request + "not json\n" + request)
+    assert main(["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), str(tiny_model_dir)]) == 2
+    assert 'custom_id "x" is on lines 1 and 3; each request needs its own' in capsys.readouterr().err
