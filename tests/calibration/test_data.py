@@ -76,29 +76,23 @@ def test_each_shape_renders_as_documented(tmp_path, tiny_tokenizer):
     assert chat[0].item() == tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
-def test_messages_without_chat_template_is_an_error(tmp_path, tiny_tokenizer):
+def test_messages_without_chat_template_is_an_error(tmp_path, tiny_tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}, {"messages": [{"role": "user", "content": "b"}]}])
-    template, tiny_tokenizer.chat_template = tiny_tokenizer.chat_template, None
-    try:
-        with pytest.raises(CalibrationDataError, match=r":2: .*chat template"):
-            _load(path, tiny_tokenizer, num_samples=2, num_heldout=0)
-    finally:
-        tiny_tokenizer.chat_template = template
+    monkeypatch.setattr(tiny_tokenizer, "chat_template", None)
+    with pytest.raises(CalibrationDataError, match=r":2: .*chat template"):
+        _load(path, tiny_tokenizer, num_samples=2, num_heldout=0)
 
 
-def test_a_chat_template_refusing_a_conversation_names_the_line(tmp_path, tiny_tokenizer):
+def test_a_chat_template_refusing_a_conversation_names_the_line(tmp_path, tiny_tokenizer, monkeypatch):
     """Templates such as Llama 2's and Mistral's raise on two user turns in a row: the file and line,
     with the template's reason, not a jinja traceback."""
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}, {"messages": [{"role": "user", "content": "b"},
                                                                            {"role": "user", "content": "c"}]}])
     strict = ("{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}")
-    template, tiny_tokenizer.chat_template = tiny_tokenizer.chat_template, strict
-    try:
-        with pytest.raises(CalibrationDataError, match=r"c\.jsonl:2: .*chat template.*roles must alternate"):
-            _load(path, tiny_tokenizer, num_samples=2, num_heldout=0)
-    finally:
-        tiny_tokenizer.chat_template = template
+    monkeypatch.setattr(tiny_tokenizer, "chat_template", strict)
+    with pytest.raises(CalibrationDataError, match=r"c\.jsonl:2: .*chat template.*roles must alternate"):
+        _load(path, tiny_tokenizer, num_samples=2, num_heldout=0)
 
 
 def test_line_separators_inside_strings_do_not_split_lines(tmp_path, tiny_tokenizer):
