@@ -74,6 +74,11 @@ def _is_union_member(part: Any) -> bool:
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict"))
 
 
+def _field(error: Any) -> Any:
+    """The body field a pydantic error concerns (None: the body as a whole)."""
+    return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+
 def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     """The most telling pydantic error as one readable line, and the body field it concerns. A field
     that may take several shapes (prompt: text, token ids, lists of either) fails once per shape;
@@ -86,10 +91,7 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         offset = [part for part in first.get("loc", ()) if isinstance(part, int)]
         reason = (first.get("ctx") or {}).get("error", "JSON decode error")
         return f"the body is not valid JSON ({reason}{f' at character {offset[0]}' if offset else ''})", None
-    def field(error: Any) -> Any:
-        return next((part for part in error.get("loc", ()) if part != "body"), None)
-
-    same_field = [e for e in errors if field(e) == field(first)]
+    same_field = [e for e in errors if _field(e) == _field(first)]
     chosen = next((e for e in same_field if not e.get("type", "").endswith(("_type", "_parsing"))), first)
     loc = [str(part) for part in chosen.get("loc", ()) if part != "body" and not _is_union_member(part)]
     param = ".".join(loc) or None
