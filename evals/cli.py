@@ -97,7 +97,7 @@ def check_comparable(baseline_dir: Path, candidate_dir: Path, *, same_allowed: b
     a server serving the baseline, checked against it), other vocabularies, or tokenizers that split
     text differently (the arms' prompts would differ; Tier 0 compares logits position by position).
     A baseline that is quantized when the candidate is not is probably a swap."""
-    from transformers import AutoTokenizer
+    from engine.tokenizer import load_tokenizer
 
     if baseline_dir.resolve() == candidate_dir.resolve() and not same_allowed:
         raise GateInputError(f"baseline and candidate are the same folder ({baseline_dir}); gate a quantized "
@@ -109,13 +109,13 @@ def check_comparable(baseline_dir: Path, candidate_dir: Path, *, same_allowed: b
         raise GateInputError(f"baseline and candidate have other vocabularies (vocab_size {vocab['baseline']} and "
                              f"{vocab['candidate']}): the candidate is not a quantization of the baseline")
     try:
-        base, cand = (AutoTokenizer.from_pretrained(str(folder)) for folder in (baseline_dir, candidate_dir))
-    except (OSError, ValueError) as exc:
-        raise GateInputError(f"cannot load the tokenizers to compare them: {exc}") from None
+        base, cand = (load_tokenizer(folder) for folder in (baseline_dir, candidate_dir))
+    except ValueError as exc:
+        raise GateInputError(str(exc)) from None
     for text in _TOKENIZER_PROBES:
-        if base.encode(text) != cand.encode(text):
-            raise GateInputError(f"baseline and candidate tokenize {text!r} differently ({base.encode(text)} and "
-                                 f"{cand.encode(text)}); give the candidate the baseline's tokenizer files")
+        if (ids := base.encode(text)) != (other := cand.encode(text)):
+            raise GateInputError(f"baseline and candidate tokenize {text!r} differently ({ids} and {other}); "
+                                 "give the candidate the baseline's tokenizer files")
     if "quantization_config" in configs["baseline"] and "quantization_config" not in configs["candidate"]:
         print(f"[gate] warning: the baseline {baseline_dir} is quantized and the candidate {candidate_dir} is not; "
               "were --baseline and --candidate swapped? The verdict goes to the candidate's folder.",
