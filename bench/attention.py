@@ -17,7 +17,6 @@ the score and value products (4 · L² / 2 · head_dim · query heads).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from bench.output import plot_kernels, save_result
 from bench.steps import positive_ints
 from engine.layers import cpu_attention
+from engine.loader import read_config
 from engine.models.llama import LlamaArgs
 
 
@@ -72,7 +72,7 @@ def _contenders(q, k, v, block_size: int, g: torch.Generator) -> dict:
 def run_attention(args: argparse.Namespace) -> int:
     if not cpu_attention.available(torch.float32, torch.device("cpu"), "prefill"):
         raise SystemExit("the C prefill kernel is not available here (no C compiler, or DRIFTGATE_CPU_KERNELS=0)")
-    model_args = LlamaArgs.from_hf_config(json.loads((args.model / "config.json").read_text()))
+    model_args = LlamaArgs.from_hf_config(read_config(args.model))
     heads, kv_heads, head_dim = model_args.num_heads, model_args.num_kv_heads, model_args.head_dim
     g = torch.Generator().manual_seed(0)
     rows = []

@@ -30,7 +30,6 @@ rounding's 3% for W8A8, 5% for fbgemm, 15% for W4A8, 10% for FP8 and 2% for bf16
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 from bench.output import plot_kernels, save_result
 from bench.steps import positive_ints
 from engine.layers import panel_matmul
+from engine.loader import read_config
 from engine.models.llama import LlamaArgs
 from quant.fp8 import fp8_scale, quantize_fp8
 from quant.int_quant import compute_qparams, quantize_int
@@ -149,7 +149,7 @@ def _contenders() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Mat
 
 
 def run_matmul(args: argparse.Namespace) -> int:
-    model_args = LlamaArgs.from_hf_config(json.loads((args.model / "config.json").read_text()))
+    model_args = LlamaArgs.from_hf_config(read_config(args.model))
     shapes = layer_shapes(model_args) * model_args.num_layers
     lm_head = (model_args.vocab_size, model_args.hidden_size)
     g = torch.Generator().manual_seed(0)

@@ -159,6 +159,15 @@ def test_generate_chat_on_a_model_without_a_chat_template_says_to_drop_chat(tiny
     assert driftgate_main(["generate", str(plain), "hi", "--max-tokens", "2"]) == 0
 
 
+@pytest.mark.parametrize("bench", ["matmul", "attention"])
+def test_shape_benches_on_a_missing_model_say_which_folder(bench, tmp_path, capsys):
+    from engine.cli import main as driftgate_main
+
+    assert driftgate_main(["bench", bench, str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert f"model folder not found: {tmp_path / 'missing'}" in err and "Errno" not in err
+
+
 @pytest.mark.parametrize("bench", ["offline", "schemes", "steps", "ppl"])
 def test_bench_on_a_missing_or_corrupt_model_is_one_line(bench, tiny_model_dir, tmp_path, capsys):
     from engine.cli import main as driftgate_main
