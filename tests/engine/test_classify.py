@@ -179,14 +179,14 @@ def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder,
                     "results" if route == "/rerank" else "data"]
             one_class = httpx.post(url + "/classify", json={"input": DOCUMENTS[0]}).json()["data"][0]
             assert one_class["num_classes"] == 1 and one_class["label"] == "LABEL_0"
-            for path, body, param in (
-                    ("/score", {"text_1": DOCUMENTS[:2], "text_2": DOCUMENTS}, None),
-                    ("/rerank", {"query": QUERY, "documents": []}, "documents"),
-                    ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "model": "other"}, "model"),
-                    ("/v1/embeddings", {"input": QUERY}, "model"),
-                    ("/v1/completions", {"prompt": QUERY, "max_tokens": 2}, None)):
+            for path, body, param, status in (
+                    ("/score", {"text_1": DOCUMENTS[:2], "text_2": DOCUMENTS}, None, 400),
+                    ("/rerank", {"query": QUERY, "documents": []}, "documents", 400),
+                    ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "model": "other"}, "model", 404),
+                    ("/v1/embeddings", {"input": QUERY}, "model", 400),
+                    ("/v1/completions", {"prompt": QUERY, "max_tokens": 2}, None, 400)):
                 refused = httpx.post(url + path, json=body)
-                assert refused.status_code == 400, (path, refused.text)
+                assert refused.status_code == status, (path, refused.text)
                 error = refused.json()["error"]
                 assert param is None or (error["param"] or "").startswith(param), (path, error)
     finally:

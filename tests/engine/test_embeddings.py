@@ -118,10 +118,11 @@ def test_the_embeddings_route_answers_as_openai_does(qwen3_dir):
             vector = np.frombuffer(base64.b64decode(short["data"][0]["embedding"]), dtype="<f4")
             truncated = torch.tensor(expected[0].embedding[:16])  # normalized whole, then cut ...
             assert vector == pytest.approx((truncated / truncated.norm()).tolist(), abs=1e-5)  # ... and renormed
-            for body, param in (({"input": texts[0], "dimensions": 4096}, "dimensions"), ({"input": []}, "input"),
-                                ({"input": [10**9]}, "input"), ({"input": "x", "model": "other"}, "model")):
+            for body, param, status in (({"input": texts[0], "dimensions": 4096}, "dimensions", 400),
+                                        ({"input": []}, "input", 400), ({"input": [10**9]}, "input", 400),
+                                        ({"input": "x", "model": "other"}, "model", 404)):
                 refused = httpx.post(url + "/v1/embeddings", json=body)
-                assert refused.status_code == 400 and (refused.json()["error"]["param"] or "").startswith(param), body
+                assert refused.status_code == status and (refused.json()["error"]["param"] or "").startswith(param), body
             # vLLM's /pooling: the same vectors in its pooling shape (the embed task is the default here)
             pooled = httpx.post(url + "/pooling", json={"input": texts, "dimensions": 16}).json()
             assert pooled["object"] == "list" and pooled["id"].startswith("pool-") and pooled["model"] == "embedder"
