@@ -9,7 +9,6 @@ and renamed into place by ``quant.checkpoint``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -74,9 +73,11 @@ def _check_output(options: QuantizeOptions) -> None:
 
 
 def _is_quantized_checkpoint(folder: Path) -> bool:
+    from engine.loader import read_config
+
     try:
-        return "quantization_config" in json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+        return "quantization_config" in read_config(folder)
+    except ValueError:  # no config.json, or not a model's
         return False
 
 

@@ -97,13 +97,13 @@ def check_comparable(baseline_dir: Path, candidate_dir: Path, *, same_allowed: b
     a server serving the baseline, checked against it), other vocabularies, or tokenizers that split
     text differently (the arms' prompts would differ; Tier 0 compares logits position by position).
     A baseline that is quantized when the candidate is not is probably a swap."""
+    from engine.loader import read_config
     from engine.tokenizer import load_tokenizer
 
     if baseline_dir.resolve() == candidate_dir.resolve() and not same_allowed:
         raise GateInputError(f"baseline and candidate are the same folder ({baseline_dir}); gate a quantized "
                              "checkpoint against the model it was quantized from")
-    configs = {role: json.loads((folder / "config.json").read_text())
-               for role, folder in (("baseline", baseline_dir), ("candidate", candidate_dir))}
+    configs = {"baseline": read_config(baseline_dir), "candidate": read_config(candidate_dir)}
     vocab = {role: config.get("vocab_size") for role, config in configs.items()}
     if vocab["baseline"] != vocab["candidate"]:
         raise GateInputError(f"baseline and candidate have other vocabularies (vocab_size {vocab['baseline']} and "
