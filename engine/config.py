@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from engine.json_object import flag_json_object
@@ -90,7 +91,7 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     enable_prefix_caching: bool = True
-    seed: int = 0
+    seed: int | None = 0  # None: a fresh random seed for requests that give none
     device: str = "cpu"  # "cuda", "cuda:N", or "auto" (CUDA when torch sees a GPU)
     attention_backend: str = "auto"  # torch is the reference; triton also runs on CPU with TRITON_INTERPRET=1
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
@@ -154,12 +155,51 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
-        """Build from keyword arguments, rejecting unknown names (a typo must not pass silently)."""
+        """Build from keyword arguments, rejecting unknown names (a typo must not pass silently).
+
+        vLLM's arguments that ask for what happens here anyway are taken so a vLLM script runs:
+        a parallel size of 1, `quantization` naming the checkpoint's own method, and the switches
+        in NO_EFFECT_ARGUMENTS; other values of the first two are refused with what to do instead."""
+        model = os.path.expanduser(str(model))
+        for name in PARALLEL_SIZES:
+            check_parallel_size(name, kwargs.pop(name, 1))
+        check_quantization("quantization", kwargs.pop("quantization", None), model, kwargs.get("hf_overrides"))
+        for name in NO_EFFECT_ARGUMENTS:
+            kwargs.pop(name, None)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
-        return cls(model=str(model), **kwargs)
+        return cls(model=model, **kwargs)
+
+
+# vLLM's LLM() arguments for what this engine does anyway: every architecture is driftgate's own
+# code (no checkpoint code runs), stats are logged only by the server, and a preempted sequence
+# is recomputed from its cached blocks, never swapped to host memory (vLLM V1 ignores it too)
+NO_EFFECT_ARGUMENTS = ("trust_remote_code", "disable_log_stats", "swap_space")
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+def check_parallel_size(name: str, size: int) -> None:
+    """vLLM's tensor/pipeline parallel size: 1 only, a model runs whole on one device here."""
+    if size != 1:
+        raise ValueError(f"{name} {size}: a model runs whole on one device here (no tensor or pipeline "
+                         "parallelism); for more throughput run engines side by side with serve --replicas N")
+
+
+def check_quantization(name: str, quantization: str | None, model: str, hf_overrides: dict | str | None) -> None:
+    """vLLM's `quantization`: only the checkpoint's own method (this engine does not quantize at load)."""
+    if quantization is None:
+        return
+    from engine.loader import model_config
+
+    overrides = flag_json_object("hf_overrides", hf_overrides) if isinstance(hf_overrides, str) else hf_overrides
+    method = (model_config(model, overrides).get("quantization_config") or {}).get("quant_method")
+    if quantization != method:
+        have = f"a {method} checkpoint" if method else "unquantized"
+        raise ValueError(f"{name} {quantization}: driftgate does not quantize at load; {model} is {have}. Make a "
+                         f"checkpoint with `driftgate quantize {model} --scheme SCHEME --calib DATA.jsonl -o OUT` "
+                         "(fp8-dynamic, w8a8-int8, w4a16, ...), gate it, and serve OUT")
 
 
 def check_priority(priority: int, policy: str) -> None:

@@ -25,6 +25,10 @@ from engine.pooling import (
     score_pairs,
 )
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import render_chat
+
+# one prompt, as vLLM takes it: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
+PromptInput = str | list[int] | dict
 
 
 class LLM:
@@ -36,16 +40,16 @@ class LLM:
         # what generate() samples with when given no params: the model's generation_config.json, as in vLLM
         self.default_sampling_params = SamplingParams(**sampling_defaults(model))
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`; a bad prompt raises before anything runs.
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (text, token ids, or vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids}); a bad prompt or parameter raises before anything runs.
 
         `priority` (one per prompt, lower first) needs `scheduling_policy="priority"`;
         `lora_request` (one for all, or one or None per prompt) needs `enable_lora=True`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_batch(prompts)
         params = sampling_params if sampling_params is not None else self.default_sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -60,9 +64,8 @@ class LLM:
         try:
             for prompt, p, rank, lora in zip(prompts, params, priority, loras, strict=True):
                 ids.append(self.engine.add_request(None, prompt, p, rank, None if lora is None else lora.lora_name))
-        except ValueError:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
+        except BaseException:
+            self._abort(ids)
             raise
         return self._run(ids, use_tqdm)
 
@@ -76,7 +79,7 @@ class LLM:
             raise ValueError("this model is a sequence classifier: LLM.classify and LLM.score, not embed")
         config = self._pooling_config
         params = SamplingParams(max_tokens=1, pooling=pooling or config.pooling)
-        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out in outputs:
             out.embedding = finish_embedding(out.embedding, config.normalize if normalize is None else normalize,
                                              dimensions)
@@ -90,7 +93,7 @@ class LLM:
         if classifier is None:
             raise ValueError(f"LLM.classify needs a sequence classifier (*ForSequenceClassification); this model "
                              f"is {self.engine.hf_config['architectures'][0]}")
-        outputs = self.generate(prompts, SamplingParams(max_tokens=1, pooling="last"), use_tqdm,
+        outputs = self.generate(prompts, SamplingParams(max_tokens=1, pooling="last"), use_tqdm=use_tqdm,
                                 lora_request=lora_request)
         results = []
         for out in outputs:
@@ -105,7 +108,7 @@ class LLM:
         classifier's sigmoid on the pair, or the cosine of an embedding model's two embeddings).
         One `text_1` pairs with every `text_2`; lists of equal length pair in order."""
         plan = ScorePlan.build(score_pairs(text_1, text_2), self.tokenizer, self._classifier, self._pooling_config)
-        outputs = self.generate(plan.prompts, SamplingParams(max_tokens=1, pooling=plan.pooling), use_tqdm,
+        outputs = self.generate(plan.prompts, SamplingParams(max_tokens=1, pooling=plan.pooling), use_tqdm=use_tqdm,
                                 lora_request=lora_request)
         return plan.scores([out.embedding for out in outputs])
 
@@ -119,17 +122,17 @@ class LLM:
         model's files are never read for it)."""
         return pooling_config(self.engine.config.model)
 
-    def beam_search(self, prompts: str | Sequence[str] | Sequence[list[int]],
-                    params: BeamSearchParams) -> list[RequestOutput]:
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Beam search (engine/beam_search.py) for each prompt, all prompts' beams batched in each
         step; each output holds its beam_width best hypotheses, best first."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        searches = [BeamSearch(self.engine.tokenize_prompt(p), params, self.engine.eos_token_ids,
-                               self.engine.max_model_len) for p in prompts]
+        prompts = _prompt_batch(prompts)
         step = params.step_params()
+        searches = [BeamSearch(self.engine.make_request("beam-check", p, step).prompt_token_ids, params,
+                               self.engine.eos_token_ids, self.engine.max_model_len) for p in prompts]
         while live := [s for s in searches if not s.done]:
-            outputs = iter(self.generate([seq for s in live for seq in s.pending()], step, use_tqdm=False))
+            outputs = iter(self.generate([seq for s in live for seq in s.pending()], step, use_tqdm=False,
+                                         lora_request=lora_request))
             for search in live:
                 search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.beams])
         return [search.output(f"beam-{i}", p if isinstance(p, str) else None, self.tokenizer)
@@ -137,30 +140,54 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Render each conversation with the chat template (the model's, or `chat_template`), then
+        generate; each output's `prompt` is the rendered text. Messages' content is text or
+        OpenAI's list of text parts; `tools` (OpenAI function specs) go to the template."""
         batch = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(m, add_generation_prompt) for m in batch]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        texts = [render_chat(self.tokenizer, [_text_message(m) for m in conversation], chat_template,
+                             add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message,
+                             template_kwargs={**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})})
+                 for conversation in batch]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        """One conversation's prompt token ids under the model's chat template."""
+        text = render_chat(self.tokenizer, [_text_message(m) for m in messages],
+                           add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's accessor)."""
+        return self.tokenizer
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:  # a failed step or Ctrl-C: the next call starts from an empty engine
+            self._abort([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
         return [results[i] for i in ids]
+
+    def _abort(self, ids: list[str]) -> None:
+        for request_id in ids:
+            self.engine.abort_request(request_id)
 
     def score_full_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """log p(· | tokens[:t+1]) over the whole vocabulary for every t: [T, vocab] fp32."""
@@ -209,3 +236,32 @@ class LLM:
         Returns False, changing nothing, while a request still holds blocks.
         """
         return self.engine.block_manager.reset_prefix_cache()
+
+
+def _prompt_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[str | list[int]]:
+    """A prompt or a list of them, each as text or token ids."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [_prompt_of(p) for p in prompts]
+
+
+def _prompt_of(prompt: PromptInput) -> str | list[int]:
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys {sorted(prompt)}")
+
+
+def _text_message(message: dict) -> dict:
+    """A chat message whose content is OpenAI's list of text parts, as one string (vLLM's "string"
+    content format joins them with newlines)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
+        raise ValueError("message content parts must be text ({'type': 'text', 'text': ...}); this engine reads no "
+                         "images or audio")
+    return {**message, "content": "\n".join(str(part.get("text", "")) for part in content)}

@@ -22,7 +22,7 @@ from engine.loader import apply_kv_scales, defer_kv_scales, load_model, resolve_
 from engine.lora import LoRALayers, LoRARequest
 from engine.outputs import CompletionOutput, EngineStats, LogprobsDict, RequestOutput
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, truncate_prompt
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import Request, RequestStatus
 from engine.spec_decode import propose_ngram
@@ -40,6 +40,7 @@ class _SequenceState:
     detok: IncrementalDetokenizer
     logprobs: list[LogprobsDict] | None
     finish_reason: str | None = None
+    cumulative_logprob: float = 0.0  # of its tokens, where logprobs are kept
 
     def shown_text(self, params: SamplingParams) -> str:
         """The text an output may show so far. Until the sequence ends, its last (longest stop string
@@ -70,7 +71,8 @@ class _RequestState:
         outputs = [
             CompletionOutput(i, s.shown_text(self.params), list(s.request.output_token_ids),
                              list(s.logprobs) if s.logprobs is not None else None,
-                             s.finish_reason, s.request.stop_reason)
+                             s.finish_reason, s.request.stop_reason,
+                             s.cumulative_logprob if s.logprobs is not None else None)
             for i, s in enumerate(self.sequences)
         ]
         cached = max(self.sequences[0].request.num_cached_tokens, 0)
@@ -248,7 +250,7 @@ class LLMEngine:
             self.lora.check(lora)
         if self.model.args.num_labels:
             self._check_classifier_request(params)
-        prompt_ids = self.tokenize_prompt(prompt)
+        prompt_ids = truncate_prompt(self.tokenize_prompt(prompt), params.truncate_prompt_tokens, self.max_model_len)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -264,6 +266,7 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
         seq_params = dataclasses.replace(params, stop_token_ids=stop_ids,
+                                         max_tokens=params.output_budget(len(prompt_ids), self.max_model_len),
                                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         sequences = []
@@ -410,7 +413,8 @@ class LLMEngine:
             first_output = req.num_output_tokens - len(tokens)  # the scheduler appended them all
             for i, token in enumerate(tokens):
                 if seq.logprobs is not None:
-                    seq.logprobs.append(result.logprobs[req.request_id][i])
+                    seq.logprobs.append(entry := result.logprobs[req.request_id][i])
+                    seq.cumulative_logprob += entry[token]
                 if self._append_text(seq, token, first_output + i + 1, i == len(tokens) - 1):
                     req.truncate_output(first_output + i + 1)  # a stop string ended it before the drafts did
                     break
@@ -436,17 +440,22 @@ class LLMEngine:
         finished = last and req.status.is_finished
         # the token that stopped the sequence (EOS, a stop_token_id) is not text, even where
         # skip_special_tokens=False shows special tokens (vLLM's rule)
-        stopped_by_token = (finished and req.status == RequestStatus.FINISHED_STOPPED
-                            and isinstance(req.stop_reason, int))
+        stopped_by_token = finished and req.status == RequestStatus.FINISHED_STOPPED
+        if stopped_by_token and token == self.tokenizer.eos_token_id and not req.params.ignore_eos:
+            req.stop_reason = None  # vLLM names only a stop_token_id, not the model's end of sequence
         new_text = "" if stopped_by_token and not req.params.include_stop_str_in_output else seq.detok.append(token)
         stops = req.params.stop
-        if stops and new_text and not finished and num_output >= req.params.min_tokens:
+        # a stop string the length limit's last token completes still stops it (and is cut)
+        if stops and new_text and not stopped_by_token and num_output >= req.params.min_tokens:
             hit = find_stop(seq.detok.text, len(new_text), stops)
             if hit is not None:
                 idx, stop = hit
                 seq.detok.text = seq.detok.text[: idx + len(stop) if req.params.include_stop_str_in_output else idx]
                 req.stop_reason = stop
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                if finished:
+                    req.status = RequestStatus.FINISHED_STOPPED  # already finished (blocks freed) at its length
+                else:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                 finished = True
         if finished:
             seq.finish_reason = "length" if req.status == RequestStatus.FINISHED_LENGTH else "stop"

@@ -14,7 +14,8 @@ from engine.layers.norm import RMSNorm
 from engine.models.llama import BASE_MODELS, LlamaArgs, LlamaForCausalLM
 from quant.checkpoint import is_kv_cache_tensor
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float": torch.float32, "half": torch.float16}  # the last two: vLLM's other names
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 

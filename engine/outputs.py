@@ -18,7 +18,7 @@ class CompletionOutput:
     logprobs: list[LogprobsDict] | None = None  # one dict per generated token
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
-    cumulative_logprob: float | None = None  # beam search: the sum of its tokens' logprobs
+    cumulative_logprob: float | None = None  # the sum of its tokens' logprobs (with logprobs, or beam search)
 
     @property
     def finished(self) -> bool:

@@ -53,7 +53,7 @@ def _length_groups(lengths: list[int], max_ratio: float = 1.5) -> list[tuple[int
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, seed: int = 0,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, seed: int | None = 0,
                  backend: str = "auto", lora: LoRALayers | None = None):
         self.model = model
         self.lora = lora  # the LoRA adapters' wrappers, told each step which rows are whose
@@ -63,7 +63,11 @@ class ModelRunner:
         windows = model.args.layer_windows
         self.sliding_window = next((w for w in windows if w), None)
         self.full_attention = any(w is None for w in windows)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()  # a nondeterministic one
+        else:
+            self.generator.manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
         self.thinking_counters: dict[str, ThinkingCounter] = {}  # request id → its thinking budget's count

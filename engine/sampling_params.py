@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutputs
 from engine.thinking import ThinkingBudget
 
 POOLING_TYPES = ("last", "mean", "cls")
+_INT64 = 2**63
+_INTEGER_FIELDS = ("n", "min_tokens", "top_k")
+_OPTIONAL_INTEGER_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -29,7 +34,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context leaves after the prompt
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,6 +54,7 @@ class SamplingParams:
     # context): earlier positions may then come from the prefix cache and are reported as None.
     prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: the context's worth)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
@@ -62,18 +68,23 @@ class SamplingParams:
     pooling: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
+        self.stop = _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
+        self.bad_words = _as_list(self.bad_words)
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.seed is not None and not -_INT64 <= self.seed < _INT64:
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        truncate_prompt([], self.truncate_prompt_tokens, 1)  # checks it
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -110,6 +121,27 @@ class SamplingParams:
                                                           or self.structured_outputs is None):
             raise ValueError("structured_outputs_after must be a non-empty list of token ids, with structured_outputs")
 
+    def _check_types(self) -> None:
+        """Wrong types fail here, naming the field, not inside the engine's step (where one bad
+        request would fail its whole batch)."""
+        def is_integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for name in _INTEGER_FIELDS + _OPTIONAL_INTEGER_FIELDS:
+            value = getattr(self, name)
+            if not (is_integer(value) or (value is None and name in _OPTIONAL_INTEGER_FIELDS)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not all(is_integer(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers), got {self.stop_token_ids!r}")
+
+    def output_budget(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        """max_tokens, or (None) what the context leaves after the prompt, as vLLM reads it."""
+        return self.max_tokens if self.max_tokens is not None else max(max_model_len - num_prompt_tokens, 1)
+
     def grammar_started(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> bool:
         """Whether the structured output holds from the next token on."""
         after = self.structured_outputs_after
@@ -122,7 +154,7 @@ class SamplingParams:
         budget = self.thinking_budget
         markers = budget.start_ids + budget.end_ids if budget is not None else ()
         for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids),
-                          ("thinking_budget", markers)):
+                          ("stop_token_ids", self.stop_token_ids), ("thinking_budget", markers)):
             bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab_size})")
@@ -137,6 +169,22 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: the context's worth; None: all)."""
+    if keep is None:
+        return prompt_ids
+    if keep != -1 and keep < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
+    return prompt_ids[-(max_model_len if keep == -1 else keep):]
+
+
+def _as_list(value: object) -> list:
+    """vLLM's leniency: one item for a list of one, None for an empty list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, (str, int)) else list(value)
 
 
 def _contains(tokens: list[int], part: list[int]) -> bool:

@@ -13,6 +13,7 @@ from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.thinking import ThinkingBudget
+from engine.tokenizer import render_chat as render_chat_text
 from server.config import TEMPLATE_ARGUMENTS, ServerConfig
 from server.errors import APIError
 from server.generation import EngineRequest, Generation, collect_while_connected
@@ -70,11 +71,10 @@ def render_chat(tokenizer, body: ChatCompletionRequest | TokenizeRequest, config
     if body.tools and getattr(body, "tool_choice", None) != "none":
         extra = {**extra, "tools": [tool.model_dump(exclude_none=True) for tool in body.tools]}
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message, **extra)
-    except Exception as exc:  # jinja's raise_exception (e.g. roles must alternate) and friends
-        raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+        text = render_chat_text(tokenizer, conversation, template, add_generation_prompt=body.add_generation_prompt,
+                                continue_final_message=body.continue_final_message, template_kwargs=extra)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -116,7 +116,8 @@ class _Renderer:
             reasoning, content, calls, reason = self._finish(c)
             message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0),
-                                      finish_reason=reason, token_ids=self._token_ids(c, 0)))
+                                      finish_reason=reason, stop_reason=c.stop_reason,
+                                      token_ids=self._token_ids(c, 0)))
         self.usage.completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
         response = ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
@@ -158,7 +159,8 @@ class _Renderer:
                     continue
                 delta = ChatDelta(content=text if text or not thinking else None, reasoning_content=thinking or None)
             chunks.append(self._chunk(ChatChunkChoice(index=c.index, delta=delta, logprobs=self._logprobs(c, tokens),
-                                                      finish_reason=reason, token_ids=self._token_ids(c, tokens))))
+                                                      finish_reason=reason, stop_reason=c.stop_reason,
+                                                      token_ids=self._token_ids(c, tokens))))
             self.sent[c.index] = (thought + len(thinking), chars + len(text), len(c.token_ids))
             if c.finished:
                 self.done.add(c.index)

@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING
 import jinja2
 import uvicorn
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, EngineConfig, resolve_device, serving_setting
+from engine.config import (
+    KV_CACHE_DTYPES,
+    KV_SCALES,
+    EngineConfig,
+    check_parallel_size,
+    check_quantization,
+    resolve_device,
+    serving_setting,
+)
 from engine.generation_config import sampling_defaults
 from engine.json_object import flag_json_object
 from engine.loader import model_config, read_config
@@ -421,20 +429,9 @@ def lora_modules(specs: list[str]) -> dict[str, str]:
 def _check_vllm_flags(args: argparse.Namespace) -> None:
     """vLLM's parallelism and on-the-fly quantization flags, refused with what to do here instead
     (a ValueError) unless they ask for what this server does anyway."""
-    for flag, size in (("--tensor-parallel-size", args.tensor_parallel_size),
-                       ("--pipeline-parallel-size", args.pipeline_parallel_size)):
-        if size != 1:
-            raise ValueError(f"{flag} {size}: a model runs whole on one device here (no tensor or pipeline "
-                             "parallelism); for more throughput run engines side by side with --replicas N")
-    if args.quantization is None:
-        return
-    method = (model_config(args.model, args.hf_overrides).get("quantization_config") or {}).get("quant_method")
-    if args.quantization != method:
-        have = f"a {method} checkpoint" if method else "unquantized"
-        raise ValueError(f"--quantization {args.quantization}: this server does not quantize at load; "
-                         f"{args.model} is {have}. Make a checkpoint with `driftgate quantize {args.model} "
-                         "--scheme SCHEME --calib DATA.jsonl -o OUT` (fp8-dynamic, w8a8-int8, w4a16, ...), "
-                         "gate it, and serve OUT")
+    check_parallel_size("--tensor-parallel-size", args.tensor_parallel_size)
+    check_parallel_size("--pipeline-parallel-size", args.pipeline_parallel_size)
+    check_quantization("--quantization", args.quantization, args.model, args.hf_overrides)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -69,7 +69,7 @@ class _Renderer:
         if echo:
             text = prompt_text + text
         choice = CompletionChoice(index=prompt_index * self.body.n + c.index, text=text, logprobs=logprobs,
-                                  finish_reason=c.finish_reason)
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         if self.body.prompt_logprobs is not None and not self.body.stream:
             choice.prompt_logprobs = prompt_logprobs(self.text, prompt_ids, out.prompt_logprobs,
                                                      out.prompt_logprob_ranks, self.body.prompt_logprobs)

@@ -9,12 +9,12 @@ from collections.abc import Iterable
 
 from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
+from engine.sampling_params import truncate_prompt as truncate_prompt_ids
 from engine.structured_output import StructuredOutputs
 from server.config import ServerConfig
 from server.errors import APIError, ContextLengthError
 from server.protocol import SamplingFields, StreamOptions, Usage
 
-_INT64 = 2**63
 # fields that would change the output and that this server cannot honour: refused by name, never
 # dropped (each route's body has its own subset of them)
 _UNSUPPORTED = {
@@ -70,12 +70,11 @@ def requested_adapter(requested: str | None, config: ServerConfig) -> str | None
 
 
 def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: the context's worth; None: all)."""
-    if keep is None:
-        return prompt_ids
-    if keep == 0:
-        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
-    return prompt_ids[-(max_model_len if keep == -1 else keep):]
+    """engine.sampling_params.truncate_prompt, its refusal a 400."""
+    try:
+        return truncate_prompt_ids(prompt_ids, keep, max_model_len)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="truncate_prompt_tokens") from None
 
 
 def check_prompt_ids(prompt_ids: list[int], *, vocab_size: int, max_model_len: int, max_tokens: int | None,
@@ -207,11 +206,7 @@ def build_sampling_params(
         return value if value is not None else defaults.get(name, fallback)
 
     _check_n(req, max_n)
-    if req.seed is not None and not -_INT64 <= req.seed < _INT64:
-        raise APIError(400, "seed must fit in a signed 64-bit integer", param="seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(not s for s in stop):
-        raise APIError(400, "stop strings must be non-empty", param="stop")
     try:
         logit_bias = {int(token): bias for token, bias in req.logit_bias.items()} if req.logit_bias else None
     except ValueError:

@@ -237,6 +237,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_id that ended it (not EOS)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: the whole prompt (a stream's first chunk)
     token_ids: list[int] | None = None  # return_token_ids: this choice's output ids (a stream's: this chunk's)
@@ -292,6 +293,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's
     token_ids: list[int] | None = None  # return_token_ids
 
 
@@ -318,6 +320,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's, on the choice's last chunk
     token_ids: list[int] | None = None  # return_token_ids: the ids this chunk adds
 
 

@@ -55,6 +55,10 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": "hi", "use_beam_search": True, "n": 1000}, "n"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    # an id outside the vocabulary would fail the engine step of every request batched with it
+    ({"prompt": "hi", "stop_token_ids": [1000000], "min_tokens": 2}, "stop_token_ids"),
+    ({"prompt": "hi", "stop": ["a", ""]}, "stop"),
+    ({"prompt": "hi", "seed": 2**63}, "seed"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [-1]}, "prompt.0"),
     ({"prompt": []}, "prompt"),

@@ -55,7 +55,7 @@ def test_the_stream_sends_anthropics_events_and_the_same_answer(claude, base_url
         final = stream.get_final_message()
     assert len(pieces) > 1 and "".join(pieces) == whole.content[0].text == final.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
-    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, "stream": True, **GREEDY}
     with httpx.stream("POST", base_url + "/v1/messages", json=body, timeout=30) as r:
         names = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
     assert names[0] == "message_start" and names[1] == "content_block_start"

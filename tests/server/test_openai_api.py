@@ -83,8 +83,15 @@ def test_stop_string_truncates(client):
     stop = free[len(free) // 2: len(free) // 2 + 2]
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True}).choices[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # vLLM's field: which stop ended it
     assert out.text == free[: free.index(stop)]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=24, temperature=0, stop=[stop])
+    length = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0).choices[0]
+    assert chat.choices[0].stop_reason in (stop, None) and length.stop_reason is None
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                              stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert [c.choices[0].stop_reason for c in streamed if c.choices][-1] == stop
 
 
 def test_a_stream_never_shows_the_start_of_a_stop_string(client):
