@@ -28,6 +28,11 @@ class EngineError(RuntimeError):
     """The engine failed while running a request (the request ends; the engine keeps going)."""
 
 
+class ReplicaLostError(EngineError):
+    """A cluster's replica was lost after part of a request's output had been handed over: a caller
+    that passed none of it on (it keeps only the final output) may start the request again."""
+
+
 class _Withdrawn:
     """Stream marker: the request was withdrawn before it started; the stream ends with no output."""
 

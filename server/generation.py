@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from starlette.types import Receive
 
+from engine.async_engine import EngineError, ReplicaLostError
 from engine.beam_search import BeamSearch, BeamSearchParams, search_async
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 request_logger = logging.getLogger("driftgate.server.requests")
+log = logging.getLogger("driftgate.server")
 
 
 @dataclass(slots=True)
@@ -87,18 +89,26 @@ class Generation:
         self._last_token_at: float | None = None
         self._started = False
         self._closed = False
+        self._restartable = False  # set by outputs(final_only=True)
         timeout = state.config.request_timeout_s
         self._deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         record.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
 
     async def _pump(self, index: int, request: EngineRequest) -> None:
-        try:
-            async for out in self._outputs(request):
-                self._queue.put_nowait((index, out))
-        except Exception as exc:  # handed to the consumer, which decides the status
-            self._queue.put_nowait((index, exc))
-        else:
-            self._queue.put_nowait((index, _Done()))
+        for attempt in range(2):
+            try:
+                async for out in self._outputs(request):
+                    self._queue.put_nowait((index, out))
+            except ReplicaLostError as exc:
+                if self._restartable and attempt == 0:  # nothing was passed on: start again, once
+                    log.warning("%s; starting it again", exc)
+                    continue
+                self._queue.put_nowait((index, exc))
+            except Exception as exc:  # handed to the consumer, which decides the status
+                self._queue.put_nowait((index, exc))
+            else:
+                self._queue.put_nowait((index, _Done()))
+            return
 
     def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if isinstance(request.params, BeamSearchParams):
@@ -135,8 +145,12 @@ class Generation:
         self._last_token_at = now
         self._record.output_tokens = sum(self._num_tokens)
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs in arrival order until every prompt has finished; raises `APIError` 400/504."""
+    async def outputs(self, final_only: bool = False) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs in arrival order until every prompt has finished; raises `APIError` 400/500/504.
+
+        `final_only`: the caller keeps only each prompt's last output, so a request a cluster
+        replica lost midway may start again from scratch (its earlier outputs are superseded)."""
+        self._restartable = final_only
         if not self._pumps:
             self._pumps = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self._requests)]
         num_open = len(self._requests)
@@ -152,6 +166,11 @@ class Generation:
                 continue
             if isinstance(item, ValueError):  # the engine's verdict on the prompt or the params
                 raise APIError(400, str(item)) from None
+            if isinstance(item, EngineError):  # a 500 body (a stream's error event), not a cut-off response
+                self._record.outcome = "error"
+                log.warning("request %s failed: %s", self._record.request_id, item)
+                # a lost replica is the client's to know (its retry may succeed); an engine fault is ours
+                raise APIError(500, str(item) if isinstance(item, ReplicaLostError) else "internal server error") from None
             if isinstance(item, Exception):
                 self._record.outcome = "error"
                 raise item
@@ -212,7 +231,7 @@ async def until_disconnect(work: Awaitable[T], receive: Receive, record: Request
 async def collect(generation: Generation) -> dict[int, RequestOutput]:
     """The last output of each prompt, once all have finished."""
     last: dict[int, RequestOutput] = {}
-    async for index, out in generation.outputs():
+    async for index, out in generation.outputs(final_only=True):
         last[index] = out
     return last
 

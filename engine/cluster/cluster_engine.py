@@ -15,10 +15,13 @@ asked to withdraw each. A withdrawn request's stream there ends without output a
 to the head of the router's queue, to be placed elsewhere; one the replica already started (the
 withdraw answers False) stays where it is and is never asked about again.
 
-Faults: a replica that stops answering is marked dead and gets no new requests. A request whose
-replica dies before any output reached the caller is retried from scratch elsewhere; one that
-already streamed output ends with an `EngineError`. Ray restarts the actor, and the first report
-it answers puts it back in rotation. Every accepted request ends with a completion or an error.
+Faults: a replica that stops answering is marked dead and gets no new requests; once it has
+been silent for `lost_after_s` (a wedged process, a partitioned node) its streams give up on it
+too, as they do at once when its actor dies. A request whose replica is lost before any output
+reached the caller is retried from scratch elsewhere; one that already streamed output ends with
+a `ReplicaLostError` (which a caller that only keeps the final output may start again). Ray
+restarts the actor, and the first report it answers puts it back in rotation. Every accepted
+request ends with a completion or an error.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.async_engine import EngineError
+from engine.async_engine import EngineError, ReplicaLostError
 from engine.cluster.index import ReplicaState
 from engine.cluster.replica import ReplicaReport, ReplicaShape, launch_replicas
 from engine.cluster.router import Dispatch, Policy, Router, RouterConfig, RouteRequest
@@ -60,6 +63,10 @@ async def _get(ref: ray.ObjectRef):
 
 class _End:
     """Output-queue marker: the request is over and the cluster side has cleaned up after it."""
+
+
+class _Silent(Exception):
+    """A replica was given up on (silent for lost_after_s) while a stream waited on it."""
 
 
 class _Outcome(enum.Enum):
@@ -119,7 +126,7 @@ class ClusterEngine:
     """Routes requests over replica actors and keeps the router's view of them current."""
 
     def __init__(self, actors: list[ray.actor.ActorHandle], router_config: RouterConfig, tokenizer,
-                 poll_interval_s: float = 0.05, poll_timeout_s: float = 2.0,
+                 poll_interval_s: float = 0.05, poll_timeout_s: float = 2.0, lost_after_s: float = 30.0,
                  on_shutdown: Callable[[], None] | None = None):
         try:
             shapes: list[ReplicaShape] = ray.get([a.shape.remote() for a in actors])
@@ -144,6 +151,7 @@ class ClusterEngine:
         self._runtime_loras: dict[str, LoRARequest] = {}  # loaded since start: a restarted replica gets them again
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
+        self.lost_after_s = lost_after_s
         self.num_dispatched = [0] * len(actors)
         self._on_shutdown = on_shutdown
         self._incarnations: list[str | None] = [None] * len(actors)
@@ -159,6 +167,8 @@ class ClusterEngine:
         self._flights: dict[str, _Flight] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._poller: asyncio.Task | None = None
+        self._silent_since: list[float | None] = [None] * len(actors)  # first unanswered report in a row
+        self._lost: list[asyncio.Future] = []  # per replica: done once its streams should give up on it
 
     @classmethod
     def launch(cls, config: EngineConfig, num_replicas: int, policy: Policy | str = Policy.COORDINATED,
@@ -255,8 +265,8 @@ class ClusterEngine:
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
                 caller.call_soon_threadsafe(outputs.put_nowait, item)
 
-        flight = _Flight(RouteRequest(request_id, token_ids, params.max_tokens * params.n, priority,
-                                        params.cache_salt, lora), params, deliver)
+        budget = params.output_budget(len(token_ids), self.max_model_len) * params.n
+        flight = _Flight(RouteRequest(request_id, token_ids, budget, priority, params.cache_salt, lora), params, deliver)
         self._loop.call_soon_threadsafe(self._begin, flight)
         ended = False  # the router side is done (an error or _End): the id may already be reused
         try:
@@ -354,6 +364,7 @@ class ClusterEngine:
             task.cancel()
 
     async def _start(self) -> None:
+        self._lost = [asyncio.get_running_loop().create_future() for _ in self.actors]
         await self._refresh()
         self._poller = asyncio.create_task(self._poll_loop())
 
@@ -396,14 +407,25 @@ class ClusterEngine:
                 hashes, seq = await asyncio.wait_for(_get(actor.snapshot.remote()), self.poll_timeout_s)
                 state.prefix.resync(hashes, seq)
         except (RayActorError, TimeoutError):
-            if state.is_alive:
-                self.router.mark_dead(replica_id)
+            self._stop_routing(replica_id)
+            since = self._silent_since[replica_id] = self._silent_since[replica_id] or time.monotonic()
+            if time.monotonic() - since >= self.lost_after_s and not self._lost[replica_id].done():
+                self._lost[replica_id].set_result(None)
             return
+        self._silent_since[replica_id] = None
         stats = report.stats
         self._reports[replica_id] = stats
         state.report(stats.num_blocks_free, stats.num_running, stats.num_waiting)
         if not state.is_alive:
+            if self._lost[replica_id].done():
+                self._lost[replica_id] = asyncio.get_running_loop().create_future()
             self._place(self.router.mark_alive(replica_id))
+
+    def _stop_routing(self, replica_id: int) -> None:
+        """No new requests for a replica that stopped answering; its last report counts no more."""
+        if self.router.replicas[replica_id].is_alive:
+            self.router.mark_dead(replica_id)
+            self._reports[replica_id] = EngineStats()
 
     def _snapshot(self) -> EngineStats:
         stats = _sum_stats(self._reports)
@@ -437,11 +459,13 @@ class ClusterEngine:
         request = flight.request
         request_id = request.request_id
         self._flights[request_id] = flight
+        placed = taken = None
         try:
             placed = self._enqueue(flight, lambda: self.router.submit(request))
             num_failed = 0
             while True:
                 replica_id = await placed
+                taken = placed
                 outcome = await self._stream(flight, replica_id)
                 if outcome is _Outcome.FINISHED:
                     return
@@ -455,6 +479,9 @@ class ClusterEngine:
         finally:
             del self._flights[request_id]
             self.router.cancel(request_id)  # if it was still queued
+            if placed is not None and placed is not taken and placed.done() and not placed.cancelled():
+                # dispatched, but aborted before its stream began: the replica's slot is released here
+                self._place(self.router.on_complete(placed.result(), request_id))
 
     async def _stream(self, flight: _Flight, replica_id: int) -> _Outcome:
         """Relay one replica's stream for `flight`; how it ended decides what happens next."""
@@ -464,15 +491,16 @@ class ClusterEngine:
         try:
             stream = self.actors[replica_id].generate.options(num_returns="streaming").remote(
                 flight.request.token_ids, flight.params, request_id, flight.request.priority, flight.request.lora)
-            async for ref in stream:
-                out: RequestOutput = await ref
+            last = None
+            while (out := await self._next_output(stream, replica_id)) is not None:
                 self.router.on_progress(replica_id, request_id, sum(len(c.token_ids) for c in out.outputs))
                 over = out.finished
                 yielded = True
                 flight.deliver(out)
+                last = out
             if over:
                 # its own stop or length: a length the router's output prediction learns from
-                stopped = all(c.finish_reason in ("stop", "length") for c in out.outputs)
+                stopped = all(c.finish_reason in ("stop", "length") for c in last.outputs)
                 return _Outcome.FINISHED
             # ended without output: the only cause is a withdrawal (whose answer may still be on its way)
             over = withdrawn = flight.withdrawal is not None and await flight.withdrawal
@@ -482,19 +510,38 @@ class ClusterEngine:
         except RayTaskError as exc:  # the replica's engine refused it or failed: say why, not Ray's traceback
             over = True
             raise _replica_error(exc) from None
-        except RayActorError as e:
-            over = True  # nothing left to abort on a dead replica
-            if self.router.replicas[replica_id].is_alive:
-                self.router.mark_dead(replica_id)
+        except (RayActorError, _Silent) as e:
+            over = isinstance(e, RayActorError)  # nothing left to abort on a dead replica; a silent one may wake
+            self._stop_routing(replica_id)
             if yielded:
-                raise EngineError(f"replica {replica_id} died while streaming request {request_id!r}; "
-                                  "the output so far is incomplete") from e
+                why = "died" if over else f"stopped answering for {self.lost_after_s:g} s"
+                raise ReplicaLostError(f"replica {replica_id} {why} while serving request {request_id!r}; "
+                                       "the output so far is incomplete") from e
             return _Outcome.RETRY
         finally:
             if not over:  # the caller stopped listening, or it failed
                 self.actors[replica_id].abort.remote(request_id)
             if not withdrawn:  # a withdrawal already released it (and it may be placed again)
                 self._place(self.router.on_complete(replica_id, request_id, finished=stopped))
+
+    async def _next_output(self, stream: ray.ObjectRefGenerator, replica_id: int) -> RequestOutput | None:
+        """The replica stream's next output (None at its end); `_Silent` if the replica is given up
+        on first, since a wedged replica's stream would neither yield nor fail."""
+        async def step() -> RequestOutput | None:
+            try:
+                ref = await anext(stream)
+            except StopAsyncIteration:
+                return None
+            return await ref
+
+        task = asyncio.ensure_future(step())
+        try:
+            await asyncio.wait((task, self._lost[replica_id]), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise _Silent(replica_id)
+            return task.result()
+        finally:
+            task.cancel()
 
     def _start_withdrawal(self, replica_id: int, request_id: str) -> None:
         flight = self._flights.get(request_id)

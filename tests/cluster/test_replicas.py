@@ -15,6 +15,7 @@ from engine.cluster.cluster_engine import ClusterEngine  # noqa: E402
 from engine.cluster.replica import launch_replicas  # noqa: E402
 from engine.cluster.router import RouterConfig  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.outputs import RequestOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
 
@@ -269,6 +270,48 @@ def test_a_caller_leaving_while_its_request_waits_in_the_router_takes_it_out(clu
     gone, finished = asyncio.run(scenario())
     assert gone and finished == [True, True]
     assert sum(engine.num_dispatched) == 2  # the late one never reached a replica
+
+
+def test_a_request_aborted_between_its_dispatch_and_its_stream_gives_its_place_back(cluster):
+    """An abort landing after the router placed a waiting request but before its task woke to
+    stream it (a client hanging up just as a slot freed): the replica's slot and KV plan are
+    released, or every such abort would shrink the cluster until nothing is dispatched again."""
+    actors, tokenizer = cluster
+    engine = ClusterEngine(actors, RouterConfig(policy="coordinated", block_size=BLOCK_SIZE), tokenizer, 0.01)
+    place = engine._place
+
+    def place_then_abort(dispatches) -> None:  # the abort arrives in the same turn of the loop
+        place(dispatches)
+        for d in dispatches:
+            if d.request_id == "victim" and (task := engine._tasks.get(d.request_id)) is not None:
+                task.cancel()
+
+    engine._place = place_then_abort
+    big = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def drain(stream) -> RequestOutput:
+        outs = [out async for out in stream]
+        return outs[-1]
+
+    async def scenario() -> tuple[list[list[str]], RequestOutput]:
+        engine.start()
+        try:
+            # each replica's KV plan is full with one 200-token request: the victim waits in the router
+            running = [asyncio.create_task(drain(engine.generate([3 + i, 7, 9], big, f"big-{i}"))) for i in range(2)]
+            while sum(engine.num_dispatched) < 2:
+                await asyncio.sleep(0.01)
+            victim = asyncio.create_task(drain(engine.generate([4, 8, 12], big, "victim")))
+            with pytest.raises(EngineError, match="aborted"):  # dispatched once a big one ends, aborted at once
+                await asyncio.wait_for(victim, 60)
+            await asyncio.wait_for(asyncio.gather(*running), 60)
+            engine._place = place
+            after = await drain(engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), "after"))
+            return [list(r.in_flight) for r in engine.router.replicas.values()], after
+        finally:
+            engine.shutdown()
+
+    in_flight, after = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert in_flight == [[], []] and after.finished
 
 
 def test_queue_time_counts_the_routers_queue_and_the_replicas(cluster):

@@ -7,6 +7,7 @@ replica actors, one router per policy, so each policy costs no extra Ray start-u
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -94,9 +95,9 @@ def replicas(tiny_model_dir):
 
 
 @contextmanager
-def cluster_server(replicas, policy: str) -> Iterator[tuple[str, ClusterEngine]]:
+def cluster_server(replicas, policy: str, **engine_kwargs) -> Iterator[tuple[str, ClusterEngine]]:
     actors, tokenizer = replicas
-    engine = ClusterEngine(actors, RouterConfig(policy=policy, block_size=8), tokenizer, 0.01)
+    engine = ClusterEngine(actors, RouterConfig(policy=policy, block_size=8), tokenizer, 0.01, **engine_kwargs)
     engine.start()
     try:
         with serve_in_thread(build_app(engine, ServerConfig(served_model_name=MODEL, request_timeout_s=60))) as url:
@@ -184,6 +185,58 @@ def test_n_completions_larger_than_a_replica_are_served_as_on_one_node(replicas)
         body = response.json()
         assert len(body["choices"]) == 4 and body["usage"]["completion_tokens"] == 1600
 
+
+
+@contextmanager
+def stopped(actor) -> Iterator[None]:
+    """The replica's process frozen (SIGSTOP), as a wedged step or a partitioned node leaves it."""
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _replica_serving(engine: ClusterEngine) -> int:
+    """The replica a lone request streams from, once it has its first token."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for replica_id, state in list(engine.router.replicas.items()):
+            if any(e.has_first_token for e in list(state.in_flight.values())):
+                return replica_id
+        time.sleep(0.01)
+    raise AssertionError("the request never started")
+
+
+def test_a_replica_that_stops_answering_fails_its_streams_and_restarts_what_nobody_saw(replicas):
+    """A replica that neither answers nor exits: after lost_after_s its stream ends with an error
+    event and [DONE] (not a cut-off body), a non-streaming request starts again on the other
+    replica and answers in full, and the replica rejoins once it answers again."""
+    import threading
+
+    actors, _ = replicas
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with cluster_server(replicas, "least-loaded", poll_timeout_s=0.5, lost_after_s=1.0) as (url, engine):
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            with stopped(actors[_replica_serving(engine)]):
+                rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 500 and "stopped answering for 1 s" in error["message"]
+        while not all(state.is_alive for state in list(engine.router.replicas.values())):
+            time.sleep(0.05)
+
+        answer: dict = {}
+        thread = threading.Thread(target=lambda: answer.update(
+            response=httpx.post(url + "/v1/completions", json=body, timeout=60)))
+        thread.start()
+        with stopped(actors[_replica_serving(engine)]):
+            thread.join(60)
+        assert answer["response"].status_code == 200, answer["response"].text
+        assert answer["response"].json()["usage"]["completion_tokens"] == 400
 
 
 BODIES = [
