@@ -221,8 +221,12 @@ def test_a_replica_that_stops_answering_fails_its_streams_and_restarts_what_nobo
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
-            with stopped(actors[_replica_serving(engine)]):
+            silent = _replica_serving(engine)
+            with stopped(actors[silent]):
                 rest = [line for line in lines if line.startswith("data:")]
+                engine.refresh()
+                replica = httpx.get(url + "/health", timeout=5).json()["replicas"][silent]
+        assert not replica["alive"] and replica["running"] == 0  # its last report no longer counts
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert error["code"] == 500 and "stopped answering for 1 s" in error["message"]
