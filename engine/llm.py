@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EmbeddingOutput, EngineStats, PoolingRequestOutput, RequestOutput, ScoringOutput
 from engine.pooling import (
     ClassificationOutput,
     ClassifierConfig,
@@ -69,10 +69,11 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]], *, pooling: str | None = None,
+    def embed(self, prompts: PromptInput | Sequence[PromptInput], *, pooling: str | None = None,
               normalize: bool | None = None, dimensions: int | None = None, use_tqdm: bool = True,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Embeddings of `prompts` (each output's `.embedding`), pooled and normalized as the
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[PoolingRequestOutput[EmbeddingOutput]]:
+        """Embeddings of `prompts` (each output's `.outputs.embedding`), pooled and normalized as the
         model's sentence-transformers files say unless `pooling` / `normalize` are given;
         `dimensions` keeps the leading ones (Matryoshka models) before normalizing."""
         if self._classifier is not None:
@@ -80,15 +81,16 @@ class LLM:
         config = self._pooling_config
         params = SamplingParams(max_tokens=1, pooling=pooling or config.pooling)
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
-        for out in outputs:
-            out.embedding = finish_embedding(out.embedding, config.normalize if normalize is None else normalize,
-                                             dimensions)
-        return outputs
+        normalize = config.normalize if normalize is None else normalize
+        return [PoolingRequestOutput(out.request_id, EmbeddingOutput(finish_embedding(out.embedding, normalize,
+                                                                                      dimensions)),
+                                     out.prompt_token_ids) for out in outputs]
 
-    def classify(self, prompts: str | Sequence[str] | Sequence[list[int]], *, use_tqdm: bool = True,
+    def classify(self, prompts: PromptInput | Sequence[PromptInput], *, use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[ClassificationOutput]:
-        """A sequence classifier's class logits and probabilities for each prompt (its last token through the score head)."""
+                 ) -> list[PoolingRequestOutput[ClassificationOutput]]:
+        """A sequence classifier's class logits and probabilities for each prompt (its last token
+        through the score head), under each output's `.outputs`."""
         classifier = self._classifier
         if classifier is None:
             raise ValueError(f"LLM.classify needs a sequence classifier (*ForSequenceClassification); this model "
@@ -98,19 +100,21 @@ class LLM:
         results = []
         for out in outputs:
             probs = classifier.probabilities(out.embedding)
-            results.append(ClassificationOutput(out.request_id, out.prompt_token_ids, out.embedding, probs,
-                                                classifier.labels, classifier.most_probable(probs)))
+            classified = ClassificationOutput(out.embedding, probs, classifier.labels, classifier.most_probable(probs))
+            results.append(PoolingRequestOutput(out.request_id, classified, out.prompt_token_ids))
         return results
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *, use_tqdm: bool = True,
-              lora_request: LoRARequest | None = None) -> list[float]:
-        """vLLM's score: how well each pair matches (engine.pooling.ScorePlan: a one-class
-        classifier's sigmoid on the pair, or the cosine of an embedding model's two embeddings).
-        One `text_1` pairs with every `text_2`; lists of equal length pair in order."""
+              lora_request: LoRARequest | None = None) -> list[PoolingRequestOutput[ScoringOutput]]:
+        """vLLM's score: how well each pair matches (`.outputs.score`; engine.pooling.ScorePlan: a
+        one-class classifier's sigmoid on the pair, or the cosine of an embedding model's two
+        embeddings). One `text_1` pairs with every `text_2`; lists of equal length pair in order."""
         plan = ScorePlan.build(score_pairs(text_1, text_2), self.tokenizer, self._classifier, self._pooling_config)
         outputs = self.generate(plan.prompts, SamplingParams(max_tokens=1, pooling=plan.pooling), use_tqdm=use_tqdm,
                                 lora_request=lora_request)
-        return plan.scores([out.embedding for out in outputs])
+        scores = plan.scores([out.embedding for out in outputs])
+        return [PoolingRequestOutput(f"score-{i}", ScoringOutput(score), ids)
+                for i, (score, ids) in enumerate(zip(scores, plan.pair_token_ids(), strict=True))]
 
     @functools.cached_property
     def _classifier(self) -> ClassifierConfig | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 # One position's logprobs: token id -> logprob (the chosen/actual token always included).
 LogprobsDict = dict[int, float]
@@ -40,6 +41,30 @@ class RequestOutput:
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank (1 = most probable)
     embedding: list[float] | None = None  # an embedding request's pooled final hidden state (not normalized)
     queue_time_s: float | None = None  # arrival to first admission in the engine's queue (None: still waiting)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+PooledResult = TypeVar("PooledResult")
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput(Generic[PooledResult]):
+    """One input's result from LLM.embed / classify / score, in vLLM's shape: under `.outputs`
+    (an EmbeddingOutput, a ClassificationOutput or a ScoringOutput)."""
+
+    request_id: str
+    outputs: PooledResult
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass(slots=True)

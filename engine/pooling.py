@@ -70,14 +70,16 @@ class ClassifierConfig:
 
 @dataclass(slots=True)
 class ClassificationOutput:
-    """One prompt's classification: its class logits and probabilities (LLM.classify)."""
+    """One prompt's classification: its class logits and probabilities (LLM.classify's `.outputs`)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
     logits: list[float]
     probs: list[float]
     labels: tuple[str, ...]
     label: str  # the most probable class
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
 
 
 def classifier_config(hf_config: dict) -> ClassifierConfig | None:
@@ -132,6 +134,12 @@ class ScorePlan:
         row = {text: i for i, text in enumerate(texts)}
         return cls([tokenizer.encode(text) for text in texts], pooling.pooling,
                    [(row[a], row[b]) for a, b in pairs], None)
+
+    def pair_token_ids(self) -> list[list[int]]:
+        """What each pair was scored from: the cross-encoder's input, or the two texts' ids."""
+        if self.pair_rows is None:
+            return self.prompts
+        return [self.prompts[a] + self.prompts[b] for a, b in self.pair_rows]
 
     def scores(self, pooled: list[list[float]]) -> list[float]:
         """One score per pair, from the pooled outputs of `prompts` in order."""

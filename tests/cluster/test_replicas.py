@@ -99,7 +99,7 @@ def test_pooling_requests_return_each_prompts_pooled_state_through_the_replicas(
                                                               use_tqdm=False)
     for out, reference in zip(outs, expected, strict=True):
         assert out.finished and out.outputs[0].token_ids == []
-        assert out.embedding == pytest.approx(reference.embedding, abs=1e-5)
+        assert out.embedding == pytest.approx(reference.outputs.embedding, abs=1e-5)
 
 
 def test_lora_requests_are_served_by_their_adapter_on_every_replica(cluster, tiny_model_dir, tiny_lora_dir):

@@ -19,6 +19,11 @@ QUERY = "the quick brown fox"
 DOCUMENTS = ["jumps over the lazy dog", "a tale of two cities", "the fox is quick and brown", "zebra"]
 
 
+def score_values(outputs) -> list[float]:
+    """LLM.score's outputs (vLLM's ScoringRequestOutput shape) as plain scores."""
+    return [o.outputs.score for o in outputs]
+
+
 def _classifier_dir(root, architecture: str, num_labels: int, **config):
     return make_tiny_model_dir(root / architecture, architecture=architecture, head_dim=32,
                                extra_config={"num_labels": num_labels, **config})
@@ -52,8 +57,8 @@ def test_class_logits_equal_hf(tmp_path, architecture, config):
     for _ in range(2):
         outs = llm.classify(PROMPTS, use_tqdm=False)
         for out, reference in zip(outs, expected, strict=True):
-            torch.testing.assert_close(torch.tensor(out.logits), reference, atol=1e-5, rtol=1e-5)
-            assert out.labels == ("LABEL_0", "LABEL_1", "LABEL_2")
+            torch.testing.assert_close(torch.tensor(out.outputs.logits), reference, atol=1e-5, rtol=1e-5)
+            assert out.outputs.labels == ("LABEL_0", "LABEL_1", "LABEL_2")
     assert llm.stats().prefix_cache_hits > 0 and llm.stats().num_blocks_used == 0
 
 
@@ -70,10 +75,10 @@ def test_probabilities_and_labels_are_the_text_classification_pipelines(tmp_path
     outs = LLM(str(folder), dtype="float32").classify(texts, use_tqdm=False)
     for out, expected in zip(outs, pipe(texts), strict=True):
         by_label = {e["label"]: e["score"] for e in expected}
-        assert out.probs == pytest.approx([by_label[label] for label in out.labels], abs=1e-5)
-        assert out.label == max(by_label, key=by_label.get)
+        assert out.outputs.probs == pytest.approx([by_label[label] for label in out.outputs.labels], abs=1e-5)
+        assert out.outputs.label == max(by_label, key=by_label.get)
     if labels == 3:
-        assert outs[0].labels == ("negative", "neutral", "positive")
+        assert outs[0].outputs.labels == ("negative", "neutral", "positive")
 
 
 def test_a_cross_encoder_scores_text_pairs_as_hf_does(cross_encoder, three_classes):
@@ -87,9 +92,10 @@ def test_a_cross_encoder_scores_text_pairs_as_hf_does(cross_encoder, three_class
             return torch.sigmoid(hf(**tokenizer(a, b, return_tensors="pt")).logits[0, 0]).item()
 
     llm = LLM(str(cross_encoder), dtype="float32")
-    assert llm.score(QUERY, DOCUMENTS, use_tqdm=False) == pytest.approx([hf_score(QUERY, d) for d in DOCUMENTS],
-                                                                        abs=1e-6)
-    assert llm.score(DOCUMENTS[:2], DOCUMENTS[2:], use_tqdm=False) == pytest.approx(
+    scored = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    assert score_values(scored) == pytest.approx([hf_score(QUERY, d) for d in DOCUMENTS], abs=1e-6)
+    assert [o.prompt_token_ids for o in scored] == [tokenizer(QUERY, d)["input_ids"] for d in DOCUMENTS]
+    assert score_values(llm.score(DOCUMENTS[:2], DOCUMENTS[2:], use_tqdm=False)) == pytest.approx(
         [hf_score(DOCUMENTS[0], DOCUMENTS[2]), hf_score(DOCUMENTS[1], DOCUMENTS[3])], abs=1e-6)
     with pytest.raises(ValueError, match="give one text_1, or as many as text_2"):
         llm.score(DOCUMENTS[:2], DOCUMENTS, use_tqdm=False)
@@ -107,7 +113,7 @@ def test_an_embedding_model_scores_by_the_cosine_of_its_embeddings(tmp_path):
             return hf(**tokenizer(text, return_tensors="pt")).last_hidden_state[0, -1]
 
     expected = [torch.cosine_similarity(last_hidden(QUERY), last_hidden(d), dim=0).item() for d in DOCUMENTS]
-    assert LLM(str(folder), dtype="float32").score(QUERY, DOCUMENTS, use_tqdm=False) == pytest.approx(expected,
+    assert score_values(LLM(str(folder), dtype="float32").score(QUERY, DOCUMENTS, use_tqdm=False)) == pytest.approx(expected,
                                                                                                    abs=1e-5)
 
 
@@ -150,7 +156,7 @@ def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder,
     /v2 paths) the cross-encoder's scores, rerank best first and cut to top_n; usage counts the
     pairs' tokens. Each equals the offline engine; /pooling gives a classifier's probabilities."""
     offline = LLM(str(cross_encoder), dtype="float32")
-    scores = offline.score(QUERY, DOCUMENTS, use_tqdm=False)
+    scores = score_values(offline.score(QUERY, DOCUMENTS, use_tqdm=False))
     engine, serving = _live(cross_encoder)
     try:
         with serving as url:
@@ -198,9 +204,9 @@ def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder,
     try:
         with serving as url:
             reply = httpx.post(url + "/classify", json={"input": DOCUMENTS}).json()
-            assert [d["label"] for d in reply["data"]] == [e.label for e in expected]
+            assert [d["label"] for d in reply["data"]] == [e.outputs.label for e in expected]
             for item, reference in zip(reply["data"], expected, strict=True):
-                assert item["probs"] == pytest.approx(reference.probs, abs=1e-5) and item["num_classes"] == 3
+                assert item["probs"] == pytest.approx(reference.outputs.probs, abs=1e-5) and item["num_classes"] == 3
             assert reply["usage"]["prompt_tokens"] == sum(len(e.prompt_token_ids) for e in expected)
             invoked = httpx.post(url + "/invocations", json={"input": DOCUMENTS}).json()  # a classifier classifies
             assert invoked["data"] == reply["data"]
@@ -219,7 +225,7 @@ def test_the_classify_score_and_rerank_routes_answer_as_vllm_does(cross_encoder,
 def test_score_and_rerank_on_an_embedding_model_use_cosines(tiny_model_dir):
     """On a generative model served for embeddings, /score and /rerank rank by the cosine of the
     embeddings (as LLM.score), and /classify is a 400 that says it needs a classifier."""
-    scores = LLM(str(tiny_model_dir), dtype="float32").score(QUERY, DOCUMENTS, use_tqdm=False)
+    scores = score_values(LLM(str(tiny_model_dir), dtype="float32").score(QUERY, DOCUMENTS, use_tqdm=False))
     engine, serving = _live(tiny_model_dir)
     try:
         with serving as url:
@@ -251,12 +257,12 @@ def test_a_causal_lm_served_as_a_classifier_from_its_tokens_logits(tmp_path, tie
     as_classifier = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens}
     outs = LLM(str(folder), dtype="float32", hf_overrides=as_classifier).classify(PROMPTS, use_tqdm=False)
     for out, prompt in zip(outs, PROMPTS, strict=True):
-        torch.testing.assert_close(torch.tensor(out.logits), last_logits(prompt)[[200, 201, 202]], atol=1e-5,
+        torch.testing.assert_close(torch.tensor(out.outputs.logits), last_logits(prompt)[[200, 201, 202]], atol=1e-5,
                                    rtol=1e-5)
-        assert out.labels == tuple(tokens)
+        assert out.outputs.labels == tuple(tokens)
     reranker = {**as_classifier, "classifier_from_token": tokens[:2], "is_original_qwen3_reranker": True}
-    scores = LLM(str(folder), dtype="float32", hf_overrides=json.dumps(reranker)).score(QUERY, DOCUMENTS,
-                                                                                      use_tqdm=False)
+    scores = score_values(LLM(str(folder), dtype="float32", hf_overrides=json.dumps(reranker)).score(
+        QUERY, DOCUMENTS, use_tqdm=False))
     expected = [torch.softmax(last_logits(tokenizer(QUERY, d)["input_ids"])[[200, 201]], dim=0)[1].item()
                 for d in DOCUMENTS]
     assert scores == pytest.approx(expected, abs=1e-6)

@@ -40,9 +40,9 @@ def test_every_pooling_equals_hf_base_models_hidden_states(qwen3_dir, config):
     for pooling in ("last", "mean", "cls", "last", "mean"):
         outs = llm.embed(PROMPTS, pooling=pooling, normalize=False, use_tqdm=False)
         for prompt, out in zip(PROMPTS, outs, strict=True):
-            torch.testing.assert_close(torch.tensor(out.embedding), _hf_pooled(hf, prompt, pooling),
+            torch.testing.assert_close(torch.tensor(out.outputs.embedding), _hf_pooled(hf, prompt, pooling),
                                        atol=1e-5, rtol=1e-5)
-            assert out.finished and out.outputs[0].token_ids == []
+            assert out.finished and out.prompt_token_ids == prompt
     assert llm.stats().prefix_cache_hits > 0  # the repeated last-token run hit; mean pooling never does
     assert llm.stats().num_blocks_used == 0
 
@@ -58,7 +58,7 @@ def test_embeddings_and_generations_share_a_batch(qwen3_dir):
     assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
     for out, reference in zip(mixed[3:], embedded, strict=True):
         normalized = torch.nn.functional.normalize(torch.tensor(out.embedding), dim=0)
-        torch.testing.assert_close(normalized, torch.tensor(reference.embedding), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(normalized, torch.tensor(reference.outputs.embedding), atol=1e-5, rtol=1e-5)
 
 
 def test_a_headless_checkpoint_embeds_with_its_sentence_transformers_pooling(qwen3_dir, tmp_path):
@@ -80,7 +80,7 @@ def test_a_headless_checkpoint_embeds_with_its_sentence_transformers_pooling(qwe
     assert pooling_config(folder) == PoolingConfig("mean", True)
     out = LLM(str(folder), dtype="float32").embed(PROMPTS[1:], use_tqdm=False)[0]
     expected = torch.nn.functional.normalize(_hf_pooled(hf, PROMPTS[1], "mean"), dim=0)
-    torch.testing.assert_close(torch.tensor(out.embedding), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=1e-5, rtol=1e-5)
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True,
                                                                   "pooling_mode_cls_token": True}))
     with pytest.raises(ValueError, match="exactly one of"):
@@ -109,14 +109,14 @@ def test_the_embeddings_route_answers_as_openai_does(qwen3_dir):
             expected = offline.embed(texts, use_tqdm=False)
             assert [d.index for d in reply.data] == [0, 1]
             for item, reference in zip(reply.data, expected, strict=True):
-                assert item.embedding == pytest.approx(reference.embedding, abs=1e-5)
+                assert item.embedding == pytest.approx(reference.outputs.embedding, abs=1e-5)
             assert reply.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
             ids = client.embeddings.create(model="embedder", input=PROMPTS[1]).data[0].embedding
-            assert ids == pytest.approx(offline.embed([PROMPTS[1]], use_tqdm=False)[0].embedding, abs=1e-5)
+            assert ids == pytest.approx(offline.embed([PROMPTS[1]], use_tqdm=False)[0].outputs.embedding, abs=1e-5)
             short = httpx.post(url + "/v1/embeddings", json={"input": texts[0], "dimensions": 16,
                                                              "encoding_format": "base64"}).json()
             vector = np.frombuffer(base64.b64decode(short["data"][0]["embedding"]), dtype="<f4")
-            truncated = torch.tensor(expected[0].embedding[:16])  # normalized whole, then cut ...
+            truncated = torch.tensor(expected[0].outputs.embedding[:16])  # normalized whole, then cut ...
             assert vector == pytest.approx((truncated / truncated.norm()).tolist(), abs=1e-5)  # ... and renormed
             for body, param, status in (({"input": texts[0], "dimensions": 4096}, "dimensions", 400),
                                         ({"input": []}, "input", 400), ({"input": [10**9]}, "input", 400),
@@ -130,7 +130,7 @@ def test_the_embeddings_route_answers_as_openai_does(qwen3_dir):
             assert pooled["data"][0]["data"] == pytest.approx(vector.tolist(), abs=1e-5)
             assert pooled["usage"]["prompt_tokens"] == reply.usage.prompt_tokens
             embed = httpx.post(url + "/pooling", json={"input": texts[1], "task": "embed"}).json()["data"][0]["data"]
-            assert embed == pytest.approx(expected[1].embedding, abs=1e-5)
+            assert embed == pytest.approx(expected[1].outputs.embedding, abs=1e-5)
             for body, param in (({"input": texts[0], "task": "classify"}, "model"),
                                 ({"input": texts[0], "task": "token_embed"}, "task")):
                 refused = httpx.post(url + "/pooling", json=body)
