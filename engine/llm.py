@@ -82,9 +82,9 @@ class LLM:
         params = SamplingParams(max_tokens=1, pooling=pooling or config.pooling)
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         normalize = config.normalize if normalize is None else normalize
-        return [PoolingRequestOutput(out.request_id, EmbeddingOutput(finish_embedding(out.embedding, normalize,
-                                                                                      dimensions)),
-                                     out.prompt_token_ids) for out in outputs]
+        return [PoolingRequestOutput(out.request_id, EmbeddingOutput(finish_embedding(out.embedding, normalize, dimensions)),
+                                     out.prompt_token_ids)
+                for out in outputs]
 
     def classify(self, prompts: PromptInput | Sequence[PromptInput], *, use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None

@@ -84,7 +84,7 @@ class SamplingParams:
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        truncate_prompt([], self.truncate_prompt_tokens, 1)  # checks it
+        check_truncation(self.truncate_prompt_tokens)
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -173,11 +173,13 @@ class SamplingParams:
 
 def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: the context's worth; None: all)."""
-    if keep is None:
-        return prompt_ids
-    if keep != -1 and keep < 1:
+    check_truncation(keep)
+    return prompt_ids if keep is None else prompt_ids[-(max_model_len if keep == -1 else keep):]
+
+
+def check_truncation(keep: int | None) -> None:
+    if keep is not None and keep != -1 and keep < 1:
         raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
-    return prompt_ids[-(max_model_len if keep == -1 else keep):]
 
 
 def _as_list(value: object) -> list:
