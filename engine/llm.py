@@ -39,6 +39,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         # what generate() samples with when given no params: the model's generation_config.json, as in vLLM
         self.default_sampling_params = SamplingParams(**sampling_defaults(model))
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs' decoded_token
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -187,7 +188,20 @@ class LLM:
             raise
         finally:
             bar.close()
+        for out in results.values():
+            self._name_logprob_tokens(out)
         return [results[i] for i in ids]
+
+    def _name_logprob_tokens(self, out: RequestOutput) -> None:
+        """Each logprob entry's `decoded_token`, as vLLM's offline outputs carry it (the server
+        names tokens its own way, so the engine leaves this to here)."""
+        entries = [e for c in out.outputs for e in c.logprobs or ()] + [e for e in out.prompt_logprobs or () if e]
+        texts, tokenizer = self._token_texts, self.tokenizer
+        for entry in entries:
+            for token_id, logprob in entry.items():
+                if token_id not in texts:
+                    texts[token_id] = tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
+                logprob.decoded_token = texts[token_id]
 
     def _abort(self, ids: list[str]) -> None:
         for request_id in ids:

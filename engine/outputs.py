@@ -5,8 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+
+class Logprob(float):
+    """A logprob that is also vLLM's `Logprob` record: `.logprob`, `.rank` (1 = the position's most
+    probable token) and `.decoded_token` (the offline LLM fills it in). Arithmetic, comparisons
+    and JSON take it as the float it is, so code written for plain floats keeps working."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        value = super().__new__(cls, logprob)
+        value.rank = rank
+        value.decoded_token = decoded_token
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 # One position's logprobs: token id -> logprob (the chosen/actual token always included).
-LogprobsDict = dict[int, float]
+LogprobsDict = dict[int, Logprob]
 
 
 @dataclass(slots=True)

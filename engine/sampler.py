@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.outputs import LogprobsDict
+from engine.outputs import Logprob, LogprobsDict
 from engine.sampling_params import SamplingParams
 from engine.structured_output import mask_logits
 from engine.thinking import ThinkingCounter
@@ -168,12 +168,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 
 
 def _logprobs_entry(row_logprobs: torch.Tensor, token: int, top_n: int) -> LogprobsDict:
-    """The sampled token's logprob, then the top-n (the sampled one may be among them)."""
-    entry = {token: row_logprobs[token].item()}
+    """The sampled token's logprob and rank, then the top-n (the sampled one may be among them)."""
+    chosen = row_logprobs[token]
+    entry = {token: Logprob(chosen.item(), int((row_logprobs > chosen).sum()) + 1)}
     if top_n:
         values, ids = row_logprobs.topk(top_n)
-        entry.update(zip(ids.tolist(), values.tolist(), strict=True))
+        _add_top(entry, ids.tolist(), values.tolist())
     return entry
+
+
+def _add_top(entry: LogprobsDict, ids: list[int], values: list[float]) -> None:
+    """The top-n alternatives, ranked in order, after the entry's own token (kept as it is)."""
+    for rank, (token, value) in enumerate(zip(ids, values, strict=True), start=1):
+        entry.setdefault(token, Logprob(value, rank))
 
 
 def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], generator: torch.Generator | None = None,
@@ -217,10 +224,9 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) ->
     actual_lp = lp.gather(1, ids.unsqueeze(1))  # [T, 1]
     ranks = ((lp > actual_lp).sum(dim=-1) + 1).tolist()
     actual = actual_lp.squeeze(1).tolist()
-    result = [{tok: val} for tok, val in zip(next_tokens, actual, strict=True)]
+    result = [{tok: Logprob(val, rank)} for tok, val, rank in zip(next_tokens, actual, ranks, strict=True)]
     if top_n:
         values, top_ids = lp.topk(top_n, dim=-1)
         for entry, vs, ts in zip(result, values.tolist(), top_ids.tolist(), strict=True):
-            for t, v in zip(ts, vs, strict=True):
-                entry.setdefault(t, v)
+            _add_top(entry, ts, vs)
     return result, ranks

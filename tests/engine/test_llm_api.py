@@ -208,3 +208,28 @@ def test_beam_search_refuses_a_prompt_that_leaves_no_room_and_takes_dict_prompts
     by_dict = llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=2, max_tokens=3))[0]
     assert [c.token_ids for c in by_ids.outputs] == [c.token_ids for c in by_dict.outputs]
     assert_idle(llm)
+
+
+def test_logprobs_are_vllms_logprob_records_and_still_floats(llm):
+    """`.logprob`, `.rank` (1 = the most probable in the whole vocabulary) and `.decoded_token`,
+    as vLLM scripts read them, against a full-vocabulary scoring of the same tokens; arithmetic
+    on the values stays plain float arithmetic."""
+    out = llm.generate([PROMPT], SamplingParams(seed=1, max_tokens=4, logprobs=3, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    completion = out.outputs[0]
+    tokens = PROMPT + completion.token_ids
+    full = llm.score_full_logprobs(tokens)  # row t: log p(. | tokens[:t + 1])
+    tokenizer = llm.get_tokenizer()
+    entries = {len(PROMPT) - 1 + i: e for i, e in enumerate(completion.logprobs)}
+    entries |= {p - 1: e for p, e in enumerate(out.prompt_logprobs) if e is not None}
+    assert len(entries) == len(tokens) - 1
+    for row, entry in entries.items():
+        actual = entry[tokens[row + 1]]
+        assert actual.logprob == float(actual) == pytest.approx(full[row, tokens[row + 1]].item(), abs=1e-4)
+        assert actual.rank == int((full[row] > full[row, tokens[row + 1]]).sum()) + 1
+        top = full[row].topk(len(entry) + 1).indices.tolist()
+        for token, logprob in entry.items():
+            assert logprob.decoded_token == tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens([token]))
+            assert token == tokens[row + 1] or logprob.rank == top.index(token) + 1
+    assert completion.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(
+        completion.logprobs, completion.token_ids, strict=True)))
