@@ -57,7 +57,8 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     """The Llama block's smoothable pairs.
 
     v_proj → o_proj is left out under grouped-query attention: its scales would have to be
-    shared by the query heads reading one KV head, which the search does not model. In a
+    shared by the query heads reading one KV head, which the search does not model; and where
+    q/k/v are clamped (OLMoE's clip_qkv), since clamp(v / s) · s is not clamp(v). In a
     mixture of experts each expert's down_proj is smoothed against its own up rows; the norm
     before the experts is not, as its scales would have to be shared by every expert and folded
     into the (unquantized) router.
@@ -65,7 +66,7 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
     attn = layer.self_attn
     # OLMo 2 norms only block outputs: no norm produces the q/k/v or MLP inputs to fold scales into
     mappings = [] if layer.post_norms else [_SmoothMapping("self_attn.qkv_proj", "input_layernorm")]
-    if attn.num_heads == attn.num_kv_heads:
+    if attn.num_heads == attn.num_kv_heads and attn.clip_qkv is None:
         v_size = attn.num_kv_heads * attn.head_dim  # the v rows, last in the fused q/k/v output
         mappings.append(_SmoothMapping("self_attn.o_proj", "self_attn.qkv_proj",
                                        slice(attn.qk_size, attn.qk_size + v_size)))
@@ -84,6 +85,25 @@ def _smooth_mappings(layer: nn.Module) -> list[_SmoothMapping]:
         inter = mlp.down_proj.input_size
         mappings.append(_SmoothMapping(f"{path}.down_proj", f"{path}.gate_up_proj", slice(inter, 2 * inter)))  # up rows
     return mappings
+
+
+def fold_mapping(layer: nn.Module, mapping: _SmoothMapping, scales: torch.Tensor) -> None:
+    """Fold smoothing scales into the layer in place: the smoothed side (a norm's weight, or a
+    Linear's rows and their bias) divided by them, the balanced Linear's input columns multiplied
+    by them, so the layer computes what it did (every mapping `_smooth_mappings` lists keeps this)."""
+    balance = layer.get_submodule(mapping.balance)
+    smooth = layer.get_submodule(mapping.smooth)
+    smooth_weight = smooth.weight.data if mapping.rows is None else smooth.weight.data[mapping.rows]
+    smooth_bias = None
+    if mapping.rows is not None and getattr(smooth, "bias", None) is not None:
+        smooth_bias = smooth.bias.data[mapping.rows]
+    [balanced], smoothed, bias = fold_smoothing_scales(scales.to(balance.weight.device),
+                                                       balance_weights=[balance.weight.data],
+                                                       smooth_weight=smooth_weight, smooth_bias=smooth_bias)
+    balance.weight.data.copy_(balanced)
+    smooth_weight.copy_(smoothed)  # a view: writes into the norm or the fused Linear's rows
+    if bias is not None:
+        smooth_bias.copy_(bias)
 
 
 class WeightQuantizer:
@@ -222,21 +242,10 @@ class WeightQuantizer:
             searched.append((mapping, scales))
         changed: dict[str, torch.Tensor] = {}
         for mapping, scales in searched:
-            balance = layer.get_submodule(mapping.balance)
-            smooth = layer.get_submodule(mapping.smooth)
-            smooth_weight = smooth.weight.data if mapping.rows is None else smooth.weight.data[mapping.rows]
-            smooth_bias = None
-            if mapping.rows is not None and getattr(smooth, "bias", None) is not None:
-                smooth_bias = smooth.bias.data[mapping.rows]
-            scales = scales.to(balance.weight.device)
-            [balanced], smoothed, bias = fold_smoothing_scales(
-                scales, balance_weights=[balance.weight.data], smooth_weight=smooth_weight, smooth_bias=smooth_bias)
-            balance.weight.data.copy_(balanced)
+            fold_mapping(layer, mapping, scales)
             if self.needs_hessian:
                 stats[mapping.balance].hessian.rescale_inputs(scales)
-            smooth_weight.copy_(smoothed)  # a view: writes into the norm or the fused Linear's rows
-            if bias is not None:
-                smooth_bias.copy_(bias)
             if mapping.rows is None:  # a norm: written from here; smoothed Linear rows are quantized next
+                smooth = layer.get_submodule(mapping.smooth)
                 changed[f"model.layers.{layer_idx}.{mapping.smooth}.weight"] = smooth.weight.detach().cpu().clone()
         return changed

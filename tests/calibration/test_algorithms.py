@@ -111,3 +111,36 @@ def test_smoothquant_is_refused_for_weight_only_schemes(outlier_model_dir, tmp_p
     assert main([str(outlier_model_dir), "--calib", str(calib), "-o", str(tmp_path / "out"), "--scheme", "w4a16",
                  "--smoothquant", "0.5"]) == 2
     assert "--smoothquant applies to w8a8-int8" in capsys.readouterr().err
+
+
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("architecture, options", [
+    ("LlamaForCausalLM", {}),  # grouped-query: norm → q/k/v, norm → gate/up, up → down
+    ("Qwen2ForCausalLM", {"num_kv_heads": 4}),  # a KV head per query head: v → o as well (v rows with a bias)
+    ("Gemma2ForCausalLM", {"num_kv_heads": 4}),  # sandwich norms: the MLP's input norm is pre_feedforward
+    ("Olmo2ForCausalLM", {"num_kv_heads": 4}),  # output-only norms: nothing before q/k/v or the MLP
+    ("Qwen2MoeForCausalLM", {"extra_config": {**_MOE, "moe_intermediate_size": 32,
+                                              "shared_expert_intermediate_size": 32}}),  # each expert's up → down
+    # q/k/v clamped to ±clip_qkv (half of them, at this init): v → o would change what the clamp cuts
+    ("OlmoeForCausalLM", {"num_kv_heads": 4, "extra_config": {**_MOE, "clip_qkv": 0.5}}),
+])
+def test_every_smoothing_fold_leaves_the_model_computing_the_same(tmp_path, architecture, options):
+    """SmoothQuant and AWQ fold scales into pairs of modules; each pair the quantizer lists must
+    compute what it did for any positive scales (found on an OLMoE with clip_qkv, whose v → o
+    fold moved the clamp: KL 0.12 against 0.003 without smoothing)."""
+    from calibration.quantizers import _smooth_mappings, fold_mapping
+    from engine.loader import load_model
+
+    model, _ = load_model(make_tiny_model_dir(tmp_path, architecture=architecture, **options), dtype=torch.float32)
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        before = model(ids, torch.arange(12))
+        for layer in model.model.layers:
+            for mapping in _smooth_mappings(layer):
+                width = layer.get_submodule(mapping.balance).weight.shape[1]
+                fold_mapping(layer, mapping, torch.rand(width, generator=g) * 3.75 + 0.25)
+        after = model(ids, torch.arange(12))
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
