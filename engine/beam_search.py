@@ -112,6 +112,36 @@ class BeamSearch:
             for i, beam in enumerate(self.best())]
         return RequestOutput(request_id, prompt, self.prompt_token_ids, completions, finished=True)
 
+    def vllm_output(self, tokenizer) -> BeamSearchOutput:
+        """The best hypotheses in vLLM's offline shape (`LLM.beam_search`)."""
+        sequences = []
+        for beam in self.best():
+            tokens = self.prompt_token_ids + beam.tokens[:len(beam.tokens) - beam.finished]
+            sequences.append(BeamSearchSequence(tokens, list(beam.alternatives), beam.cum_logprob,
+                                                tokenizer.decode(tokens), "stop" if beam.finished else "length",
+                                                beam.tokens[-1] if beam.finished else None))
+        return BeamSearchOutput(sequences)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """vLLM's: one hypothesis, its `tokens` and `text` with the prompt's in front (the EOS that
+    finished it is left out of both, its logprobs entry kept, as vLLM does)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    cum_logprob: float
+    text: str
+    finish_reason: str
+    stop_reason: int | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """vLLM's `LLM.beam_search` result for one prompt: the best hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence]
+
 
 async def search_async(generate: Callable[..., AsyncIterator[RequestOutput]], search: BeamSearch, request_id: str,
                        priority: int = 0) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.generation_config import sampling_defaults
 from engine.llm_engine import LLMEngine
@@ -128,9 +128,9 @@ class LLM:
         return pooling_config(self.engine.config.model)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
-                    lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """Beam search (engine/beam_search.py) for each prompt, all prompts' beams batched in each
-        step; each output holds its beam_width best hypotheses, best first."""
+        step; each output's `.sequences` are its beam_width best hypotheses, best first (vLLM's shape)."""
         prompts = _prompt_batch(prompts)
         step = params.step_params()
         searches = [BeamSearch(self.engine.make_request("beam-check", p, step).prompt_token_ids, params,
@@ -140,8 +140,7 @@ class LLM:
                                          lora_request=lora_request))
             for search in live:
                 search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.beams])
-        return [search.output(f"beam-{i}", p if isinstance(p, str) else None, self.tokenizer)
-                for i, (search, p) in enumerate(zip(searches, prompts, strict=True))]
+        return [search.vllm_output(self.tokenizer) for search in searches]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

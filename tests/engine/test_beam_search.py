@@ -41,15 +41,17 @@ def test_beams_equal_transformers_beam_search(llm, tiny_model_dir, width):
     outputs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=10, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         sequences, scores = _hf_beams(model, prompt, width, 10)
-        assert [c.token_ids for c in out.outputs] == sequences
-        for completion, score in zip(out.outputs, scores, strict=True):
-            assert math.isclose(completion.cumulative_logprob / 10, score, abs_tol=1e-4)
+        # vLLM's shape: each sequence's tokens and text carry the prompt in front
+        assert all(seq.tokens[:len(prompt)] == prompt for seq in out.sequences)
+        assert [seq.tokens[len(prompt):] for seq in out.sequences] == sequences
+        for seq, score in zip(out.sequences, scores, strict=True):
+            generated = seq.tokens[len(prompt):]
+            assert math.isclose(seq.cum_logprob / 10, score, abs_tol=1e-4)
             # each token's logprobs: its step's 2 × width candidates, it among them
-            assert all(len(lp) == 2 * width and token in lp
-                       for token, lp in zip(completion.token_ids, completion.logprobs, strict=True))
-            assert math.isclose(sum(lp[t] for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)),
-                                completion.cumulative_logprob, abs_tol=1e-4)
-            assert completion.finish_reason == "length"
+            assert all(len(lp) == 2 * width and token in lp for token, lp in zip(generated, seq.logprobs, strict=True))
+            assert math.isclose(sum(lp[t] for t, lp in zip(generated, seq.logprobs, strict=True)), seq.cum_logprob,
+                                abs_tol=1e-4)
+            assert seq.finish_reason == "length" and seq.text == llm.tokenizer.decode(seq.tokens)
     assert llm.stats().num_blocks_used == 0
 
 
@@ -58,7 +60,7 @@ def test_width_one_is_greedy_decoding(llm):
 
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     beams = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=12, ignore_eos=True))
-    assert [b.outputs[0].token_ids for b in beams] == [g.outputs[0].token_ids for g in greedy]
+    assert [b.sequences[0].tokens for b in beams] == [g.prompt_token_ids + g.outputs[0].token_ids for g in greedy]
 
 
 EOS = 2
@@ -77,6 +79,17 @@ def test_eos_among_the_best_finishes_a_hypothesis_and_the_beams_refill():
     assert len(search.hypotheses) == 1  # EOS outside the best two extensions is dropped
     assert [b.tokens for b in search.beams] == [[7, 5], [8, 6]]
     assert search.best()[0].tokens == [EOS]  # -0.1 over 0 generated tokens (EOS not counted) beats -0.6 / 2
+
+
+def test_vllms_shape_puts_the_prompt_in_front_and_leaves_the_eos_out(llm):
+    search = _search()
+    search.advance([{EOS: -0.1, 7: -0.5, 8: -0.7}])
+    search.advance([{9: -0.1, EOS: -4.0}, {10: -0.2, EOS: -4.0}])
+    best = search.vllm_output(llm.tokenizer).sequences
+    assert [(s.tokens, s.finish_reason, s.stop_reason) for s in best] == [([1, 1], "stop", EOS),
+                                                                          ([1, 1, 7, 9], "length", None)]
+    assert len(best[0].logprobs) == 1 and EOS in best[0].logprobs[0]  # its step's alternatives stay
+    assert best[1].text == llm.tokenizer.decode([1, 1, 7, 9]) and best[1].cum_logprob == pytest.approx(-0.6)
 
 
 def test_ignore_eos_keeps_extending():

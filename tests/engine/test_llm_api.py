@@ -206,7 +206,7 @@ def test_beam_search_refuses_a_prompt_that_leaves_no_room_and_takes_dict_prompts
         llm.beam_search([list(range(5, 75))], BeamSearchParams(beam_width=2, max_tokens=4))
     by_ids = llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=3))[0]
     by_dict = llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=2, max_tokens=3))[0]
-    assert [c.token_ids for c in by_ids.outputs] == [c.token_ids for c in by_dict.outputs]
+    assert [s.tokens for s in by_ids.sequences] == [s.tokens for s in by_dict.sequences]
     assert_idle(llm)
 
 

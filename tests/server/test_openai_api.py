@@ -497,19 +497,25 @@ def test_beam_search_returns_the_engines_best_beams(client, base_url, engine, ti
     routes, streamed or not; sampling fields are ignored (beam search does not sample)."""
     from engine import LLM
     from engine.beam_search import BeamSearchParams
+    from engine.outputs import CompletionOutput
 
     prompt = engine.tokenizer.encode(PROMPT)
-    expected = LLM(str(tiny_model_dir)).beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=8))[0]
+    found = LLM(str(tiny_model_dir)).beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=8))[0]
+    # each choice is what a sequence generated, its EOS among the ids (vLLM's sequences leave it out)
+    expected = [CompletionOutput(i, engine.tokenizer.decode(s.tokens[len(prompt):], skip_special_tokens=True),
+                                 s.tokens[len(prompt):] + ([s.stop_reason] if s.finish_reason == "stop" else []),
+                                 s.logprobs, s.finish_reason, s.stop_reason, s.cum_logprob)
+                for i, s in enumerate(found.sequences)]
     extra = {"use_beam_search": True, "length_penalty": 1.0}
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, temperature=0.7,
                                     extra_body=extra)
-    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [c.text for c in expected.outputs]
-    assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in expected.outputs]
-    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [c.text for c in expected]
+    assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in expected]
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
     # with logprobs (as vLLM gives them): each token's, and the step's top alternatives, best first
     scored = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, logprobs=2,
                                        extra_body={**extra, "return_tokens_as_token_ids": True})
-    for choice, beam in zip(sorted(scored.choices, key=lambda c: c.index), expected.outputs, strict=True):
+    for choice, beam in zip(sorted(scored.choices, key=lambda c: c.index), expected, strict=True):
         mine = [lp[t] for t, lp in zip(beam.token_ids, beam.logprobs, strict=True)]
         assert choice.logprobs.token_logprobs == pytest.approx(mine, abs=1e-5)
         assert sum(choice.logprobs.token_logprobs) == pytest.approx(beam.cumulative_logprob, abs=1e-4)
@@ -521,7 +527,7 @@ def test_beam_search_returns_the_engines_best_beams(client, base_url, engine, ti
     streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, stream=True,
                                               extra_body=extra))
     texts = ["".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)]
-    assert texts == [c.text for c in expected.outputs]
+    assert texts == [c.text for c in expected]
     chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, n=2, extra_body=extra)
     assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
     refused = httpx.post(base_url + "/v1/chat/completions", json={"messages": MESSAGES, "use_beam_search": True,
