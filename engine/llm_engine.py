@@ -443,7 +443,8 @@ class LLMEngine:
         stopped_by_token = finished and req.status == RequestStatus.FINISHED_STOPPED
         if stopped_by_token and token == self.tokenizer.eos_token_id and not req.params.ignore_eos:
             req.stop_reason = None  # vLLM names only a stop_token_id, not the model's end of sequence
-        new_text = "" if stopped_by_token and not req.params.include_stop_str_in_output else seq.detok.append(token)
+        shown = req.params.detokenize and (req.params.include_stop_str_in_output or not stopped_by_token)
+        new_text = seq.detok.append(token) if shown else ""
         stops = req.params.stop
         # a stop string the length limit's last token completes still stops it (and is cut)
         if stops and new_text and not stopped_by_token and num_output >= req.params.min_tokens:

@@ -54,6 +54,7 @@ class SamplingParams:
     # context): earlier positions may then come from the prefix cache and are reported as None.
     prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text (and so no stop strings), as vLLM's
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: the context's worth)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -84,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         check_truncation(self.truncate_prompt_tokens)
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")

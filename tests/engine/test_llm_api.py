@@ -233,3 +233,12 @@ def test_logprobs_are_vllms_logprob_records_and_still_floats(llm):
             assert token == tokens[row + 1] or logprob.rank == top.index(token) + 1
     assert completion.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(
         completion.logprobs, completion.token_ids, strict=True)))
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    plain = llm.generate([PROMPT], greedy(max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    ids_only = llm.generate([PROMPT], greedy(max_tokens=6, ignore_eos=True, detokenize=False),
+                            use_tqdm=False)[0].outputs[0]
+    assert ids_only.token_ids == plain.token_ids and ids_only.text == "" and plain.text
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
