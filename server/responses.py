@@ -281,6 +281,10 @@ class _Renderer:
         self.sequence_number += 1
         return {"type": kind, "sequence_number": self.sequence_number - 1, **fields}
 
+    def error_event(self, status: int, message: str, param: str | None = None) -> dict[str, Any]:
+        """A stream's failure, as OpenAI's Responses stream sends it (clients dispatch on `type`)."""
+        return self._event("error", code=str(status), message=message, param=param)
+
     def _where(self, kind: str) -> dict[str, Any]:
         return {"item_id": self.item_ids[kind], "output_index": self.opened.index(kind), "content_index": 0}
 
@@ -445,7 +449,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         _keep(state, response_id, entry)
         return Response(json.dumps(queued), media_type="application/json")
     if body.stream:
-        return await stream_response(request, generation, record, renderer.delta, lambda: [], typed_events=True)
+        return await stream_response(request, generation, record, renderer.delta, lambda: [], typed_events=True,
+                                     error_payload=renderer.error_event)
     finals = await collect_while_connected(generation, request.receive, record)
     response = renderer.response(finals[0])
     finish(finals[0], response)

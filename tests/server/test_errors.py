@@ -156,6 +156,34 @@ def test_an_unforeseen_error_is_counted_as_500_not_as_a_client_that_left(engine,
     assert 'status="499"' not in metrics
 
 
+def test_an_engine_failure_mid_stream_is_an_error_event_in_each_apis_shape(engine, monkeypatch):
+    """Chat ends with OpenAI's error chunk and [DONE]; Responses with its own typed `error` event,
+    numbered in sequence (clients dispatch on `type`)."""
+    from engine.async_engine import EngineError
+
+    generate = engine.generate
+
+    async def fail_after_one(*args, **kwargs):
+        async for out in generate(*args, **kwargs):
+            yield out
+            raise EngineError("engine step failed: injected")
+
+    monkeypatch.setattr(engine, "generate", fail_after_one)
+    with serve(engine) as url:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=chat, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert json.loads(lines[-2][len("data: "):])["error"] == {
+            "message": "internal server error", "type": "internal_server_error", "param": None, "code": 500}
+        assert lines[-1] == "data: [DONE]"
+        responses = {"input": "hi", "max_output_tokens": 8, "stream": True}
+        with httpx.stream("POST", url + "/v1/responses", json=responses, timeout=30) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "500"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    wait_until_idle(engine, timeout_s=5)
+
+
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=-5)
@@ -200,6 +228,7 @@ def test_timeout_is_504_and_frees_the_request(engine):
             lines = [line for line in r.iter_lines() if line.startswith("data:")]
         assert '"code": 504' in lines[-2] and lines[-1] == "data: [DONE]"
         wait_until_idle(engine, timeout_s=2)
+
 
 
 def test_503_while_loading_then_ready(engine):
