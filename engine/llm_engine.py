@@ -263,7 +263,9 @@ class LLMEngine:
         params.check_vocabulary(self.model.args.vocab_size)
         params.check_logprobs(self.max_logprobs)
         stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
+        # a structured output ends with its grammar, ignore_eos or not: the grammar then allows only
+        # EOS, and a sequence going on past it would run unconstrained
+        if not params.ignore_eos or params.structured_outputs is not None:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
         seq_params = dataclasses.replace(params, stop_token_ids=stop_ids,
                                          max_tokens=params.output_budget(len(prompt_ids), self.max_model_len),

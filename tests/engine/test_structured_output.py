@@ -45,6 +45,16 @@ def test_a_complete_grammar_ends_the_output_before_min_tokens(llm):
     assert (out.text, out.token_ids, out.finish_reason) == (plain.text, plain.token_ids, "stop")
 
 
+def test_a_complete_grammar_ends_the_output_under_ignore_eos_too(llm):
+    """ignore_eos (benchmark clients send it) would otherwise let the sequence run on past its
+    grammar, unconstrained ('no\nassistant\nThe answer is no...')."""
+    for constraint in (StructuredOutputs(choice=["yes", "no"]), StructuredOutputs(regex="(yes|no)")):
+        plain = _generate(llm, constraint)[0]
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, structured_outputs=constraint)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.token_ids, out.finish_reason) == (plain.text, plain.token_ids, "stop"), constraint.kind
+
+
 def test_json_schema_output_parses_and_follows_the_schema(llm):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m"]}},
               "required": ["ok", "size"], "additionalProperties": False}
