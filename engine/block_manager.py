@@ -69,6 +69,7 @@ class FreeBlockQueue:
         self.tail = Block(-1)
         self.head.next, self.tail.prev = self.tail, self.head
         self.num_free = 0
+        self.num_hashed = 0  # free blocks still holding a hash (kept here: stats read it every step)
         for block in blocks:
             self.append(block)
 
@@ -77,6 +78,7 @@ class FreeBlockQueue:
         anchor.next.prev = block
         anchor.next = block
         self.num_free += 1
+        self.num_hashed += block.hash is not None
 
     def append(self, block: Block) -> None:
         self._insert_after(self.tail.prev, block)
@@ -88,6 +90,7 @@ class FreeBlockQueue:
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.num_free -= 1
+        self.num_hashed -= block.hash is not None
 
     def pop_left(self) -> Block:
         block = self.head.next
@@ -140,7 +143,7 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks still holding a hash: reclaimable capacity that can also serve hits."""
-        return sum(1 for b in self.free_queue if b.hash is not None)
+        return self.free_queue.num_hashed
 
     def _emit(self, kind: str, hashes: tuple[bytes, ...] = (), parent: bytes | None = None) -> None:
         if self.record_events:
@@ -226,6 +229,8 @@ class BlockManager:
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
                 self._emit("removed", (block.hash,))
+            if block.prev is not None:  # still in the free queue
+                self.free_queue.num_hashed -= 1
             block.hash = None
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -234,7 +239,8 @@ class BlockManager:
         # each call hashes every full block), so only the newly full ones at the end are walked:
         # walking them all cost O(context) per sequence per step.
         full = first = num_tokens // self.block_size
-        while first > 0 and self.blocks[request.block_ids[first - 1]].hash is None:
+        # blocks a sliding window let go of are not the request's to hash: another may hold them now
+        while first > request.num_released_blocks and self.blocks[request.block_ids[first - 1]].hash is None:
             first -= 1
         stored = []
         for i in range(first, full):
@@ -286,6 +292,7 @@ class BlockManager:
             return False
         for block in self.blocks:
             block.hash = None
+        self.free_queue.num_hashed = 0
         self.cached.clear()
         self._emit("cleared")
         return True

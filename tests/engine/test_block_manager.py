@@ -3,7 +3,7 @@ hash hits only on identical prefixes, tail-first freeing, hits capped at num_tok
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager, hash_token_blocks, root_hash
@@ -25,11 +25,16 @@ def _check_invariants(bm: BlockManager, live: list[Request]) -> None:
         assert (block.ref_count == 0) == (block.block_id in free_ids), "free ⇔ unreferenced"
     for h, block in bm.cached.items():
         assert block.hash == h
+    assert bm.num_cached_free_blocks == sum(1 for b in bm.free_queue if b.hash is not None)  # a count, not a walk
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "release"]), st.integers(0, 40),
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "release", "forget", "reset"]), st.integers(0, 40),
                               st.integers(0, 3)), min_size=1, max_size=40))
+# a window that let go of every full block, their hashes then forgotten: growing must not hash
+# them again (another request may hold them), nor count them as cached free blocks
+@example(ops=[("add", 0, 0), ("add", 0, 0), ("add", 0, 0), ("free", 0, 0), ("free", 0, 0), ("release", 0, 0),
+              ("forget", 0, 0), ("grow", 0, 0)])
 def test_random_workload_keeps_invariants(ops):
     bm = BlockManager(num_blocks=24, block_size=4)
     prefixes = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5], []]
@@ -55,6 +60,11 @@ def test_random_workload_keeps_invariants(ops):
         elif op == "release" and live:  # a window of `which * 4 + 1` tokens moved on
             req = live[n % len(live)]
             bm.release_before(req, req.num_tokens - which * 4)
+        elif op == "forget":  # as an adapter's unloading forgets its blocks (here: the base model's)
+            bm.forget_adapter(None)
+        elif op == "reset":  # only while no block is held (a windowed request may hold none)
+            all_free = bm.num_free_blocks == bm.num_blocks
+            assert bm.reset_prefix_cache() == all_free
         _check_invariants(bm, live)
     for req in live:
         bm.free(req)
