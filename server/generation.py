@@ -74,7 +74,7 @@ class Generation:
 
     def __init__(self, state: ServerState, engine: ServingEngine, requests: list[EngineRequest],
                  record: RequestRecord) -> None:
-        state.admit(engine)  # 429 before anything is allocated; `aclose` gives the slot back
+        state.admit()  # 429 before anything is allocated; `aclose` gives the slot back
         if state.config.log_requests:
             log_received(engine.tokenizer, requests, state.config.max_log_len)
         self._engine = engine

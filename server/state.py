@@ -72,14 +72,14 @@ class ServerState:
             raise APIError(503, "engine loop is not running")
         return self.engine
 
-    def admit(self, engine: ServingEngine) -> None:
+    def admit(self) -> None:
         """Take a queue slot or fail with 429.
 
-        The queue depth is the larger of our own count of admitted-but-unstarted requests
-        (exact even for a burst the engine has not seen yet) and the engine's waiting count
-        (which also holds preempted requests).
+        The queue depth is our own count of admitted requests without a first token yet: exact
+        even for a burst the engine has not seen, and in requests, as --max-queue says (the
+        engine's waiting count is in sequences: one waiting n=8 request would fill a queue of 4).
         """
-        depth = max(self.num_unstarted, engine.stats().num_waiting)
+        depth = self.num_unstarted
         if depth >= self.config.max_queue:
             raise APIError(429, f"the waiting queue is full ({depth} requests); retry later",
                            headers={"Retry-After": str(self.config.retry_after_s)})

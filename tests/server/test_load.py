@@ -106,3 +106,30 @@ def test_health_stays_fast_while_saturated(engine, base_url):
     assert max(timings) < 0.1, timings
     assert statistics.median(timings) < 0.05, timings
     wait_until_idle(engine, timeout_s=5.0)
+
+
+def test_max_queue_counts_requests_not_their_samples(tiny_model_dir):
+    """One waiting n=8 request is one request in the queue: with one sequence running at a time
+    its other seven samples wait in the engine, and a queue of 4 still takes the next request."""
+    import threading
+
+    from engine import EngineConfig
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(str(tiny_model_dir), max_num_seqs=1, num_kv_blocks=256))
+    engine.start()
+    try:
+        with serve(engine, max_queue=4) as url:
+            big = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                   kwargs={"json": {**LONG, "n": 8}, "timeout": 60})
+            big.start()
+            deadline = time.monotonic() + 30
+            while engine.stats().num_waiting < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert engine.stats().num_waiting >= 4  # more sequences waiting than the queue's size
+            small = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+            assert small.status_code == 200, small.text
+            big.join(60)
+            wait_until_idle(engine)
+    finally:
+        engine.shutdown()
