@@ -4,13 +4,15 @@ With `--replicas N` (N > 1) or `--ray-address`, the engine is a `ClusterEngine`:
 Ray actors behind the router, which runs in this process; the routes are the same.
 
 The port is bound before the model loads, so health checks see 503 ("loading") instead of a
-refused connection. On SIGTERM (or Ctrl-C) new requests get 503 while running ones finish;
-whatever is still running after `--drain-timeout` seconds is aborted, then the process exits 0.
+refused connection. On SIGTERM (or Ctrl-C) the port closes to new connections and requests on
+open ones get 503, while running ones finish; whatever still runs after `--drain-timeout` seconds
+ends with a 503 (a stream: an error event, then [DONE]), then the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import logging
 import os
@@ -123,6 +125,8 @@ def _chat_template(value: str | None) -> str | None:
         raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
     return value
 
+
+_ANSWER_S = 5.0  # after --drain-timeout ends the engine's requests, for their handlers to answer
 
 # vLLM's switches that ask for what happens here anyway, accepted so a copied command line runs
 _NO_EFFECT = {
@@ -311,11 +315,27 @@ def _check_gate(args: argparse.Namespace) -> str | None:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn that flips the app to 503 on the first exit signal, then shuts down gracefully."""
+    """uvicorn that flips the app to 503 on the first exit signal, then shuts down gracefully:
+    at `drain_timeout` the engine ends what still runs, so every request answers (its handler
+    sees the engine's error) before uvicorn, _ANSWER_S later, would cancel handlers mid-response."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        config.timeout_graceful_shutdown = drain_timeout + _ANSWER_S
         super().__init__(config)
         self.app_state = state
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self.drain_timeout, lambda: loop.run_in_executor(None, self._end_running))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    def _end_running(self) -> None:
+        if self.app_state.engine is not None:
+            self.app_state.engine.shutdown()  # each request still running ends with an EngineError
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's own handler also records the signal and re-raises it after shutdown, which
@@ -507,11 +527,11 @@ def run_serve(args: argparse.Namespace) -> int:
     state: ServerState = app.state.driftgate
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, root_path=args.root_path,
                                             log_level=args.uvicorn_log_level or args.log_level,
-                                            access_log=False, timeout_graceful_shutdown=args.drain_timeout,
+                                            access_log=False,
                                             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                                             ssl_ca_certs=args.ssl_ca_certs,
                                             ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE),
-                             state)
+                             state, args.drain_timeout)
     failed: list[str] = []
     loader = threading.Thread(target=_load_engine, args=(args, settings, state, server, failed), daemon=True)
     loader.start()

@@ -25,7 +25,7 @@ from engine.beam_search import BeamSearch, BeamSearchParams, search_async
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
-from server.state import RequestRecord, ServerState
+from server.state import Phase, RequestRecord, ServerState
 
 if TYPE_CHECKING:
     from engine.serving import ServingEngine
@@ -166,9 +166,12 @@ class Generation:
                 continue
             if isinstance(item, ValueError):  # the engine's verdict on the prompt or the params
                 raise APIError(400, str(item)) from None
-            if isinstance(item, EngineError):  # a 500 body (a stream's error event), not a cut-off response
+            if isinstance(item, EngineError):  # an error body (a stream's error event), not a cut-off response
                 self._record.outcome = "error"
                 log.warning("request %s failed: %s", self._record.request_id, item)
+                if self._state.phase is Phase.DRAINING:  # ended by the drain's deadline: retry elsewhere
+                    raise APIError(503, "the server is shutting down; retry later",
+                                   headers={"Retry-After": str(self._state.config.retry_after_s)}) from None
                 # a lost replica is the client's to know (its retry may succeed); an engine fault is ours
                 raise APIError(500, str(item) if isinstance(item, ReplicaLostError) else "internal server error") from None
             if isinstance(item, Exception):

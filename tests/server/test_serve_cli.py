@@ -73,6 +73,46 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(tiny_model_dir: Path):
     assert SECRET_PROMPT not in stderr
 
 
+def test_what_outlives_the_drain_timeout_answers_503_and_nothing_is_cut_off(tiny_model_dir: Path):
+    """Past --drain-timeout the engine ends what still runs: a non-streaming request gets a 503
+    body with Retry-After, a stream an error event and [DONE]; no handler is cancelled mid-response
+    (no traceback), and the process exits 0."""
+    import threading
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", str(tiny_model_dir), "--port", str(port), "--served-model-name", "tiny",
+         "--drain-timeout", "0.5", "--max-num-seqs", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = {"prompt": SECRET_PROMPT, "max_tokens": 480, "ignore_eos": True, "n": 8}  # seconds of work at 2 seqs
+    try:
+        _wait_until_healthy(proc, url)
+        answers: dict = {}
+        plain = threading.Thread(target=lambda: answers.update(plain=httpx.post(url + "/v1/completions", json=body,
+                                                                                timeout=60)))
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            events = [next(line for line in lines if line.startswith("data:"))]
+            plain.start()  # queued behind the stream's samples
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            events += [line for line in lines if line.startswith("data:")]
+        plain.join(60)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 503
+        refused = answers["plain"]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == 503, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.communicate()[1]
+    assert "Traceback" not in stderr and "Exception in ASGI application" not in stderr, stderr[-3000:]
+
+
 def test_replicas_without_ray_exit_2_saying_what_to_install(tiny_model_dir: Path, monkeypatch, capsys):
     from server.cli import main
 
