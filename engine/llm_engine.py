@@ -60,7 +60,6 @@ class _RequestState:
     params: SamplingParams
     sequences: list[_SequenceState]
     prompt_logprobs: list[LogprobsDict | None] | None
-    prompt_logprob_ranks: list[int | None] | None  # each prompt token's rank in its row of logits
     embedding: torch.Tensor | None = None  # an embedding request's pooled hidden state, once computed
 
     @property
@@ -77,10 +76,9 @@ class _RequestState:
         ]
         cached = max(self.sequences[0].request.num_cached_tokens, 0)
         prompt_lp = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
-        ranks = list(self.prompt_logprob_ranks) if self.prompt_logprob_ranks is not None else None
         embedding = None if self.embedding is None else self.embedding.tolist()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, prompt_lp, cached, ranks, embedding, self.sequences[0].request.queue_time_s)
+                             self.finished, prompt_lp, cached, embedding, self.sequences[0].request.queue_time_s)
 
 
 class LLMEngine:
@@ -279,10 +277,8 @@ class LLMEngine:
                                                     lora=lora),
                                             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                             [] if params.logprobs is not None else None))
-        wants_prompt_lp = params.prompt_logprobs is not None
         return _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
-                             sequences, [None] * len(prompt_ids) if wants_prompt_lp else None,
-                             [None] * len(prompt_ids) if wants_prompt_lp else None)
+                             sequences, [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
 
     def _check_classifier_request(self, params: SamplingParams) -> None:
         """A sequence classifier has a score head and no LM head: it classifies its prompts, pooled at
@@ -395,10 +391,9 @@ class LLMEngine:
             self.num_prompt_tokens_computed += max(0, min(chunk.start + chunk.num_tokens, req.num_prompt_tokens)
                                                    - chunk.start)
             if req.request_id in result.prompt_logprobs:
-                first, entries, ranks = result.prompt_logprobs[req.request_id]
+                first, entries = result.prompt_logprobs[req.request_id]
                 if state.prompt_logprobs is not None and req is state.sequences[0].request:
                     state.prompt_logprobs[first:first + len(entries)] = entries
-                    state.prompt_logprob_ranks[first:first + len(ranks)] = ranks
             if req.request_id in result.pooled:
                 state.embedding = result.pooled[req.request_id]
                 state.sequences[0].finish_reason = "stop"

@@ -60,9 +60,16 @@ class RequestOutput:
     # One entry per prompt token; the first is None (nothing precedes it).
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
-    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank (1 = most probable)
     embedding: list[float] | None = None  # an embedding request's pooled final hidden state (not normalized)
     queue_time_s: float | None = None  # arrival to first admission in the engine's queue (None: still waiting)
+
+    @property
+    def prompt_logprob_ranks(self) -> list[int | None] | None:
+        """Each prompt token's rank in its row (1 = the most probable; None where no logprob)."""
+        if self.prompt_logprobs is None:
+            return None
+        return [None if entry is None else entry[token].rank
+                for token, entry in zip(self.prompt_token_ids, self.prompt_logprobs, strict=True)]
 
 
 @dataclass(slots=True)

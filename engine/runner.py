@@ -35,9 +35,8 @@ class StepResult:
     # drafts the sampler accepted and one more
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[LogprobsDict]]  # one entry per new token, for requests that asked
-    # request id → (index of the first prompt token covered, entries, the prompt tokens' ranks),
-    # for prompt_logprobs requests
-    prompt_logprobs: dict[str, tuple[int, list[LogprobsDict], list[int]]]
+    # request id → (index of the first prompt token covered, entries), for prompt_logprobs requests
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsDict]]]
     # request id → its pooled final hidden state [hidden] fp32, for embedding requests whose prompt completed
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -343,8 +342,8 @@ class ModelRunner:
         for c, row_start, first, count in prompt_spans:
             logits = self.model.compute_logits(hidden[row_start:row_start + count])
             targets = c.request.all_token_ids[first + 1:first + 1 + count]
-            entries, ranks = prompt_logprobs(logits, targets, c.request.params.prompt_logprobs)
-            result.prompt_logprobs[c.request.request_id] = (first + 1, entries, ranks)
+            result.prompt_logprobs[c.request.request_id] = (first + 1, prompt_logprobs(
+                logits, targets, c.request.params.prompt_logprobs))
         return result
 
     @staticmethod

@@ -162,25 +162,27 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
         if row.grammar_active:
             row.matcher.accept_token(token)
 
-    for j, i in enumerate(want_logprobs):
-        logprobs_out[i] = _logprobs_entry(raw_logprobs[j], token_list[i], rows[i].params.logprobs)
+    if want_logprobs:
+        entries = _logprobs_entries(raw_logprobs, [token_list[i] for i in want_logprobs],
+                                    [rows[i].params.logprobs for i in want_logprobs])
+        for i, entry in zip(want_logprobs, entries, strict=True):
+            logprobs_out[i] = entry
     return token_list, logprobs_out
 
 
-def _logprobs_entry(row_logprobs: torch.Tensor, token: int, top_n: int) -> LogprobsDict:
-    """The sampled token's logprob and rank, then the top-n (the sampled one may be among them)."""
-    chosen = row_logprobs[token]
-    entry = {token: Logprob(chosen.item(), int((row_logprobs > chosen).sum()) + 1)}
-    if top_n:
-        values, ids = row_logprobs.topk(top_n)
-        _add_top(entry, ids.tolist(), values.tolist())
-    return entry
-
-
-def _add_top(entry: LogprobsDict, ids: list[int], values: list[float]) -> None:
-    """The top-n alternatives, ranked in order, after the entry's own token (kept as it is)."""
-    for rank, (token, value) in enumerate(zip(ids, values, strict=True), start=1):
-        entry.setdefault(token, Logprob(value, rank))
+def _logprobs_entries(logprobs: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[LogprobsDict]:
+    """logprobs [N, vocab] → per row its token's logprob and rank in the whole vocabulary, then
+    the row's top-n, ranked in order (the token may be among them), for all rows at once."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))  # [N, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    entries = [{token: Logprob(value, rank)}
+               for token, value, rank in zip(tokens, chosen.squeeze(1).tolist(), ranks, strict=True)]
+    if widest := max(top_ns):
+        values, ids = logprobs.topk(widest, dim=-1)
+        for entry, top_n, row_values, row_ids in zip(entries, top_ns, values.tolist(), ids.tolist(), strict=True):
+            for rank, (token, value) in enumerate(zip(row_ids[:top_n], row_values[:top_n], strict=True), start=1):
+                entry.setdefault(token, Logprob(value, rank))
+    return entries
 
 
 def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], generator: torch.Generator | None = None,
@@ -202,8 +204,7 @@ def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], genera
         tokens = best[:kept + 1]
         if p.logprobs is None:
             return tokens, [None] * len(tokens)
-        rows_logprobs = logits[:len(tokens)].log_softmax(dim=-1)
-        return tokens, [_logprobs_entry(lp, t, p.logprobs) for lp, t in zip(rows_logprobs, tokens, strict=True)]
+        return tokens, _logprobs_entries(logits[:len(tokens)].log_softmax(dim=-1), tokens, [p.logprobs] * len(tokens))
     tokens: list[int] = []
     logprobs: list[LogprobsDict | None] = []
     for j in range(len(drafts) + 1):
@@ -216,17 +217,7 @@ def verify(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], genera
     return tokens, logprobs
 
 
-def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) -> tuple[list[LogprobsDict], list[int]]:
-    """logits [T, vocab] at prompt positions → (entries, ranks): entry t holds the logprob of
-    next_tokens[t] (+ top-n), rank t that token's place in its row (1 = the most probable)."""
-    lp = logits.log_softmax(dim=-1)
-    ids = torch.tensor(next_tokens, device=logits.device)
-    actual_lp = lp.gather(1, ids.unsqueeze(1))  # [T, 1]
-    ranks = ((lp > actual_lp).sum(dim=-1) + 1).tolist()
-    actual = actual_lp.squeeze(1).tolist()
-    result = [{tok: Logprob(val, rank)} for tok, val, rank in zip(next_tokens, actual, ranks, strict=True)]
-    if top_n:
-        values, top_ids = lp.topk(top_n, dim=-1)
-        for entry, vs, ts in zip(result, values.tolist(), top_ids.tolist(), strict=True):
-            _add_top(entry, ts, vs)
-    return result, ranks
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], top_n: int) -> list[LogprobsDict]:
+    """logits [T, vocab] at prompt positions → entry t: the logprob and rank of next_tokens[t]
+    (+ the top-n)."""
+    return _logprobs_entries(logits.log_softmax(dim=-1), next_tokens, [top_n] * len(next_tokens))

@@ -123,7 +123,7 @@ class _Renderer:
         response = ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage)
         if self.body.prompt_logprobs is not None:
             response.prompt_logprobs = prompt_logprobs(self.text, self.prompt_ids, out.prompt_logprobs,
-                                                       out.prompt_logprob_ranks, self.body.prompt_logprobs)
+                                                       self.body.prompt_logprobs)
         if self.body.return_token_ids:
             response.prompt_token_ids = self.prompt_ids
         return response

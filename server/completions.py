@@ -72,7 +72,7 @@ class _Renderer:
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         if self.body.prompt_logprobs is not None and not self.body.stream:
             choice.prompt_logprobs = prompt_logprobs(self.text, prompt_ids, out.prompt_logprobs,
-                                                     out.prompt_logprob_ranks, self.body.prompt_logprobs)
+                                                     self.body.prompt_logprobs)
         if self.body.return_token_ids:
             choice.prompt_token_ids = prompt_ids if first else None
             choice.token_ids = list(c.token_ids[tokens:])

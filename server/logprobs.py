@@ -83,15 +83,16 @@ def completion_logprobs(
 
 
 def prompt_logprobs(text: TokenNamer, prompt_ids: list[int], entries: list[LogprobsDict | None],
-                    ranks: list[int | None], top_n: int) -> PromptLogprobs:
+                    top_n: int) -> PromptLogprobs:
     """vLLM's prompt_logprobs: per prompt token (the first has none) the token itself and the
     top `top_n`, keyed by id, each with its logprob, rank and text."""
     out: PromptLogprobs = []
-    for token_id, entry, rank in zip(prompt_ids, entries, ranks, strict=True):
+    for token_id, entry in zip(prompt_ids, entries, strict=True):
         if entry is None:
             out.append(None)
             continue
-        listed = {token_id: PromptLogprob(logprob=_clamp(entry[token_id]), rank=rank, decoded_token=text(token_id))}
+        listed = {token_id: PromptLogprob(logprob=_clamp(entry[token_id]), rank=entry[token_id].rank,
+                                          decoded_token=text(token_id))}
         for place, (t, lp) in enumerate(_ranked(entry, top_n), start=1):
             listed.setdefault(t, PromptLogprob(logprob=_clamp(lp), rank=place, decoded_token=text(t)))
         out.append(listed)
