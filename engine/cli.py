@@ -10,14 +10,19 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import KV_CACHE_DTYPES, KV_SCALES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
+
+if TYPE_CHECKING:
+    from engine import LLM, LoRARequest
 
 # name → (module, function adding its arguments, function running it, one-line help)
 COMMANDS = {
     "import-model": ("engine.cli", "add_import_args", "run_import", "import a GGUF (default: SmolLM2-135M) as an HF folder"),
     "generate": ("engine.cli", "add_generate_args", "run_generate", "offline generation for prompts or chats"),
+    "chat": ("engine.chat_repl", "add_chat_args", "run_chat", "talk to a model in the terminal (streamed, multi-turn)"),
     "quantize": ("calibration.cli", "add_quantize_args", "run_quantize", "calibrate and quantize a model"),
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
@@ -56,6 +61,11 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    add_engine_args(parser)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """How `generate` and `chat` load the model."""
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
@@ -66,17 +76,23 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", default=None, metavar="DIR", help="answer through this PEFT LoRA adapter")
 
 
+def llm_from_args(args: argparse.Namespace) -> tuple[LLM, LoRARequest | None]:
+    """The `LLM` and the LoRA request (or None) `add_engine_args`' flags ask for (ValueError if refused)."""
+    from engine import LLM, LoRARequest
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+              kv_scales=args.kv_scales, speculative_config=args.speculative_config, enable_lora=args.lora is not None)
+    if args.kv_scales == "dynamic":
+        print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
+    return llm, None if args.lora is None else LoRARequest("lora", 1, args.lora)
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, LoRARequest, SamplingParams
+    from engine import SamplingParams
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
-                  kv_scales=args.kv_scales, speculative_config=args.speculative_config,
-                  enable_lora=args.lora is not None)
-        if args.kv_scales == "dynamic":
-            print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
+        llm, lora = llm_from_args(args)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-        lora = None if args.lora is None else LoRARequest("lora", 1, args.lora)
         if args.chat and not getattr(llm.tokenizer, "chat_template", None):
             raise ValueError(f"{args.model}'s tokenizer has no chat template; leave out --chat to generate from "
                              "the prompts as they are")

@@ -1,0 +1,110 @@
+"""`driftgate chat`: each turn answers the whole conversation, as LLM.chat would; the oldest turns
+leave when the context fills; Ctrl-C stops an answer between steps and frees its blocks."""
+
+from __future__ import annotations
+
+import io
+import signal
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.chat_repl import ChatSession, _ask_with_ctrl_c, read_message
+from engine.cli import main
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), dtype="float32", max_model_len=160, num_kv_blocks=64)
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kwargs)
+
+
+def assert_idle(llm: LLM) -> None:
+    stats = llm.stats()
+    assert not llm.engine.has_unfinished() and stats.num_blocks_used == 0
+
+
+def test_each_turn_answers_the_whole_conversation_as_llm_chat_does(llm):
+    session = ChatSession(llm, greedy(max_tokens=6), system="be brief")
+    streamed: list[str] = []
+    first = session.ask("hello there", streamed.append)
+    assert "".join(streamed) == first.text and first.num_tokens > 0 and first.finish_reason in ("stop", "length")
+    second = session.ask("and again", lambda _: None)
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+                    {"role": "assistant", "content": first.text}, {"role": "user", "content": "and again"}]
+    expected = llm.chat(conversation, greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].text
+    assert second.text == expected
+    assert session.turns == conversation[1:] + [{"role": "assistant", "content": second.text}]
+    session.clear()
+    assert session.ask("and again", lambda _: None).text == llm.chat(
+        [conversation[0], conversation[3]], greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].text
+    assert_idle(llm)
+
+
+def test_the_oldest_turns_leave_when_the_context_fills_and_the_system_prompt_stays(llm):
+    session = ChatSession(llm, greedy(max_tokens=8), system="be brief")
+    dropped = []
+    for i in range(12):
+        dropped.append(session.ask(f"message {i} " + "word " * 12, lambda _: None).dropped_turns)
+    assert dropped[0] == 0 and sum(dropped) > 0
+    assert session.turns[0]["role"] == "user" and "message 11" in session.turns[-2]["content"]
+    prompt, _ = session._fit(session.turns + [{"role": "user", "content": "next"}])
+    assert len(prompt) <= llm.engine.max_model_len - session.answer_room
+    assert "be brief" in llm.tokenizer.decode(prompt)
+
+
+def test_a_message_too_long_alone_is_refused_and_the_conversation_kept(llm):
+    session = ChatSession(llm, greedy(max_tokens=4))
+    session.ask("hi", lambda _: None)
+    before = list(session.turns)
+    with pytest.raises(ValueError, match="send a shorter one"):
+        session.ask("word " * 400, lambda _: None)
+    assert session.turns == before
+    assert_idle(llm)
+
+
+def test_ctrl_c_stops_the_answer_between_steps_and_frees_its_blocks(llm):
+    session = ChatSession(llm, greedy(max_tokens=60, ignore_eos=True))
+    chunks = []
+
+    def write(text: str) -> None:
+        chunks.append(text)
+        if len(chunks) == 3:
+            signal.raise_signal(signal.SIGINT)  # the handler only sets a flag: the step finishes
+
+    reply = _ask_with_ctrl_c(session, "tell me a long story", write)
+    assert reply.finish_reason == "interrupted" and 0 < reply.num_tokens < 60
+    assert session.turns[-1] == {"role": "assistant", "content": reply.text}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_idle(llm)
+    assert session.ask("and then?", lambda _: None).finish_reason == "length"  # the engine still serves
+
+
+def test_a_line_ending_in_a_backslash_goes_on(monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\\\nsecond\nthird\n"))
+    assert read_message(False) == "first\nsecond"
+    assert read_message(False) == "third"
+    assert read_message(False) is None
+
+
+def test_the_command_reads_turns_until_exit(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\n/clear\nhi again\n/exit\nnever read\n"))
+    assert main(["chat", str(tiny_model_dir), "--max-tokens", "3", "--temperature", "0", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and err.count("tokens") == 2 and "Traceback" not in err
+
+
+def test_the_command_refuses_a_model_without_a_chat_template(tiny_model_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(["chat", str(folder)]) == 2
+    assert "no chat template" in capsys.readouterr().err
