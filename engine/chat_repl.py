@@ -5,17 +5,22 @@ streams as it is generated, and the whole conversation is the next turn's prompt
 model's chat template, so its earlier turns come from the prefix cache. A conversation that outgrows
 the context loses its oldest turns (the system prompt stays). Ctrl-C stops an answer between two
 engine steps, never inside one, so the engine stays whole and the request's KV blocks are freed;
-what it had said stays in the conversation.
+what it had said stays in the conversation. With `--url` the same conversation runs against a
+served model (ours, vLLM's, any OpenAI-compatible server), streamed from its chat completions.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from engine.llm import LLM
@@ -38,23 +43,33 @@ class Reply:
     dropped_turns: int  # earlier user turns (with their answers) left out to fit the context
 
 
-class ChatSession:
-    """One conversation with a model held in process: its turns, and how each is asked."""
+class Conversation:
+    """A system prompt and the turns so far (user and assistant messages, alternating, oldest first)."""
 
-    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None,
-                 lora: LoRARequest | None = None):
-        self.llm = llm
-        self.params = params
+    def __init__(self, system: str | None):
         self.system = system
-        self.lora = lora
-        if lora is not None:
-            llm.engine.add_lora(lora)
-        self.turns: list[dict] = []  # user and assistant messages, alternating, oldest first
-        max_len = llm.engine.max_model_len
-        self.answer_room = min(params.max_tokens or DEFAULT_ANSWER_ROOM, max_len // 2)
+        self.turns: list[dict] = []
 
     def clear(self) -> None:
         self.turns = []
+
+    def messages(self, turns: list[dict]) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + turns
+
+
+class ChatSession(Conversation):
+    """A conversation with a model held in process."""
+
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None,
+                 lora: LoRARequest | None = None):
+        super().__init__(system)
+        self.llm = llm
+        self.params = params
+        self.lora = lora
+        if lora is not None:
+            llm.engine.add_lora(lora)
+        max_len = llm.engine.max_model_len
+        self.answer_room = min(params.max_tokens or DEFAULT_ANSWER_ROOM, max_len // 2)
 
     def ask(self, text: str, write: Callable[[str], None],
             interrupted: Callable[[], bool] = lambda: False) -> Reply:
@@ -94,14 +109,102 @@ class ChatSession:
         """The prompt for `turns` with room for the answer, and how many leading user turns (each
         with its answer) were left out to make it fit."""
         limit = self.llm.engine.max_model_len - self.answer_room
-        system = [{"role": "system", "content": self.system}] if self.system else []
         for dropped in range(len(turns) // 2 + 1):
-            prompt = self.llm.apply_chat_template(system + turns[2 * dropped:])
+            prompt = self.llm.apply_chat_template(self.messages(turns[2 * dropped:]))
             if len(prompt) <= limit:
                 return prompt, dropped
         raise ValueError(f"this message takes {len(prompt)} tokens with the chat template, and the context holds "
                          f"{self.llm.engine.max_model_len} with {self.answer_room} kept for the answer: "
                          "send a shorter one")
+
+
+class RemoteChat(Conversation):
+    """A conversation with a served model, through its streamed `/v1/chat/completions`.
+
+    The server says when a conversation no longer fits (OpenAI's and vLLM's "maximum context
+    length" 400); its oldest turns are then left out, as in process. Ctrl-C closes the stream,
+    which a server frees the request's blocks on."""
+
+    def __init__(self, url: str, model: str | None, fields: dict, system: str | None = None,
+                 api_key: str | None = None):
+        super().__init__(system)
+        self.base = url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1"
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self.model = model or self._first_model()
+        self.fields = fields  # sampling fields the user set; the server's defaults for the rest
+
+    def _first_model(self) -> str:
+        with self._open("GET", "/models") as response:
+            models = json.load(response).get("data") or []
+        if not models:
+            raise ValueError(f"{self.base}/models lists no model")
+        return models[0]["id"]
+
+    def _open(self, method: str, path: str, body: dict | None = None):
+        """The response, or a ValueError with the server's own message (or why it could not be reached)."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base + path, data=data, method=method, headers=self.headers)
+        try:
+            return urllib.request.urlopen(request, timeout=600)
+        except urllib.error.HTTPError as e:
+            try:
+                message = json.load(e).get("error", {}).get("message") or e.reason
+            except ValueError:
+                message = e.reason
+            raise ServerRefused(e.code, f"{self.base}{path} answered {e.code}: {message}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ValueError(f"cannot reach {self.base}: {getattr(e, 'reason', e)}") from None
+
+    def ask(self, text: str, write: Callable[[str], None]) -> Reply:
+        turns = [*self.turns, {"role": "user", "content": text}]
+        start = time.perf_counter()
+        for dropped in range(len(turns) // 2 + 1):
+            body = {"model": self.model, "messages": self.messages(turns[2 * dropped:]), "stream": True,
+                    "stream_options": {"include_usage": True}, **self.fields}
+            try:
+                response = self._open("POST", "/chat/completions", body)
+                break
+            except ServerRefused as e:
+                if not (e.status == 400 and "maximum context length" in str(e).lower()) or len(turns) == 1 + 2 * dropped:
+                    raise ValueError(str(e)) from None
+        shown, first_token_s, finish, num_tokens = "", None, "stop", 0
+        try:
+            with response:
+                for chunk in _server_sent_events(response):
+                    if chunk.get("usage"):
+                        num_tokens = chunk["usage"].get("completion_tokens", num_tokens)
+                    for choice in chunk.get("choices") or ():
+                        if delta := (choice.get("delta") or {}).get("content"):
+                            first_token_s = first_token_s or time.perf_counter() - start
+                            shown += delta
+                            write(delta)
+                        finish = choice.get("finish_reason") or finish
+        except KeyboardInterrupt:  # nothing of the conversation is half-updated: closing the stream ends it
+            finish = "interrupted"
+        self.turns = [*turns[2 * dropped:], {"role": "assistant", "content": shown}]
+        return Reply(shown, num_tokens, finish, first_token_s, time.perf_counter() - start, dropped)
+
+
+class ServerRefused(ValueError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _server_sent_events(response) -> Iterator[dict]:
+    """The JSON chunks of an OpenAI stream, up to `data: [DONE]`; an error event is a ValueError."""
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise ValueError(f"the server failed mid-answer: {chunk['error'].get('message')}")
+        yield chunk
 
 
 def read_message(interactive: bool) -> str | None:
@@ -122,7 +225,12 @@ def read_message(interactive: bool) -> str | None:
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
     from engine.cli import add_engine_args
 
-    parser.add_argument("model", help="model folder")
+    parser.add_argument("model", nargs="?", help="model folder (leave out with --url)")
+    parser.add_argument("--url", default=None,
+                        help="talk to a served model instead: its OpenAI-compatible base URL (http://HOST:PORT[/v1])")
+    parser.add_argument("--model-name", default=None, help="with --url: the served model (default: the first listed)")
+    parser.add_argument("--api-key", default=os.environ.get("DRIFTGATE_API_KEY"),
+                        help="with --url: bearer key (default: $DRIFTGATE_API_KEY)")
     parser.add_argument("--system", default=None, help="a system prompt for the conversation")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="cap on each answer (default: the model's generation config, else until it ends)")
@@ -137,20 +245,15 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """Bad flags, a model that cannot load or has no chat template: one line, exit 2."""
-    from engine.cli import llm_from_args
-    from engine.generation_config import sampling_defaults
-
+    """Bad flags, a model that cannot load or has no chat template, a server out of reach: one line, exit 2."""
+    chosen = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.seed}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
     try:
-        llm, lora = llm_from_args(args)
-        if not getattr(llm.tokenizer, "chat_template", None):
-            raise ValueError(f"{args.model}'s tokenizer has no chat template: use `driftgate generate` for plain "
-                             "text prompts")
-        chosen = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                  "top_k": args.top_k, "seed": args.seed}
-        params = SamplingParams(**{"max_tokens": None, **sampling_defaults(args.model),
-                                   **{k: v for k, v in chosen.items() if v is not None}})
-        session = ChatSession(llm, params, args.system, lora)
+        if (args.model is None) == (args.url is None):
+            raise ValueError("name a model folder, or a server with --url (not both)")
+        session = RemoteChat(args.url, args.model_name, chosen, args.system, args.api_key) if args.url \
+            else _local_session(args, chosen)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -160,8 +263,9 @@ def run_chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-        print(f"chatting with {args.model} (context {llm.engine.max_model_len} tokens); {COMMANDS_HELP}",
-              file=sys.stderr)
+        where = (f"{session.model} at {session.base}" if isinstance(session, RemoteChat)
+                 else f"{args.model} (context {session.llm.engine.max_model_len} tokens)")
+        print(f"chatting with {where}; {COMMANDS_HELP}", file=sys.stderr)
     while True:
         try:
             message = read_message(interactive)
@@ -176,7 +280,8 @@ def run_chat(args: argparse.Namespace) -> int:
         if not message.strip():
             continue
         try:
-            reply = _ask_with_ctrl_c(session, message)
+            reply = session.ask(message, _print_now) if isinstance(session, RemoteChat) \
+                else _ask_with_ctrl_c(session, message)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             continue
@@ -189,6 +294,18 @@ def run_chat(args: argparse.Namespace) -> int:
             print("[cut at the token limit]", file=sys.stderr)
         if args.stats:
             print(_describe(reply), file=sys.stderr)
+
+
+def _local_session(args: argparse.Namespace, chosen: dict) -> ChatSession:
+    from engine.cli import llm_from_args
+    from engine.generation_config import sampling_defaults
+
+    llm, lora = llm_from_args(args)
+    if not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError(f"{args.model}'s tokenizer has no chat template: use `driftgate generate` for plain "
+                         "text prompts")
+    params = SamplingParams(**{"max_tokens": None, **sampling_defaults(args.model), **chosen})
+    return ChatSession(llm, params, args.system, lora)
 
 
 def _print_now(text: str) -> None:
