@@ -17,25 +17,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lm_eval
+import tokenizers
 import torch
+import transformers
+import yaml
 from lm_eval.api.model import TemplateLM
 
 import engine
+import evals
 import quant
 from engine import LLM, SamplingParams
+from engine.atomic_write import write_text_atomic
 from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from engine.layers.cpu_kernels import cpu_signature
 from engine.loader import resolve_dtype
 from evals import data
 from evals.drift import ItemResult, ScoreChunks, items_from_samples
 from evals.lm_eval_model import DriftgateLM, prefill_first
-from evals.policy import GatePolicy
+from evals.policy import GatePolicy, PolicyError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "driftgate" / "gate-baselines"
 CACHE_FORMAT = 2  # 2: task prompt/prefill-saved counts replace whole-engine prefix-cache counters
-# The code that computes an arm: its Python modules and C kernels
-ENGINE_SOURCES = [Path(engine.__file__).resolve().parent, Path(quant.__file__).resolve().parent]
+# The code that computes an arm: the engine's Python modules and C kernels, and the gate's scoring
+ARM_SOURCES = [Path(package.__file__).resolve().parent for package in (engine, quant, evals)]
 
 
 def source_fingerprint(roots: list[Path]) -> str:
@@ -88,8 +93,22 @@ class ArmResults:
 def build_engine(model_dir: Path, policy: GatePolicy, *, device: str = "cpu", dtype: str = "auto",
                  kv_cache_dtype: str = "auto", kv_scales: str = "checkpoint",
                  max_num_batched_tokens: int | None = None, lora: Path | None = None) -> LLM:
-    """One arm's engine; with `lora`, every request (and Tier 0's scoring) goes through that adapter."""
+    """One arm's engine; with `lora`, every request (and Tier 0's scoring) goes through that adapter.
+    A setting the engine refuses for this checkpoint (an fp8 KV cache it has no scales for) is an
+    ArmSetupError saying so."""
     adapter = {} if lora is None else {"lora_modules": {"gated": str(lora)}, "default_lora": "gated"}
+    try:
+        return _engine(model_dir, policy, device, dtype, kv_cache_dtype, kv_scales, max_num_batched_tokens, adapter)
+    except ValueError as exc:
+        raise ArmSetupError(f"{model_dir} cannot run as asked: {exc}") from None
+
+
+class ArmSetupError(RuntimeError):
+    """An arm's engine refused its checkpoint or settings (the message says why)."""
+
+
+def _engine(model_dir: Path, policy: GatePolicy, device: str, dtype: str, kv_cache_dtype: str, kv_scales: str,
+            max_num_batched_tokens: int | None, adapter: dict) -> LLM:
     return LLM(
         str(model_dir),
         device=device,
@@ -144,8 +163,35 @@ def spread_ids(total: int, count: int | str) -> list[int]:
 
 
 def selected_ids(policy: GatePolicy, data_dir: Path) -> dict[str, list[int]]:
+    """Each task's item ids; a count above what its set holds is a PolicyError (the report would
+    otherwise claim items it never scored)."""
     tasks = task_manager(data_dir).load([t.name for t in policy.tier1.tasks])["tasks"]
-    return {spec.name: spread_ids(len(tasks[spec.name].test_docs()), spec.items) for spec in policy.tier1.tasks}
+    ids = {}
+    for spec in policy.tier1.tasks:
+        total = len(tasks[spec.name].test_docs())
+        if spec.items != "all" and spec.items > total:
+            raise PolicyError(f"tier1 task {spec.name}: items = {spec.items}, but its set holds {total}; "
+                              "ask for at most that many, or \"all\"")
+        ids[spec.name] = spread_ids(total, spec.items)
+    return ids
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """Reads lm-eval task YAML; its `!function` tags name loaders, read here as None."""
+
+
+_TaskYamlLoader.add_multi_constructor("!", lambda *_: None)
+
+
+def task_metrics(name: str) -> set[str] | None:
+    """The `metric,filter` keys task `name` reports ("acc,none", "exact_match,strict-match"), read
+    from its YAML here; None for a task this package does not define."""
+    for path in TASKS_DIR.glob("*.yaml"):
+        spec = yaml.load(path.read_text(), Loader=_TaskYamlLoader)  # noqa: S506 (a SafeLoader)
+        if spec.get("task") == name:
+            filters = [f["name"] for f in spec.get("filter_list") or ()] or ["none"]
+            return {f"{m['metric']},{f}" for m in spec.get("metric_list") or () for f in filters}
+    return None
 
 
 def run_tasks(lm: TemplateLM, policy: GatePolicy, data_dir: Path, ids: dict[str, list[int]],
@@ -289,8 +335,9 @@ class BaselineCache:
             "noise_floor": asdict(policy.noise_floor),
             "tier2": asdict(policy.tier2),
             "seed": policy.seed,
-            "lm_eval": lm_eval.__version__,
-            "engine_code": source_fingerprint(ENGINE_SOURCES),
+            "libraries": {package.__name__: package.__version__
+                          for package in (lm_eval, torch, transformers, tokenizers)},
+            "code": source_fingerprint(ARM_SOURCES),
             # the kernels and the activation dtype (auto on that device) move the last bits
             "device": "cuda" if device.startswith("cuda") else device,
             "machine": machine(device),
@@ -298,17 +345,20 @@ class BaselineCache:
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
-    def load(self, key: str) -> ArmResults | None:
+    def load(self, key: str, ids: dict[str, list[int]]) -> ArmResults | None:
+        """The stored arm, if it holds exactly these items; a damaged entry is recomputed, never trusted."""
         path = self.root / f"{key}.json"
         if not path.is_file():
             return None
         try:
-            return ArmResults.from_json(json.loads(path.read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return None  # a damaged cache entry is recomputed, never trusted
+            arm = ArmResults.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError, AttributeError):  # ValueError: bad JSON, UTF-8 or numbers
+            return None
+        if any(set(arm.items.get(task, ())) != set(task_ids) for task, task_ids in ids.items()):
+            return None
+        return arm
 
     def store(self, key: str, arm: ArmResults) -> None:
+        """Written whole or not at all, under a name of its own so gates storing at once do not collide."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f"{key}.json.tmp"
-        tmp.write_text(json.dumps(arm.to_json()))
-        tmp.replace(self.root / f"{key}.json")
+        write_text_atomic(self.root / f"{key}.json", json.dumps(arm.to_json()))

@@ -1,7 +1,7 @@
 """`driftgate gate`: run both arms, decide, write the reports and the candidate's verdict.
 
-Exit codes: 0 pass, 1 drift (the policy failed), 2 could not evaluate. Anything that stops
-the evaluation (bad input, missing data, a crash) is 2, never 0.
+Exit codes: 0 pass, 1 drift (the policy failed), 2 could not evaluate, 130 interrupted. Anything
+that stops the evaluation (bad input, missing data, a crash) is 2, never 0.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.config import KV_CACHE_DTYPES, KV_SCALES, resolve_device, serving_setting
+from engine.config import KV_CACHE_DTYPES, KV_SCALES, EngineConfig, resolve_device, serving_setting
 
 EXIT_PASS, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 class GateInputError(RuntimeError):
@@ -144,14 +145,18 @@ def run_gate(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         return _run(args)
+    except KeyboardInterrupt:
+        print("driftgate gate: interrupted; no verdict written (an earlier one, if any, is as it was)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 — every failure to evaluate must become exit 2
+        from evals.arms import ArmSetupError
         from evals.data import DataMissingError, UnknownTaskError
         from evals.drift import PromptMismatchError
         from evals.policy import PolicyError
         from evals.prompts import PromptFileError
 
         known = (GateInputError, PolicyError, DataMissingError, UnknownTaskError, PromptMismatchError,
-                 PromptFileError)
+                 PromptFileError, ArmSetupError)
         prefix = "driftgate gate: cannot evaluate" if isinstance(exc, known) else "driftgate gate: crashed"
         print(f"{prefix}: {exc}", file=sys.stderr)
         if not isinstance(exc, known):
@@ -163,7 +168,7 @@ def run_gate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from evals import arms, data, drift, gate, remote, report, verdict
-    from evals.policy import load_policy
+    from evals.policy import PolicyError, load_policy
 
     started = time.perf_counter()
     policy = load_policy(args.policy)
@@ -172,11 +177,19 @@ def _run(args: argparse.Namespace) -> int:
     needed += ["driftgate_gsm8k_cot"] if policy.tier2.enabled else []
     needed += ["driftgate_wikitext"] if policy.tier0.enabled else []
     data_hashes = data.check_task_files(data_dir, sorted(set(needed)))
+    for spec in policy.tier1.tasks:
+        if (reported := arms.task_metrics(spec.name)) is not None and spec.metric not in reported:
+            raise PolicyError(f"tier1 task {spec.name}: metric {spec.metric!r} is not one it reports "
+                              f"({', '.join(sorted(reported))})")
     baseline_dir, candidate_dir = Path(args.baseline), Path(args.candidate)
     baseline_hashes = check_model_dir(baseline_dir, "baseline")
     candidate_hashes = check_model_dir(candidate_dir, "candidate")
     report_dir = _report_dir(args, candidate_dir)
     lora_dir, lora_hashes = _lora(args)
+    # what the verdict binds, hashed before the arms load it: an edit during the run is not blessed
+    judged_dir = candidate_dir if lora_dir is None else lora_dir
+    judged_weights = candidate_hashes if lora_dir is None else verdict.weight_hashes(lora_dir)
+    judged_configs = verdict.config_hashes(judged_dir)
     device, serving = _numerics(args)
     own_prompts = _own_prompts(args, policy, candidate_dir)  # checked before anything loads
     check_comparable(baseline_dir, candidate_dir, same_allowed=bool(args.server))
@@ -196,8 +209,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"[gate] candidate: {len(prompts)} greedy generations", flush=True)
             candidate.generations = arms.greedy_generations(cand_llm, prompts, policy.tier2.max_new_tokens)
 
-    # the baseline's cache entry is for these weights through this adapter
-    baseline_key_hashes = {**baseline_hashes, **{f"lora/{name}": h for name, h in lora_hashes.items()}}
+    # the baseline's cache entry is for these weights, with this config, tokenizer and chat template,
+    # through this adapter
+    baseline_key_hashes = {**baseline_hashes,
+                           **{f"config/{name}": h for name, h in verdict.config_hashes(baseline_dir).items()},
+                           **{f"lora/{name}": h for name, h in lora_hashes.items()}}
     baseline, base_llm, cached = _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts,
                                                baseline_dir, baseline_key_hashes, data_hashes, variant="baseline",
                                                lora=lora_dir, device=device)
@@ -209,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
     comparisons, pooled = gate.compare_arms(policy, baseline.items, candidate.items)
     noise_cmp, noise_pooled = gate.compare_arms(policy, baseline.items, noise.items) if noise else ({}, None)
 
-    parity, skip_reason = None, None
+    parity, skip_reason, parity_failure = None, None, None
     if policy.tier0.enabled and served:
         skip_reason = remote.TIER0_SKIP_REASON
     elif policy.tier0.enabled:
@@ -217,8 +233,11 @@ def _run(args: argparse.Namespace) -> int:
             base_llm = arms.build_engine(baseline_dir, policy, device=device, lora=lora_dir)
         sequences = arms.tier0_sequences(base_llm, data_dir, policy, baseline.generations, prompts)
         print(f"[gate] tier 0: {len(sequences)} sequences, both arms", flush=True)
-        parity = drift.logit_parity(sequences, arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm),
-                                    **_interval_settings(policy))
+        try:
+            parity = drift.logit_parity(sequences, arms.tier0_scorer(base_llm), arms.tier0_scorer(cand_llm),
+                                        **_interval_settings(policy))
+        except drift.NonFiniteLogitsError as exc:
+            parity_failure = str(exc)
     agreement, divergences, answers = None, [], None
     if prompts and baseline.generations:
         base_generations = served.comparable(baseline.generations) if served else baseline.generations
@@ -230,7 +249,8 @@ def _run(args: argparse.Namespace) -> int:
                                cand_llm.engine.eos_token_ids if cand_llm else None, candidate_dir)
 
     checks = gate.decide(policy, comparisons, pooled, noise_pooled=noise_pooled, parity=parity,
-                         parity_skip_reason=skip_reason, agreement=agreement, answers=answers)
+                         parity_skip_reason=skip_reason, parity_failure=parity_failure, agreement=agreement,
+                         answers=answers)
     length_accuracy = {task: drift.accuracy_by_generation_length(baseline.items[task], candidate.items[task])
                        for task, items in baseline.items.items()
                        if items and next(iter(items.values())).choice_scores is None}  # generative tasks
@@ -246,15 +266,15 @@ def _run(args: argparse.Namespace) -> int:
         manifest["candidate_server"] = served.manifest()
     items = {arm_name: arm.to_json()["items"] for arm_name, arm in (("baseline", baseline), ("candidate", candidate))}
     full = report.build_report(result, manifest, items)
-    paths = report.write_reports(full, report_dir)
     metrics = {"checks": full["checks"], "tier1_pooled": full["tier1"]["pooled"], "tier0": full["tier0"],
                "tier2": full["tier2"]}
-    # an adapter's verdict goes to its own folder, bound to the checkpoint it ran over
-    verdict.write_verdict(candidate_dir if lora_dir is None else lora_dir, passed=result.passed,
-                          policy=asdict(policy), metrics=metrics, baseline_hashes=baseline_hashes,
-                          candidate_hashes=None if lora_dir is not None else candidate_hashes,
-                          base_hashes=candidate_hashes if lora_dir is not None else None,
-                          serving=serving)
+    # the verdict first: reports that fail to write must not leave an earlier verdict standing beside
+    # them. An adapter's verdict goes to its own folder, bound to the checkpoint it ran over.
+    verdict.write_verdict(judged_dir, passed=result.passed, policy=asdict(policy), metrics=metrics,
+                          baseline_hashes=baseline_hashes, candidate_hashes=judged_weights,
+                          candidate_config_hashes=judged_configs,
+                          base_hashes=candidate_hashes if lora_dir is not None else None, serving=serving)
+    paths = report.write_reports(full, report_dir)
     print(report.render_markdown(full).split("\n## Worst")[0])
     marginal = [c.name for c in result.checks if c.marginal]
     print(f"[gate] verdict {'PASS' if result.passed else 'FAIL'}"
@@ -294,6 +314,11 @@ def _numerics(args: argparse.Namespace) -> tuple[str, dict | None]:
     if device != "cpu" and not torch.cuda.is_available():
         raise GateInputError(f"--device {args.device}: torch sees no CUDA device here")
     if not args.server:
+        try:  # the flags' combinations, refused before anything loads
+            EngineConfig(model=args.candidate, dtype=args.dtype, device=device, kv_cache_dtype=args.kv_cache_dtype,
+                         kv_scales=args.kv_scales)
+        except ValueError as exc:
+            raise GateInputError(str(exc)) from None
         return device, serving_setting(args.candidate, args.dtype, device, args.kv_cache_dtype, args.kv_scales)
     candidate_flags = {"--dtype": args.dtype != "auto", "--kv-cache-dtype": args.kv_cache_dtype != "auto",
                        "--kv-scales": args.kv_scales != "checkpoint"}
@@ -349,11 +374,7 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, 
             raise GateInputError(f"the server's max_model_len {served_len} is below the policy's "
                                  f"{policy.engine.max_model_len}: serve with --max-model-len "
                                  f"{policy.engine.max_model_len} so both arms see the same prompts")
-        # A driftgate or vLLM server names the folder it serves; elsewhere the gate cannot tell.
-        serves_candidate = None if card.get("root") is None else Path(card["root"]) == candidate_dir.resolve()
-        if serves_candidate is False:
-            print(f"[gate] warning: the server serves {card['root']}, not {candidate_dir.resolve()} "
-                  "(fine if it is a copy of the same checkpoint; the verdict binds the --candidate files)", flush=True)
+        serves_candidate = _serves_candidate(card.get("root"), candidate_dir)
         candidate = arms.run_server_arm(args.server, card["id"], candidate_dir, policy, data_dir, ids,
                                         api_key=args.server_api_key)
         tokenizer = load_tokenizer(candidate_dir)
@@ -370,11 +391,35 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, 
     return candidate, prompts, remote.ServedCandidate(args.server, card, tokenizer, exact, serves_candidate)
 
 
+def _serves_candidate(root: str | None, candidate_dir: Path) -> bool | None:
+    """Whether the server answers with the --candidate files the verdict will bind. A driftgate or
+    vLLM server names the folder it serves: another folder is refused unless its files are the
+    candidate's (a copy); a folder this machine cannot read, or no name, cannot be told (None)."""
+    from evals.verdict import config_hashes, weight_hashes
+
+    if root is None:
+        return None
+    served = Path(root)
+    if served == candidate_dir.resolve():
+        return True
+    if not served.is_dir():
+        print(f"[gate] warning: the server serves {root}, which this machine cannot read to compare with "
+              f"{candidate_dir.resolve()}; the verdict binds the --candidate files", flush=True)
+        return None
+    for kind, files in (("weights", weight_hashes), ("config, tokenizer or chat template", config_hashes)):
+        if files(served) != files(candidate_dir):
+            raise GateInputError(f"the server serves {root}, whose {kind} differ from --candidate {candidate_dir}: "
+                                 "the verdict would bind files the server did not answer with; give --candidate "
+                                 f"{root}, or serve {candidate_dir}")
+    print(f"[gate] the server serves {root}, a copy of {candidate_dir} (same weights and config)", flush=True)
+    return True
+
+
 def _baseline_arm(args, arms, cache, policy, data_dir, ids, prompts, baseline_dir, baseline_hashes, data_hashes,
                   *, variant, lora: Path | None, device: str):
     """The baseline (or its noise-floor rerun, through adapter `lora` if given) from cache, or run and stored."""
     key = cache.key(baseline_hashes, policy, data_hashes, ids, variant, prompts, device)
-    if not args.no_cache and (hit := cache.load(key)) is not None:
+    if not args.no_cache and (hit := cache.load(key, ids)) is not None:
         print(f"[gate] {variant}: cached ({key[:12]})", flush=True)
         return hit, None, True
     batched = policy.noise_floor.max_num_batched_tokens if variant == "noise_floor" else None

@@ -197,6 +197,10 @@ class _LayerDriftSums:
         return LayerDrift.from_drift(self.sums / self.tokens) if self.comparable and self.sums is not None else None
 
 
+class NonFiniteLogitsError(FloatingPointError):
+    """An arm's logits were NaN or infinite: no drift can be measured, and the checkpoint is broken."""
+
+
 def _sequence_parity(tokens: Sequence[int], spans: Iterable[tuple[_Chunk, _Chunk]],
                      layers: _LayerDriftSums) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """token_parity over one sequence's spans: per-position KL, top-1 equality, NLL change (NaN at
@@ -207,8 +211,10 @@ def _sequence_parity(tokens: Sequence[int], spans: Iterable[tuple[_Chunk, _Chunk
     for (base, base_states), (cand, cand_states) in spans:
         if base.shape != cand.shape:
             raise ValueError(f"arms returned shapes {tuple(base.shape)} and {tuple(cand.shape)} for the same rows")
-        if not (torch.isfinite(base).any(-1).all() and torch.isfinite(cand).any(-1).all()):
-            raise FloatingPointError("non-finite logprobs in a Tier 0 row")
+        for arm, rows in (("baseline", base), ("candidate", cand)):
+            # a NaN anywhere, or a row with no finite entry, is no distribution (-inf alone is a banned token)
+            if torch.isnan(rows).any() or not torch.isfinite(rows).any(-1).all():
+                raise NonFiniteLogitsError(f"the {arm} gave NaN or infinite logits in a Tier 0 sequence")
         layers.add(base_states, cand_states)
         rows = base.shape[0]
         parts.append(token_parity(base, cand.to(base.device), following[position:position + rows]))
@@ -328,13 +334,16 @@ def items_from_samples(
             if name == "acc_norm":  # lm-eval divides by the choice's character length, delimiter excluded
                 lengths = [len(arg[1].removeprefix(target_delimiter)) for arg in sample["arguments"]]
                 scores = tuple(lp / n for lp, n in zip(logprobs, lengths, strict=True))
+            # a NaN score is no answer (lm-eval's argmax would take it as choice 0, right where that is gold)
+            finite = all(math.isfinite(score) for score in scores)
             items[doc_id] = ItemResult(
                 doc_id=doc_id,
                 prompt_hash=sample["prompt_hash"],
-                correct=bool(sample[name]),
+                correct=bool(sample[name]) and finite,
                 choice_scores=scores,
                 choice_logprobs=logprobs,
-                answer=str(int(np.argmax(scores))),
+                answer=str(int(np.argmax(scores))) if finite else INVALID_ANSWER,
+                is_invalid=not finite,
             )
         else:
             answer = str(resps[0]) if resps else INVALID_ANSWER

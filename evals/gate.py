@@ -45,9 +45,10 @@ class Check:
     @property
     def marginal(self) -> bool:
         """The threshold lies inside the value's interval: another sample of text, or another
-        machine's rounding, could put this check on the other side."""
+        machine's rounding, could put this check on the other side. An interval of no width (a
+        value every resample gives) leaves nothing to chance."""
         return (self.interval is not None and self.threshold is not None
-                and self.interval[0] <= self.threshold <= self.interval[1])
+                and self.interval[0] < self.interval[1] and self.interval[0] <= self.threshold <= self.interval[1])
 
 
 @dataclass(slots=True)
@@ -76,8 +77,11 @@ def endpoint_status(comparison: TaskComparison, margin: float, confidence: float
         return FAIL, f"point drop {drop:.4f} > margin {margin:.4f}"
     if comparison.mcnemar_drop_p < SIGNIFICANT_DROP_P and drop > margin / 2:
         return FAIL, f"significant drop (McNemar p={comparison.mcnemar_drop_p:.2g}) of {drop:.4f} > margin/2"
-    rule = f"upper bound of drop {upper:.4f} >= margin {margin:.4f}; add items to decide"
+    rule = f"upper bound of drop {upper:.4f} >= margin {margin:.4f}"
     planned = max(drop, 0.0)  # a candidate that scored better is planned as no drop
+    if planned >= margin:  # a drop at the margin itself: no number of items bounds it under
+        return INCONCLUSIVE, rule + f"; the point drop {drop:.4f} is at the margin"
+    rule += "; add items to decide"
     needed = stats.items_needed(planned, comparison.table.flip_rate, margin=margin, alpha=1 - confidence)
     if needed > comparison.table.num_items:  # the normal approximation; Newcombe's bound can be wider
         seen = "this run's" if drop >= 0 else "none, as this run's gain is not counted on"
@@ -127,11 +131,13 @@ def decide(
     noise_pooled: TaskComparison | None = None,
     parity: LogitParity | None = None,
     parity_skip_reason: str | None = None,
+    parity_failure: str | None = None,
     agreement: GenerationAgreement | None = None,
     answers: TaskComparison | None = None,
 ) -> list[Check]:
     """Apply every rule of the policy; the verdict is pass only if no check fails. `answers` are
-    the arms' answers to the user's own prompts, judged with Tier 1's pooled margin."""
+    the arms' answers to the user's own prompts, judged with Tier 1's pooled margin;
+    `parity_failure` says why Tier 0 could not be measured (an arm's NaN logits): a failed check."""
     t1 = policy.tier1
     checks: list[Check] = []
     inconclusive_status = FAIL if policy.inconclusive == "fail" else PASS
@@ -186,7 +192,7 @@ def decide(
                 checks.append(Check(f"hard.{spec.name}.{label}", PASS if cand - base <= limit else FAIL,
                                     f"candidate {cand:.4f} vs baseline {base:.4f}", cand - base, limit))
 
-    checks.extend(_tier0_checks(policy, parity, parity_skip_reason))
+    checks.extend(_tier0_checks(policy, parity, parity_skip_reason, parity_failure))
     if policy.tier2.enabled and agreement is not None:
         ok = agreement.mean_agreed_prefix >= policy.tier2.min_mean_agreed_prefix
         checks.append(Check("tier2.mean_agreed_prefix", PASS if ok else FAIL,
@@ -209,10 +215,13 @@ def _undecided(check: Check, inconclusive_status: str) -> Check:
                           f"inconclusive -> {inconclusive_status})")
 
 
-def _tier0_checks(policy: GatePolicy, parity: LogitParity | None, skip_reason: str | None) -> list[Check]:
+def _tier0_checks(policy: GatePolicy, parity: LogitParity | None, skip_reason: str | None,
+                  failure: str | None = None) -> list[Check]:
     t0 = policy.tier0
     if not t0.enabled:
         return []
+    if failure is not None:
+        return [Check("tier0.finite_logits", FAIL, failure)]
     if parity is None:
         return [Check("tier0", SKIPPED, skip_reason or "not run")]
     o, within = parity.overall, parity.intervals.get

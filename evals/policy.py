@@ -9,6 +9,7 @@ are compared unrounded.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from functools import cache
@@ -21,6 +22,7 @@ from evals.stats import two_sided_level
 
 POLICY_DIR = Path(__file__).resolve().parent / "policies"
 ENDPOINTS = ("pooled", "separate", "report")
+MAX_RESAMPLES = 100_000  # bootstrap resamples: beyond this the intervals move in the fourth digit, the run for hours
 
 
 class PolicyError(ValueError):
@@ -92,6 +94,12 @@ def _check_fraction(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
 
 
+def _check_nonnegative(name: str, value: float) -> None:
+    """A threshold that is a finite number >= 0 (TOML has nan and inf)."""
+    if not 0.0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 @dataclass(slots=True)
 class TaskSpec:
     """One lm-eval task in the gate; `items` is a count (spread evenly over the set) or "all"."""
@@ -114,6 +122,8 @@ class TaskSpec:
             raise ValueError(f"task {self.name} is a separate endpoint and needs max_drop")
         if self.max_drop is not None:
             _check_fraction("max_drop", self.max_drop)
+        if self.chance is not None and not 0.0 <= self.chance < 1.0:
+            raise ValueError(f"chance (the accuracy of guessing) must be in [0, 1), got {self.chance!r}")
 
 
 @dataclass(slots=True)
@@ -152,6 +162,8 @@ class Tier0Policy:
 
     def __post_init__(self) -> None:
         _check_fraction("min_top1_agreement", self.min_top1_agreement)
+        for name in ("max_kl_mean", "max_kl_p99", "max_kl_growth"):
+            _check_nonnegative(name, getattr(self, name))
         if self.num_documents < 1 or self.max_tokens_per_sequence < 2:
             raise ValueError("num_documents must be >= 1 and max_tokens_per_sequence >= 2")
 
@@ -178,6 +190,7 @@ class Tier1Policy:
         for name in ("max_pooled_drop", "max_flip_rate_above_floor", "confident_margin",
                      "max_confident_flip_rate", "max_invalid_rate_rise", "max_runaway_rate_rise"):
             _check_fraction(name, getattr(self, name))
+        _check_nonnegative("chance_sigma", self.chance_sigma)
 
 
 @dataclass(slots=True)
@@ -192,6 +205,9 @@ class Tier2Policy:
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_new_tokens < 1:
             raise ValueError("num_prompts and max_new_tokens must be positive")
+        if not 0.0 <= self.min_mean_agreed_prefix <= self.max_new_tokens:
+            raise ValueError(f"min_mean_agreed_prefix must be in [0, max_new_tokens={self.max_new_tokens}] "
+                             f"(identical generations agree on max_new_tokens), got {self.min_mean_agreed_prefix!r}")
 
 
 @dataclass(slots=True)
@@ -200,6 +216,10 @@ class NoiseFloorPolicy:
 
     enabled: bool = True
     max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
 @dataclass(slots=True)
@@ -228,8 +248,13 @@ class GatePolicy:
             raise ValueError(f"point_checks must be 'value' or 'interval', got {self.point_checks!r}")
         if not 0.5 < self.confidence < 1.0:
             raise ValueError(f"confidence must be in (0.5, 1), got {self.confidence}")
-        if self.bootstrap_resamples < 100:
-            raise ValueError("bootstrap_resamples must be at least 100")
+        if not 100 <= self.bootstrap_resamples <= MAX_RESAMPLES:
+            raise ValueError(f"bootstrap_resamples must be in [100, {MAX_RESAMPLES}], got {self.bootstrap_resamples}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.tier2.enabled and self.tier2.max_new_tokens >= self.engine.max_model_len:
+            raise ValueError(f"tier2.max_new_tokens ({self.tier2.max_new_tokens}) leaves no room for a prompt in "
+                             f"engine.max_model_len ({self.engine.max_model_len})")
 
     @property
     def interval_level(self) -> float:

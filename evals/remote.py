@@ -135,7 +135,7 @@ class ServedCandidate:
     card: dict[str, Any]  # the server's /v1/models entry
     tokenizer: Any  # the candidate's own (Hugging Face) tokenizer
     exact_token_ids: bool  # False: Tier 2 ids are the served text re-encoded
-    serves_candidate: bool | None  # the card names the --candidate folder; None: the server does not say
+    serves_candidate: bool | None  # the card names the --candidate folder or a copy of it; None: cannot tell
 
     def comparable(self, baseline_generations: Sequence[Sequence[int]]) -> list[list[int]]:
         """The baseline's Tier 2 ids as the candidate's came back: through the same decode/encode

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+from engine.atomic_write import write_text_atomic
 from evals import stats
 from evals.drift import BOOTSTRAP_BLOCK_TOKENS, LayerDrift, TaskComparison
 from evals.gate import GateOutcome
@@ -114,8 +115,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                  f"{100 * r['min_detectable_drop']:.2f}"] for r in rows]), ""]
     if t1["pooled"]:
         p = t1["pooled"]
+        alpha = 1 - _confidence(report)
         out += [f"Power: this run resolves a pooled drop of {100 * p['min_detectable_drop']:.2f} pts "
-                f"(80% power, one-sided 5%) at the observed flip rate {100 * p['flip_rate']:.2f}%.", ""]
+                f"(80% power, one-sided {100 * alpha:g}%) at the observed flip rate {100 * p['flip_rate']:.2f}%.", ""]
     out += _prefix_cache_block(report)
     out += _published_block(report)
     if report["tier0"]:
@@ -191,6 +193,11 @@ def _prefix_cache_block(report: dict[str, Any]) -> list[str]:
             f"{'; '.join(parts)}.", ""] if parts else []
 
 
+def _confidence(report: dict[str, Any]) -> float:
+    """The policy's one-sided confidence (a report built without a policy, in tests: the default's)."""
+    return report["manifest"].get("policy", {}).get("confidence", 0.95)
+
+
 def _published_block(report: dict[str, Any]) -> list[str]:
     scores = report["manifest"].get("baseline_scores", {})
     ours = {t: s.get("acc_norm,none") for t, s in scores.items() if "acc_norm,none" in s}
@@ -227,7 +234,8 @@ def render_html(report: dict[str, Any], markdown: str) -> str:
         ax.errorbar(100 * r["delta"], y, xerr=[[100 * (r["delta"] - lo)], [100 * (hi - r["delta"])]], fmt="o", capsize=4)
     ax.axvline(0, color="grey", lw=1)
     ax.set_yticks(range(len(rows)), [r["task"] for r in rows])
-    ax.set_xlabel("accuracy delta, candidate - baseline (points, 90% two-sided CI)")
+    level = stats.two_sided_level(_confidence(report))
+    ax.set_xlabel(f"accuracy delta, candidate - baseline (points, {100 * level:g}% two-sided CI)")
     images.append(("Per-task delta", _png(fig)))
     plt.close(fig)
     if report["tier0"]:
@@ -296,8 +304,7 @@ def write_reports(report: dict[str, Any], report_dir: Path) -> dict[str, Path]:
     markdown = render_markdown(report)
     paths = {"json": report_dir / "report.json", "md": report_dir / "report.md", "html": report_dir / "report.html",
              "junit": report_dir / "report.junit.xml"}
-    paths["json"].write_text(json.dumps(report, indent=1, default=str))
-    paths["md"].write_text(markdown)
-    paths["html"].write_text(render_html(report, markdown))
-    paths["junit"].write_text(render_junit(report))
+    for kind, text in (("json", json.dumps(report, indent=1, default=str)), ("md", markdown),
+                       ("html", render_html(report, markdown)), ("junit", render_junit(report))):
+        write_text_atomic(paths[kind], text)
     return paths

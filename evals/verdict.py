@@ -17,12 +17,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.atomic_write import write_text_atomic
 from engine.file_hash import file_sha256
 
 VERDICT_FILE = "verdict.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-# besides the weights, what decides a checkpoint's (or an adapter's) outputs for a request
-BEHAVIOUR_FILES = ("config.json", "generation_config.json", "adapter_config.json", "tokenizer.json",
+# besides the weights, what decides a checkpoint's (or an adapter's) outputs for a request (a shard
+# index decides which weight files load)
+BEHAVIOUR_FILES = ("config.json", "generation_config.json", "adapter_config.json",
+                   "model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer.json",
                    "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 # 2: records `serving`, the KV cache setting the candidate was judged with; 3: `config_sha256`
@@ -60,18 +63,21 @@ def write_verdict(
     metrics: dict[str, Any],
     baseline_hashes: dict[str, str],
     candidate_hashes: dict[str, str] | None = None,
+    candidate_config_hashes: dict[str, str] | None = None,
     serving: dict[str, Any] | None = None,
     base_hashes: dict[str, str] | None = None,
 ) -> Path:
-    """Write CANDIDATE/verdict.json and return its path. `serving` is engine.config.serving_setting
-    of the candidate arm; None when the gate judged a live server (as it ran, which it cannot see).
-    For an adapter, `candidate_dir` is its folder and `base_hashes` the checkpoint it ran over."""
+    """Write CANDIDATE/verdict.json (whole or not at all) and return its path. The gate passes the
+    candidate's weight and config hashes as they were when its arm loaded them (None: hashed now).
+    `serving` is engine.config.serving_setting of the candidate arm; None when the gate judged a
+    live server (as it ran, which it cannot see). For an adapter, `candidate_dir` is its folder and
+    `base_hashes` the checkpoint it ran over."""
     candidate_dir = Path(candidate_dir)
     body = {
         "format_version": FORMAT_VERSION,
         "verdict": "pass" if passed else "fail",
         "weights_sha256": candidate_hashes if candidate_hashes is not None else weight_hashes(candidate_dir),
-        "config_sha256": config_hashes(candidate_dir),
+        "config_sha256": candidate_config_hashes if candidate_config_hashes is not None else config_hashes(candidate_dir),
         "base_weights_sha256": base_hashes,
         "baseline_weights_sha256": baseline_hashes,
         "serving": serving,
@@ -79,7 +85,7 @@ def write_verdict(
         "metrics": metrics,
     }
     path = candidate_dir / VERDICT_FILE
-    path.write_text(json.dumps(body, indent=2, sort_keys=True, default=str) + "\n")
+    write_text_atomic(path, json.dumps(body, indent=2, sort_keys=True, default=str) + "\n")
     return path
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,16 +63,17 @@ def test_task_answers_agree_with_lm_evals_own_scoring(tiny_model_dir, data_dir):
             assert item.correct == (int(item.answer) == gold[task][doc_id]), (task, doc_id, item.choice_scores)
 
 
-def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypatch):
-    """A baseline computed by other kernels (edited, or another device's) is recomputed, not
-    reused: their last-bit differences move greedy divergence points, and fp8/int8 activation
-    rounding amplifies them."""
+def test_the_baseline_cache_key_changes_with_the_code_and_libraries(tmp_path, monkeypatch):
+    """A baseline computed by other kernels (edited, or another device's), another scorer or other
+    libraries is recomputed, not reused: their last-bit differences move greedy divergence points,
+    and fp8/int8 activation rounding amplifies them."""
     code = tmp_path / "engine"
     (code / "csrc").mkdir(parents=True)
     (code / "runner.py").write_text("STEP = 1\n")
     (code / "csrc" / "kernel.c").write_text("int kernel;\n")
     (code / "NOTES.md").write_text("not code\n")
-    monkeypatch.setattr(arms, "ENGINE_SOURCES", [code])
+    assert Path(arms.evals.__file__).resolve().parent in arms.ARM_SOURCES  # the gate's scoring code is keyed too
+    monkeypatch.setattr(arms, "ARM_SOURCES", [code])
     machines = {"cpu": "CPU A, AVX2", "cuda": "GPU A"}
     monkeypatch.setattr(arms, "machine", lambda device: machines[device.split(":")[0]])
     policy = load_policy("quick")
@@ -91,6 +93,32 @@ def test_the_baseline_cache_key_changes_with_the_engine_code(tmp_path, monkeypat
     edited = key()
     machines["cpu"] = "CPU B, AVX512"  # another CPU: torch's and the C kernels' instructions differ
     assert key() != edited
+    moved = key()
+    monkeypatch.setattr(arms.transformers, "__version__", "0.0.1")  # another tokenizer or model library
+    assert key() != moved
+
+
+def test_a_damaged_or_partial_cache_entry_is_recomputed_and_stores_do_not_collide(tmp_path):
+    import json
+    import threading
+
+    cache = arms.BaselineCache(tmp_path)
+    item = drift.ItemResult(doc_id=0, prompt_hash="h", correct=True, choice_scores=(-1.0, -2.0),
+                            choice_logprobs=(-1.0, -2.0), answer="0")
+    arm = arms.ArmResults(items={"task": {0: item}}, scores={})
+    cache.store("k", arm)
+    assert cache.load("k", {"task": [0]}).items == arm.items
+    assert cache.load("k", {"task": [0, 1]}) is None  # holds fewer items than asked for
+    path = tmp_path / "k.json"
+    for damaged in (b"\xff\xfe not text", json.dumps({"items": {"task": [{"doc_id": "x"}]}}).encode()):
+        path.write_bytes(damaged)
+        assert cache.load("k", {"task": [0]}) is None
+    threads = [threading.Thread(target=cache.store, args=("k", arm)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert cache.load("k", {"task": [0]}).items == arm.items and not list(tmp_path.glob("*.tmp"))
 
 
 def test_the_machine_names_the_cpu_and_the_instructions_its_kernels_use():

@@ -433,3 +433,142 @@ def test_a_pair_the_gate_cannot_compare_is_exit_2_before_any_arm_runs(setup, tmp
     assert _gate(swapped, shutil.copytree(baseline, tmp_path / "plain"), policy, root) == EXIT_ERROR
     err = capsys.readouterr().err  # warned, then went on to run the arms (here: the stub's refusal)
     assert "were --baseline and --candidate swapped?" in err and "an arm ran" in err
+
+
+FAST_POLICY = """
+inconclusive = "pass"
+[engine]
+max_model_len = 512
+[noise_floor]
+enabled = false
+[tier0]
+enabled = false
+[tier2]
+enabled = false
+[tier1]
+max_pooled_drop = 0.5
+[[tier1.tasks]]
+name = "driftgate_piqa"
+metric = "acc,none"
+items = 6
+"""
+
+
+@pytest.fixture(scope="module")
+def fast_policy(setup):
+    root, _, _ = setup
+    path = root / "fast.toml"
+    path.write_text(FAST_POLICY)
+    return path
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_a_baseline_whose_config_changed_is_not_answered_from_the_cache(setup, fast_policy, tmp_path, capsys):
+    root, baseline, _ = setup
+    candidate, edited = tmp_path / "candidate", tmp_path / "baseline"
+    shutil.copytree(baseline, candidate)
+    shutil.copytree(baseline, edited)
+    assert _gate(edited, candidate, fast_policy, tmp_path) == EXIT_PASS
+    capsys.readouterr()
+    _edit_config(edited, rms_norm_eps=0.5)  # same weights, other outputs
+    _gate(edited, candidate, fast_policy, tmp_path)
+    assert "baseline: cached" not in capsys.readouterr().out
+
+
+def test_the_verdict_comes_before_the_reports_and_binds_the_files_as_the_arm_loaded_them(
+        setup, fast_policy, tmp_path, monkeypatch, capsys):
+    """A re-gate whose reports fail to write leaves its own verdict, not the previous one; a config
+    edited while the gate runs is not blessed (the verdict holds the hashes taken before the arms)."""
+    from evals import arms, report
+
+    root, baseline, _ = setup
+    candidate = tmp_path / "candidate"
+    shutil.copytree(baseline, candidate)
+    strict = tmp_path / "strict.toml"  # no drop allowed: a copy's drop of 0 is undecided, and that fails closed
+    strict.write_text(FAST_POLICY.replace('inconclusive = "pass"', 'inconclusive = "fail"')
+                      .replace("max_pooled_drop = 0.5", "max_pooled_drop = 0.0"))
+    verdict.write_verdict(candidate, passed=True, policy={}, metrics={}, baseline_hashes={})  # an earlier PASS
+    run_arm = arms.run_arm
+
+    def edit_during_the_run(model_dir, *args, **kwargs):
+        result = run_arm(model_dir, *args, **kwargs)
+        if kwargs.get("label") == "candidate":
+            _edit_config(candidate, rms_norm_eps=0.25)
+        return result
+
+    def unwritable(*_args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(arms, "run_arm", edit_during_the_run)
+    monkeypatch.setattr(report, "write_reports", unwritable)
+    assert _gate(baseline, candidate, strict, tmp_path) == EXIT_ERROR
+    assert "disk full" in capsys.readouterr().err
+    recorded = json.loads((candidate / "verdict.json").read_text())
+    assert recorded["verdict"] == "fail" and recorded["policy"]["name"] == "strict"
+    assert recorded["config_sha256"]["config.json"] == verdict.config_hashes(baseline)["config.json"]
+
+
+def test_a_server_serving_other_files_than_the_candidate_is_refused(setup, served_baseline, tmp_path, capsys):
+    """The verdict binds --candidate's files: a server answering with another folder's is refused
+    before any arm runs (a byte copy of the served folder is accepted)."""
+    root, baseline, policy = setup
+    other = tmp_path / "other"
+    shutil.copytree(baseline, other, ignore=shutil.ignore_patterns("verdict.json"))
+    _edit_config(other, rms_norm_eps=0.5)
+    assert _gate(baseline, other, policy, tmp_path, "--server", served_baseline) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "whose config, tokenizer or chat template differ from --candidate" in err
+    assert not (other / "verdict.json").exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--kv-cache-dtype", "fp8_e5m2", "--kv-scales", "dynamic"], "only applies to an fp8 e4m3 KV cache"),
+    (["--kv-cache-dtype", "fp8"], "cannot run as asked: kv_cache_dtype=fp8 needs calibrated k/v scales"),
+])
+def test_kv_cache_settings_the_candidate_cannot_take_are_exit_2_without_a_traceback(setup, fast_policy, capsys,
+                                                                                     flags, message):
+    root, baseline, _ = setup
+    copy = root / "kv-copy"
+    if not copy.exists():
+        shutil.copytree(baseline, copy)
+    assert _gate(baseline, copy, fast_policy, root, *flags) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "cannot evaluate" in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (('metric = "acc,none"', 'metric = "acc,strict-match"'), "metric 'acc,strict-match' is not one it reports"),
+    (("items = 6", "items = 100000"), "items = 100000, but its set holds"),
+])
+def test_a_metric_the_task_does_not_report_or_more_items_than_it_has_are_exit_2(setup, tmp_path, capsys,
+                                                                                monkeypatch, change, message):
+    from evals import arms
+
+    root, baseline, _ = setup
+    policy = tmp_path / "bad.toml"
+    policy.write_text(FAST_POLICY.replace(*change))
+    monkeypatch.setattr(arms, "run_arm", lambda *a, **k: pytest.fail("an arm ran before the policy was checked"))
+    candidate = tmp_path / "candidate"
+    shutil.copytree(baseline, candidate)
+    assert _gate(baseline, candidate, policy, root) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "cannot evaluate" in err and message in err
+
+
+def test_ctrl_c_is_exit_130_with_one_line(setup, fast_policy, monkeypatch, capsys):
+    from evals import arms
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    root, baseline, _ = setup
+    monkeypatch.setattr(arms, "run_arm", interrupted)
+    copy = root / "ctrl-c"
+    shutil.copytree(baseline, copy)
+    assert _gate(baseline, copy, fast_policy, root) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; no verdict written" in err and "Traceback" not in err

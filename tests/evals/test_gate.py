@@ -415,3 +415,68 @@ def test_point_checks_by_interval_leave_a_marginal_check_undecided(inconclusive,
         inconclusive == "pass")
     with pytest.raises(PolicyError, match="point_checks"):
         policy_from_dict({**raw, "point_checks": "bound"})
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({**BASE_POLICY, "seed": -1}, "seed must be in [0, 2**32)"),
+    ({"tier1": {"tasks": [{"name": "t", "metric": "acc,none", "chance": 1.5}]}}, "chance (the accuracy of guessing)"),
+    ({**BASE_POLICY, "tier2": {"max_new_tokens": 2048}}, "leaves no room for a prompt"),
+    ({**BASE_POLICY, "noise_floor": {"max_num_batched_tokens": 0}}, "max_num_batched_tokens must be positive"),
+    ({**BASE_POLICY, "tier2": {"max_new_tokens": 64, "min_mean_agreed_prefix": 100}}, "min_mean_agreed_prefix must be"),
+    ({**BASE_POLICY, "tier0": {"max_kl_mean": float("nan")}}, "max_kl_mean must be a finite number >= 0"),
+    ({**BASE_POLICY, "tier0": {"max_kl_p99": -1}}, "max_kl_p99 must be a finite number >= 0"),
+    ({"tier1": {**BASE_POLICY["tier1"], "chance_sigma": -2}}, "chance_sigma must be a finite number >= 0"),
+    ({**BASE_POLICY, "bootstrap_resamples": 10**9}, "bootstrap_resamples must be in [100, 100000]"),
+])
+def test_values_that_would_fail_after_the_arms_ran_are_refused_at_load(raw, message):
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        policy_from_dict(raw)
+
+
+def test_a_drop_exactly_at_the_margin_is_undecided_not_a_crash():
+    """600 items, 24 net right->wrong flips: a 4-point drop against a 4-point margin (the quick
+    policy's), where no number of items could bound the drop under the margin."""
+    policy = _policy(max_pooled_drop=0.04)
+    base = _arm([True] * 400 + [False] * 200)
+    cand = _arm([False] * 100 + [True] * 300 + [True] * 76 + [False] * 124)  # 100 R->W, 76 W->R
+    per_task, pooled = gate.compare_arms(policy, {"t": base}, {"t": cand})
+    assert -pooled.table.delta == pytest.approx(0.04)
+    status, rule = gate.endpoint_status(pooled, 0.04, policy.confidence)
+    assert status == gate.INCONCLUSIVE and "is at the margin" in rule
+
+
+def test_nan_scores_are_wrong_invalid_answers_and_nan_logits_fail_tier0():
+    sample = {"doc_id": 0, "prompt_hash": "h", "filtered_resps": [(float("nan"), False), (float("nan"), False)],
+              "acc": 1.0, "arguments": [("ctx", " a"), ("ctx", " b")]}  # lm-eval graded argmax(NaN) = 0 = gold
+    (item,) = drift.items_from_samples([sample], "acc,none").values()
+    assert not item.correct and item.is_invalid and item.answer == drift.INVALID_ANSWER
+    import torch
+
+    good = torch.log_softmax(torch.randn(5, 11), -1)
+    broken = good.clone()
+    broken[2, 3] = float("nan")
+    with pytest.raises(drift.NonFiniteLogitsError, match="candidate gave NaN"):
+        drift.logit_parity([list(range(5))], lambda t: [(good, None)], lambda t: [(broken, None)])
+    policy = policy_from_dict({"tier1": BASE_POLICY["tier1"], "tier2": {"enabled": False}})
+    base = _arm([True, False] * 50)
+    per_task, pooled = gate.compare_arms(policy, {"t": base}, {"t": base})
+    checks = gate.decide(policy, per_task, pooled, parity_failure="the candidate gave NaN or infinite logits")
+    assert _statuses(checks)["tier0.finite_logits"] == gate.FAIL
+    assert not gate.outcome(checks, comparisons=per_task, pooled=pooled).passed
+
+
+def test_an_interval_of_no_width_leaves_nothing_marginal():
+    assert not gate.Check("c", gate.PASS, "", 0.0, 0.0, (0.0, 0.0)).marginal
+    assert gate.Check("c", gate.PASS, "", 0.0, 0.0, (-0.1, 0.1)).marginal
+
+
+def test_the_verdict_binds_the_shard_index_that_picks_the_weight_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "alt.safetensors").write_bytes(b"other weights")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    verdict.write_verdict(tmp_path, passed=True, policy={}, metrics={}, baseline_hashes={})
+    verdict.check_verdict(tmp_path)
+    index.write_text(json.dumps({"weight_map": {"w": "alt.safetensors"}}))
+    with pytest.raises(verdict.VerdictError, match="model.safetensors.index.json"):
+        verdict.check_verdict(tmp_path)
