@@ -295,7 +295,7 @@ class ItemResult:
     doc_id: int
     prompt_hash: str
     correct: bool
-    choice_scores: tuple[float, ...] | None = None  # decision scores per choice (MC)
+    choice_scores: tuple[float, ...] | None = None  # decision scores per choice (MC; see items_from_samples)
     choice_logprobs: tuple[float, ...] | None = None  # raw summed logprobs per choice (MC)
     answer: str = ""  # chosen choice index or extracted answer
     response: str = ""  # raw generation (generative tasks)
@@ -333,7 +333,11 @@ def items_from_samples(
             scores = logprobs
             if name == "acc_norm":  # lm-eval divides by the choice's character length, delimiter excluded
                 lengths = [len(arg[1].removeprefix(target_delimiter)) for arg in sample["arguments"]]
-                scores = tuple(lp / n for lp, n in zip(logprobs, lengths, strict=True))
+                # ... here then times the choices' mean length: the same ordering, on the scale of a
+                # whole choice's log-likelihood, so a softmax margin over them (how sure the baseline
+                # was) means what it does for acc; per character, nearly every item looked unsure
+                mean_length = sum(lengths) / len(lengths)
+                scores = tuple(lp / n * mean_length for lp, n in zip(logprobs, lengths, strict=True))
             # a NaN score is no answer (lm-eval's argmax would take it as choice 0, right where that is gold)
             finite = all(math.isfinite(score) for score in scores)
             items[doc_id] = ItemResult(

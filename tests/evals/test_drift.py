@@ -33,11 +33,21 @@ def test_items_from_mc_samples_keeps_scores_and_correctness():
 
 
 def test_acc_norm_scores_divide_by_choice_character_length():
-    """As lm-eval's acc_norm: the choice's length without the delimiter put before it ("a" vs " a")."""
+    """As lm-eval's acc_norm: the choice's length without the delimiter put before it ("a" vs " a"),
+    scaled to the choices' mean length, so the baseline's confidence reads on a whole choice's scale."""
     sample = _mc_sample(0, [-2.0, -4.5], 1, choices=("a", "bbbbb"))
     items = drift.items_from_samples([sample], "acc_norm,none")
-    assert items[0].choice_scores == pytest.approx((-2.0 / 1, -4.5 / 5))
+    assert items[0].choice_scores == pytest.approx((-2.0 / 1 * 3, -4.5 / 5 * 3))
     assert items[0].answer == "1"  # with the delimiter counted (-2/2 vs -4.5/6) it would have been 0
+
+
+def test_the_baselines_confidence_on_acc_norm_items_reads_as_on_acc_ones():
+    """Two 30-character choices, one 6 nats likelier: as sure under acc_norm as under acc (per
+    character, 0.2 nats apart, the softmax margin was 0.1 and no item counted as confident)."""
+    sample = _mc_sample(0, [-30.0, -36.0], 0, choices=("x" * 30, "y" * 30))
+    margins = {metric: drift.top_margin(drift.items_from_samples([sample], metric)[0].choice_scores)
+               for metric in ("acc,none", "acc_norm,none")}
+    assert margins["acc_norm,none"] == pytest.approx(margins["acc,none"]) and margins["acc,none"] > 0.99
 
 
 def test_generative_samples_mark_invalid_and_runaway():
