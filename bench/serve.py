@@ -353,7 +353,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     parser.add_argument("--model", required=True, help="the served model name sent in each request")
-    parser.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: --model, if a folder)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="HF tokenizer folder (default: --model if a folder, else the folder the server serves it from)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--dataset", "--dataset-name", default="sharegpt", choices=["sharegpt", "random", "prefix-shared"])
     parser.add_argument("--data-dir", default=None)
@@ -391,9 +392,10 @@ def _headers(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-def check_server(args: argparse.Namespace) -> None:
+def check_server(args: argparse.Namespace) -> list[dict]:
     """Before any load: the server answers /v1/models (ValueError saying why not, as vLLM's bench
-    stops when its first test request fails), and a warning when it does not list `--model`."""
+    stops when its first test request fails), and a warning when it does not list `--model`.
+    Returns its model cards (none when the answer is not an OpenAI model list)."""
     url = args.base_url.rstrip("/") + "/v1/models"
     try:
         reply = httpx.get(url, headers=_headers(args), timeout=10)
@@ -402,21 +404,33 @@ def check_server(args: argparse.Namespace) -> None:
     if reply.status_code != 200:
         raise ValueError(f"{url} answered HTTP {reply.status_code}: {reply.text[:200]}")
     try:
-        served = [card.get("id") for card in reply.json().get("data") or []]
+        cards = [card for card in reply.json().get("data") or [] if isinstance(card, dict)]
     except (ValueError, AttributeError):
-        served = None  # not an OpenAI model list; the requests themselves will say more
-    if served is not None and args.model not in served:
+        return []  # not an OpenAI model list; the requests themselves will say more
+    served = [card.get("id") for card in cards]
+    if args.model not in served:
         print(f"warning: {url} lists {served}, not --model {args.model!r}", file=sys.stderr)
+    return cards
+
+
+def tokenizer_folder(args: argparse.Namespace, cards: list[dict]) -> str:
+    """--tokenizer; else --model if it is a folder; else the folder the server names for --model
+    (a driftgate or vLLM model card's `root`), when this machine has it."""
+    if args.tokenizer:
+        candidates = [args.tokenizer]
+    else:
+        roots = [card.get("root") for card in cards if card.get("id") == args.model]
+        candidates = [args.model] + [root for root in roots if isinstance(root, str)]
+    folder = next((c for c in candidates if Path(c).is_dir()), None)
+    if folder is None:
+        raise ValueError(f"tokenizer folder not found: {' or '.join(candidates)} (pass --tokenizer)")
+    return folder
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """0 when every request succeeded, 1 when some failed, 2 on bad arguments or a server that does not answer."""
     from transformers import AutoTokenizer
 
-    tokenizer_path = args.tokenizer or args.model
-    if not Path(tokenizer_path).is_dir():
-        print(f"error: tokenizer folder not found: {tokenizer_path} (pass --tokenizer)", file=sys.stderr)
-        return 2
     try:
         if args.goodput:
             if args.slo:
@@ -426,8 +440,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
         if args.num_prompts < 1 or any(r <= 0 for r in rates) or args.burstiness <= 0:
             raise ValueError("--num-prompts, request rates and --burstiness must be positive")
-        check_server(args)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args, check_server(args)))
         samples = load_samples(args, tokenizer)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -18,6 +18,28 @@ from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 if TYPE_CHECKING:
     from engine import LLM, LoRARequest
 
+# `driftgate bench NAME` → (module, function adding its arguments, function running it, one-line help)
+BENCHES = {
+    "offline": ("bench.offline", "add_offline_args", "run_offline", "offline throughput and batch-1 decode vs HF"),
+    "serve": ("bench.serve", "add_bench_serve_args", "run_bench_serve", "load-test an OpenAI-compatible server"),
+    "ppl": ("bench.perplexity", "add_ppl_args", "run_ppl",
+            "WikiText-2 perplexity of checkpoints on a fixed token budget"),
+    "schemes": ("bench.schemes", "add_schemes_args", "run_schemes",
+                "decode and concurrent throughput per quantization scheme, llama.cpp side by side"),
+    "steps": ("bench.steps", "add_steps_args", "run_steps",
+              "engine step time per prefill length and decode batch (cluster-sim --calibrate-from)"),
+    "matmul": ("bench.matmul", "add_matmul_args", "run_matmul",
+               "the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"),
+    "attention": ("bench.attention", "add_attention_args", "run_attention",
+                  "the CPU prompt-attention kernel vs torch SDPA on the model's head shape"),
+    "spec": ("bench.spec_decode", "add_spec_args", "run_spec",
+             "prompt-lookup speculative decoding vs plain decoding, per kind of text"),
+    "router": ("bench.router", "add_router_args", "run_router",
+               "routing decisions per second of the coordinated router (fabricated replica states)"),
+    "vllm": ("bench.vllm_interop", "add_vllm_args", "run_vllm_bench",
+             "our checkpoints in vLLM against driftgate: logprobs and greedy tokens on the same inputs"),
+}
+
 # name → (module, function adding its arguments, function running it, one-line help)
 COMMANDS = {
     "import-model": ("engine.cli", "add_import_args", "run_import", "import a GGUF (default: SmolLM2-135M) as an HF folder"),
@@ -27,7 +49,7 @@ COMMANDS = {
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
     "run-batch": ("server.batch", "add_batch_args", "run_batch", "answer an OpenAI batch file (JSONL) offline"),
-    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: `bench offline`, `serve`, `ppl`, `schemes`, `steps`, `matmul`, `attention`, `router` or `vllm`"),
+    "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: " + ", ".join(BENCHES)),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
 
@@ -108,27 +130,6 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# `driftgate bench NAME` → (module, function adding its arguments, function running it, one-line help)
-BENCHES = {
-    "offline": ("bench.offline", "add_offline_args", "run_offline", "offline throughput and batch-1 decode vs HF"),
-    "serve": ("bench.serve", "add_bench_serve_args", "run_bench_serve", "load-test an OpenAI-compatible server"),
-    "ppl": ("bench.perplexity", "add_ppl_args", "run_ppl",
-            "WikiText-2 perplexity of checkpoints on a fixed token budget"),
-    "schemes": ("bench.schemes", "add_schemes_args", "run_schemes",
-                "decode and concurrent throughput per quantization scheme, llama.cpp side by side"),
-    "steps": ("bench.steps", "add_steps_args", "run_steps",
-              "engine step time per prefill length and decode batch (cluster-sim --calibrate-from)"),
-    "matmul": ("bench.matmul", "add_matmul_args", "run_matmul",
-               "the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"),
-    "attention": ("bench.attention", "add_attention_args", "run_attention",
-                  "the CPU prompt-attention kernel vs torch SDPA on the model's head shape"),
-    "spec": ("bench.spec_decode", "add_spec_args", "run_spec",
-             "prompt-lookup speculative decoding vs plain decoding, per kind of text"),
-    "router": ("bench.router", "add_router_args", "run_router",
-               "routing decisions per second of the coordinated router (fabricated replica states)"),
-    "vllm": ("bench.vllm_interop", "add_vllm_args", "run_vllm_bench",
-             "our checkpoints in vLLM against driftgate: logprobs and greedy tokens on the same inputs"),
-}
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ class GateInputError(RuntimeError):
 def add_gate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", required=True, help="BF16 (reference) model directory")
     parser.add_argument("--candidate", required=True, help="quantized checkpoint directory to judge")
-    parser.add_argument("--policy", default="default", help="shipped policy name (default, quick) or a TOML path")
+    parser.add_argument("--policy", default="default", help="shipped policy name (default, quick, long-context) or a TOML path")
     parser.add_argument("--report-dir", default=None, help="where reports go (default: CANDIDATE/gate-report)")
     parser.add_argument("--data-dir", default=None, help="evaluation data (default: $DRIFTGATE_DATA, ../shared/data)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),

@@ -184,7 +184,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help='lets tool_choice "auto" (the default with tools) read calls from the model\'s own '
                              'output format: hermes = <tool_call>{...}</tool_call> (Hermes, Qwen2.5); llama3_json = '
                              'a reply of {"name": ..., "parameters": ...} objects (Llama 3.1/3.2); mistral = [TOOL_CALLS] '
-                             'then the calls (Mistral). Without it only "required" and named tool choices work')
+                             'then the calls (Mistral); pythonic = a Python list of calls (Llama 3.2/4); granite = '
+                             '<|tool_call|> and a JSON list (Granite); phi4_mini_json = functools[...] (Phi-4-mini); '
+                             'qwen3_coder = <tool_call><function=...> XML (Qwen3-Coder). Without it only "required" '
+                             'and named tool choices work')
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or $DRIFTGATE_API_KEY)")
     parser.add_argument("--metrics-public", action="store_true", help="/health and /metrics need no key")
     parser.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",

@@ -179,3 +179,18 @@ def test_chosen_percentiles_are_computed_printed_and_checked(capsys):
     for bad, says in ((metric_percentiles, "0,50"), (metric_percentiles, "fifty"), (percentile_metrics, "ttft,latency")):
         with pytest.raises(argparse.ArgumentTypeError):
             bad(says)
+
+
+def test_the_tokenizer_defaults_to_the_folder_the_server_names(engine, tiny_model_dir: Path, tmp_path: Path):
+    """`bench serve --model NAME` without --tokenizer, as the README writes it: the model card's root."""
+    from bench.serve import tokenizer_folder
+    from tests.server.conftest import MODEL_NAME, serve
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_args(parser)
+    with serve(engine, model_root=str(tiny_model_dir)) as url:
+        args = parser.parse_args(["--base-url", url, "--model", MODEL_NAME])
+        assert tokenizer_folder(args, check_server(args)) == str(tiny_model_dir)
+        args.tokenizer = str(tmp_path / "missing")
+        with pytest.raises(ValueError, match="tokenizer folder not found: .*missing \\(pass --tokenizer\\)"):
+            tokenizer_folder(args, check_server(args))
