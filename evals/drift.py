@@ -527,7 +527,8 @@ def _as_dict(item: ItemResult) -> dict:
 
 
 def first_divergence(base_tokens: Sequence[int], cand_tokens: Sequence[int]) -> int | None:
-    """Index of the first generated token that differs; None if one is a prefix of the other."""
+    """Index of the first generated token that differs (the shorter one's length where one is a
+    prefix of the other); None when they are equal."""
     for i, (a, b) in enumerate(zip(base_tokens, cand_tokens, strict=False)):
         if a != b:
             return i

@@ -73,11 +73,20 @@ def read_prompt_file(path: Path, tokenizer) -> list[OwnPrompt]:
 
 
 def _expected(line: dict) -> tuple[str, ...]:
-    value = line.get("expected", [])
-    answers = [value] if isinstance(value, str) else value
-    if not isinstance(answers, list) or not all(isinstance(a, str) and a.strip() for a in answers):
-        raise ValueError('"expected" must be a non-empty string or a list of them')
-    return tuple(answers)
+    """The line's "expected" answers (beside a batch line's body or inside it); a number stands for
+    its text. None said: ()."""
+    body = line.get("body")
+    value = line.get("expected", body.get("expected") if isinstance(body, dict) else None)
+    if value is None:
+        return ()
+
+    def answer(a: object) -> bool:
+        return (isinstance(a, str) and bool(a.strip())) or (isinstance(a, int | float) and not isinstance(a, bool))
+
+    answers = value if isinstance(value, list) else [value]
+    if not answers or not all(answer(a) for a in answers):
+        raise ValueError('"expected" must be a non-empty string or number, or a non-empty list of them')
+    return tuple(str(a) for a in answers)
 
 
 def _normalized(text: str) -> str:

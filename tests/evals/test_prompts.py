@@ -42,8 +42,9 @@ def test_chat_completion_and_batch_lines_become_the_servers_prompts(tokenizer, t
     ({"prompt": ""}, ':2: "prompt" must be non-empty text'),
     ({"prompt": [1, 10**6]}, ":2: \"prompt\" must be non-empty text or a list of token ids below"),
     ({"input": "x"}, ':2: no "messages" or "prompt" among [\'input\']'),
-    ({"prompt": "x", "expected": ""}, ':2: "expected" must be a non-empty string or a list of them'),
-    ({"prompt": "x", "expected": ["a", 3]}, ':2: "expected" must be a non-empty string or a list of them'),
+    ({"prompt": "x", "expected": ""}, ':2: "expected" must be a non-empty string or number'),
+    ({"prompt": "x", "expected": ["a", True]}, ':2: "expected" must be a non-empty string or number'),
+    ({"prompt": "x", "expected": []}, ':2: "expected" must be a non-empty string or number'),
 ])
 def test_a_bad_line_is_named_by_its_number(tokenizer, tmp_path, line, message):
     path = tmp_path / "traffic.jsonl"
@@ -66,6 +67,10 @@ def test_expected_answers_are_read_and_judged_up_to_the_end_of_sequence(tokenize
                   {"prompt": "2+2?", "expected": ["4", "four"]}, {"prompt": "no label"}])
     prompts = read_prompt_file(path, tokenizer)
     assert [p.expected for p in prompts] == [("Paris",), ("4", "four")] + [()]
+    _write(tmp_path / "other.jsonl", [  # a number for its text; a batch line's label beside or inside its body
+        {"prompt": "2+2?", "expected": 4},
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "3+3?", "expected": [6, "six"]}}])
+    assert [p.expected for p in read_prompt_file(tmp_path / "other.jsonl", tokenizer)] == [("4",), ("6", "six")]
     words = {1: "It is", 2: " PARIS.", 3: "<eos>", 4: " Four", 5: " five"}
 
     def decode(ids):
