@@ -2,9 +2,10 @@
 
 Metrics are measured at the client from streamed responses, with vLLM's definitions:
 TTFT (send → first streamed text), ITL (gaps between consecutive text chunks, pooled over
-requests), TPOT ((E2E − TTFT) / (output tokens − 1), per request), E2E latency; request and
-token throughput; goodput = requests per second meeting *every* `--slo`. Output tokens are
-counted with the model's tokenizer, so two servers are measured with the same ruler. What only
+requests), TPOT ((E2E − TTFT) / (output tokens − 1), per request), E2E latency (send → last
+text chunk); request and token throughput; goodput = requests per second meeting *every*
+`--slo`. Output tokens are the server's own count (`usage.completion_tokens`, as vLLM's bench
+reads it), counted with the model's tokenizer only where a server sends none. What only
 the server knows (prefix-cache hit rate; requests per replica on a cluster) comes from its
 /metrics counters before and after each run.
 Requests go only to `--base-url`; every loop is bounded by count and by `--max-duration`.
@@ -131,43 +132,55 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, chat:
                        result: RequestResult) -> None:
     """Stream one request and fill `result`; any failure lands in `result.error`."""
     start = time.perf_counter()
-    last = start
     pieces: list[str] = []
     try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")[:200]
-                result.error = f"HTTP {response.status_code}: {body}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = str(event["error"].get("message", event["error"]))
-                    return
-                if event.get("usage"):
-                    result.server_output_len = event["usage"].get("completion_tokens")
-                text = _text_of(event, chat)
-                if not text:
-                    continue
-                now = time.perf_counter()
-                if not pieces:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                pieces.append(text)
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        await _stream(client, url, payload, chat, result, start, pieces)
+    except Exception as exc:  # noqa: BLE001 — whatever ends one request is that request's failure, not the run's
         result.error = f"{type(exc).__name__}: {exc}"
         return
-    result.latency = time.perf_counter() - start
-    result.output_len = len(tokenizer.encode("".join(pieces), add_special_tokens=False))
+    if result.error is not None:
+        return
     if not pieces:
         result.error = "no output"
+        return
+    result.output_len = (result.server_output_len if result.server_output_len is not None
+                         else len(tokenizer.encode("".join(pieces), add_special_tokens=False)))
+
+
+async def _stream(client: httpx.AsyncClient, url: str, payload: dict, chat: bool, result: RequestResult,
+                  start: float, pieces: list[str]) -> None:
+    """Read one streamed response into `result` (timings, the server's token count) and `pieces` (its
+    text); `result.latency` is set once the stream has ended (a cancelled request keeps 0)."""
+    last = start
+    async with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")[:200]
+            result.error = f"HTTP {response.status_code}: {body}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"]
+                result.error = str(error.get("message", error) if isinstance(error, dict) else error)
+                return
+            if event.get("usage"):
+                result.server_output_len = event["usage"].get("completion_tokens")
+            text = _text_of(event, chat)
+            if not text:
+                continue
+            now = time.perf_counter()
+            if not pieces:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+            pieces.append(text)
+    result.latency = last - start  # to the last text, not to a trailing usage chunk or [DONE]
 
 
 def build_payload(sample: Sample, args: argparse.Namespace, chat: bool) -> dict:
@@ -188,7 +201,7 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
     url = args.base_url.rstrip("/") + args.endpoint
     rng = np.random.default_rng(args.seed)
     gaps = arrival_gaps(len(samples), rate, args.burstiness, rng)
-    limit = asyncio.Semaphore(args.max_concurrency or len(samples))
+    limit = asyncio.Semaphore(args.max_concurrency or len(samples))  # None: no limit
     headers = _headers(args)
     results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
     progress = None
@@ -204,17 +217,20 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
             progress.update(1)
 
     timeout = httpx.Timeout(args.timeout, connect=10.0)
-    deadline = time.perf_counter() + args.max_duration
+    # each request's send time from the run's start: the first at once (as vLLM's bench), and sleeps
+    # to absolute times, so the loop's own overhead does not slow the offered rate
+    offsets = np.cumsum(gaps) - gaps[0] if len(gaps) else gaps
     async with httpx.AsyncClient(timeout=timeout, headers=headers,
                                  limits=httpx.Limits(max_connections=None)) as client:
         counters_before = await scrape_counters(client, args.base_url)
         start = time.perf_counter()
+        deadline = start + args.max_duration
         tasks = []
-        for sample, result, gap in zip(samples, results, gaps, strict=True):
-            await asyncio.sleep(float(gap))
-            if time.perf_counter() > deadline:
+        for sample, result, offset in zip(samples, results, offsets, strict=True):
+            if start + offset > deadline:
                 result.error = "not sent: --max-duration reached"
                 continue
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(one(sample, result)))
         pending: set[asyncio.Task] = set()
         if tasks:
@@ -262,7 +278,13 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
     None when the server exports no prefix-cache counters.
     """
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
-    hits, queries = delta.get("prefix_cache_hits_total"), delta.get("prefix_cache_queries_total")
+
+    def total(name: str) -> float | None:
+        """A counter summed over its label sets (vLLM labels each engine and model), None if absent."""
+        values = [v for key, v in delta.items() if key == name or key.startswith(name + "{")]
+        return sum(values) if values else None
+
+    hits, queries = total("prefix_cache_hits_total"), total("prefix_cache_queries_total")
     result: dict = {"prefix_cache_hit_rate": hits / queries if hits is not None and queries else None}
     dispatched = {int(m.group(1)): int(v) for key, v in delta.items() if (m := _REPLICA_DISPATCHED.fullmatch(key))}
     if dispatched:
@@ -310,15 +332,17 @@ def plot(runs: list[dict], path: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
     if len(runs) > 1:
-        rates = [r["request_rate"] for r in runs]
+        # one position per rate, labelled, so an unlimited rate (inf) is plotted too
+        positions, labels = range(len(runs)), [f"{r['request_rate']:g}" for r in runs]
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        left.plot(rates, [r["output_throughput"] for r in runs], marker="o")
+        left.plot(positions, [r["output_throughput"] for r in runs], marker="o")
         left.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
-        right.plot(rates, [r["ttft_ms"]["median"] for r in runs], marker="o", label="TTFT p50")
-        right.plot(rates, [r["ttft_ms"]["p99"] for r in runs], marker="o", label="TTFT p99")
+        right.plot(positions, [r["ttft_ms"]["median"] for r in runs], marker="o", label="TTFT p50")
+        right.plot(positions, [r["ttft_ms"]["p99"] for r in runs], marker="o", label="TTFT p99")
         right.set(xlabel="request rate (req/s)", ylabel="ms", title="time to first token")
         right.legend()
         for ax in (left, right):
+            ax.set_xticks(positions, labels)
             ax.grid(alpha=0.3)
         fig.tight_layout()
         sweep_path = path.with_name(path.stem + "_sweep" + path.suffix)
@@ -381,7 +405,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                         help="--slo as vLLM's bench spells it: ttft:2000 tpot:100")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a response may go silent before it fails (httpx's read timeout)")
     parser.add_argument("--max-duration", type=float, default=3600.0, help="seconds per run before giving up")
     parser.add_argument("--result-json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path for latency CDFs (and _sweep.png)")
@@ -438,8 +463,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             args.slo = ",".join(args.goodput)
         parse_slo(args.slo)
         rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
-        if args.num_prompts < 1 or any(r <= 0 for r in rates) or args.burstiness <= 0:
-            raise ValueError("--num-prompts, request rates and --burstiness must be positive")
+        if args.num_prompts < 1 or not all(r > 0 for r in rates) or not args.burstiness > 0:
+            raise ValueError("--num-prompts, request rates (a number, or inf) and --burstiness must be positive")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be at least 1 (leave it out for no limit), got {args.max_concurrency}")
+        if not (args.timeout > 0 and args.max_duration > 0):
+            raise ValueError("--timeout and --max-duration must be positive seconds")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args, check_server(args)))
         samples = load_samples(args, tokenizer)
     except (ValueError, FileNotFoundError) as exc:
@@ -460,8 +489,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         else f"lognormal(median={args.output_len}, sigma={datasets.OUTPUT_LEN_SIGMA}), clipped to [4, 1024]",
         "ignore_eos": args.ignore_eos, "slo": args.slo, "seed": args.seed, "runs": runs,
     }
-    if args.result_json:
-        Path(args.result_json).write_text(json.dumps(result, indent=2))
+    if args.result_json:  # an unlimited rate as the string "inf", as vLLM's bench writes it (JSON has no Infinity)
+        runs_json = [{**run, "request_rate": "inf" if math.isinf(run["request_rate"]) else run["request_rate"]}
+                     for run in runs]
+        Path(args.result_json).write_text(json.dumps({**result, "runs": runs_json}, indent=2))
     if args.plot:
         for path in plot(runs, Path(args.plot)):
             print(f"wrote {path}")

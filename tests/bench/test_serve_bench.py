@@ -111,6 +111,11 @@ driftgate:replica_requests_dispatched_total{replica="0"} 3.0
     assert server_side(before, after) == {"prefix_cache_hit_rate": 0.5, "replica_requests_dispatched": [0, 7]}
     vllm = parse_counters("vllm:prefix_cache_hits_total 5.0\nvllm:prefix_cache_queries_total 10.0\n")
     assert server_side({}, vllm) == {"prefix_cache_hit_rate": 0.5}
+    labelled = parse_counters(  # as vLLM exports them: per engine and model, summed here
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 2.0\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 10.0\n')
+    assert server_side({}, labelled) == {"prefix_cache_hit_rate": 0.5}
     assert server_side({}, {}) == {"prefix_cache_hit_rate": None}
 
 
@@ -134,11 +139,12 @@ def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: 
         assert f"warning: {url}/v1/models lists ['{MODEL_NAME}'], not --model 'other'" in capsys.readouterr().err
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["slo"] == "ttft:60000,tpot:60000" and result["input_len"] == 16
-    assert [run["request_rate"] for run in result["runs"]] == [4.0, math.inf]
+    assert [run["request_rate"] for run in result["runs"]] == [4.0, "inf"]  # strict JSON, as vLLM writes it
     for run in result["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0
         # the server generated exactly 8 each; re-tokenizing a random model's text need not give 8 back
         assert [r["server_output_len"] for r in run["requests"]] == [8] * 6
+        assert [r["output_len"] for r in run["requests"]] == [8] * 6  # the server's count, as vLLM's bench reads it
         assert run["total_output_tokens"] > 0
         assert run["goodput"] == pytest.approx(run["request_throughput"])
         assert 0 < run["ttft_ms"]["median"] <= run["e2el_ms"]["median"]
@@ -194,3 +200,53 @@ def test_the_tokenizer_defaults_to_the_folder_the_server_names(engine, tiny_mode
         args.tokenizer = str(tmp_path / "missing")
         with pytest.raises(ValueError, match="tokenizer folder not found: .*missing \\(pass --tokenizer\\)"):
             tokenizer_folder(args, check_server(args))
+
+
+@pytest.mark.parametrize(("events", "error", "output_len"), [
+    (['{"choices": [{"text": "a b"}]}', '{"choices": [{"text": " c"}]}',
+      '{"choices": [], "usage": {"completion_tokens": 7}}', "[DONE]"], None, 7),  # the server's count
+    (['{"choices": [{"text": "a"}]}', '{"error": "plain text"}'], "plain text", 0),
+    (['{"choices": [{"text": "a"}]}', '["not", "an", "event"]'], "AttributeError", 0),
+])
+def test_each_request_ends_with_a_result_whatever_the_stream_holds(tokenizer, events, error, output_len):
+    import asyncio
+
+    import httpx
+
+    from bench.serve import send_request
+
+    def reply(_request):
+        return httpx.Response(200, text="".join(f"data: {e}\n\n" for e in events),
+                              headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+            result = RequestResult(prompt_len=1)
+            await send_request(client, "http://server/v1/completions", {}, False, tokenizer, result)
+            return result
+
+    result = asyncio.run(run())
+    assert (error is None and result.error is None) or error in result.error
+    assert result.output_len == output_len and (result.latency > 0) == (error is None)
+
+
+def test_max_duration_holds_at_a_finite_rate_and_bad_limits_are_refused(engine, tiny_model_dir: Path, capsys):
+    import time
+
+    from tests.server.conftest import MODEL_NAME, serve
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_args(parser)
+    with serve(engine) as url:
+        base = ["--base-url", url, "--model", MODEL_NAME, "--tokenizer", str(tiny_model_dir), "--dataset", "random",
+                "--input-len", "8", "--output-len", "4", "--no-progress"]
+        started = time.perf_counter()  # 6 requests at 0.5/s would take ~10 s; the run stops at 2
+        assert run_bench_serve(parser.parse_args([*base, "--num-prompts", "6", "--request-rate", "0.5",
+                                                  "--max-duration", "2"])) == 1
+        assert time.perf_counter() - started < 6
+        assert "not sent: --max-duration reached" in capsys.readouterr().out
+        for flags, message in ((["--max-concurrency", "-1"], "--max-concurrency must be at least 1"),
+                               (["--request-rate", "nan"], "request rates (a number, or inf)"),
+                               (["--timeout", "0"], "--timeout and --max-duration must be positive")):
+            assert run_bench_serve(parser.parse_args([*base, "--num-prompts", "2", *flags])) == 2
+            assert message in capsys.readouterr().err
