@@ -12,6 +12,8 @@ served model (ours, vLLM's, any OpenAI-compatible server), streamed from its cha
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import http.client
 import json
 import os
 import signal
@@ -49,12 +51,24 @@ class Conversation:
     def __init__(self, system: str | None):
         self.system = system
         self.turns: list[dict] = []
+        self.num_asked = 0  # turns asked in this session: a seed moves on with each, as llama-cli's RNG does
 
     def clear(self) -> None:
         self.turns = []
 
     def messages(self, turns: list[dict]) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + turns
+
+    def turn_seed(self, seed: int | None) -> int | None:
+        """The seed of the next turn: a fixed --seed makes a session reproducible, not every turn alike."""
+        return None if seed is None else (seed + self.num_asked) % 2**63
+
+    def record(self, turns: list[dict], dropped: int, answer: str, finish: str) -> None:
+        """Keep the turn just asked (with its answer, and without the `dropped` oldest pairs); a turn
+        stopped before it said anything is left out, to be asked again."""
+        self.num_asked += 1
+        if finish != "interrupted" or answer:
+            self.turns = [*turns[2 * dropped:], {"role": "assistant", "content": answer}]
 
 
 class ChatSession(Conversation):
@@ -81,7 +95,8 @@ class ChatSession(Conversation):
         prompt, dropped = self._fit(turns)
         engine = self.llm.engine
         start = time.perf_counter()
-        request_id = engine.add_request(None, prompt, self.params, 0, None if self.lora is None else self.lora.lora_name)
+        params = dataclasses.replace(self.params, seed=self.turn_seed(self.params.seed))
+        request_id = engine.add_request(None, prompt, params, 0, None if self.lora is None else self.lora.lora_name)
         shown, first_token_s, finish, num_tokens = "", None, None, 0
         try:
             while finish is None:
@@ -102,20 +117,22 @@ class ChatSession(Conversation):
         except BaseException:  # a failed step: nothing of this request stays in the engine
             engine.abort_request(request_id)
             raise
-        self.turns = [*turns[2 * dropped:], {"role": "assistant", "content": shown}]
+        self.record(turns, dropped, shown, finish)
         return Reply(shown, num_tokens, finish, first_token_s, time.perf_counter() - start, dropped)
 
     def _fit(self, turns: list[dict]) -> tuple[list[int], int]:
         """The prompt for `turns` with room for the answer, and how many leading user turns (each
-        with its answer) were left out to make it fit."""
-        limit = self.llm.engine.max_model_len - self.answer_room
+        with its answer) were left out to make it fit. Earlier turns leave to keep `answer_room`
+        free; a message alone may take more, its answer then getting what is left."""
+        max_len = self.llm.engine.max_model_len
         for dropped in range(len(turns) // 2 + 1):
             prompt = self.llm.apply_chat_template(self.messages(turns[2 * dropped:]))
-            if len(prompt) <= limit:
+            if len(prompt) <= max_len - self.answer_room:
                 return prompt, dropped
+        if len(prompt) < max_len:
+            return prompt, dropped
         raise ValueError(f"this message takes {len(prompt)} tokens with the chat template, and the context holds "
-                         f"{self.llm.engine.max_model_len} with {self.answer_room} kept for the answer: "
-                         "send a shorter one")
+                         f"{max_len}: send a shorter one")
 
 
 class RemoteChat(Conversation):
@@ -131,15 +148,18 @@ class RemoteChat(Conversation):
         self.base = url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1"
         self.headers = {"Content-Type": "application/json",
                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-        self.model = model or self._first_model()
+        self.model = self._served_model(model)
         self.fields = fields  # sampling fields the user set; the server's defaults for the rest
 
-    def _first_model(self) -> str:
+    def _served_model(self, model: str | None) -> str:
+        """`model` if the server lists it, else (None) the first it lists; ValueError otherwise."""
         with self._open("GET", "/models") as response:
-            models = json.load(response).get("data") or []
-        if not models:
+            listed = [card.get("id") for card in json.load(response).get("data") or []]
+        if not listed:
             raise ValueError(f"{self.base}/models lists no model")
-        return models[0]["id"]
+        if model is not None and model not in listed:
+            raise ValueError(f"{self.base} serves {', '.join(map(str, listed))}, not {model!r}")
+        return model or listed[0]
 
     def _open(self, method: str, path: str, body: dict | None = None):
         """The response, or a ValueError with the server's own message (or why it could not be reached)."""
@@ -157,33 +177,50 @@ class RemoteChat(Conversation):
             raise ValueError(f"cannot reach {self.base}: {getattr(e, 'reason', e)}") from None
 
     def ask(self, text: str, write: Callable[[str], None]) -> Reply:
+        """Stream the answer to `text` through `write`. Ctrl-C (before or during the answer) closes
+        the stream and keeps the session; a refusal or a stream cut short is a ValueError, and the
+        conversation is left as it was."""
         turns = [*self.turns, {"role": "user", "content": text}]
+        fields = {**self.fields, **({"seed": self.turn_seed(self.fields["seed"])} if "seed" in self.fields else {})}
         start = time.perf_counter()
-        for dropped in range(len(turns) // 2 + 1):
-            body = {"model": self.model, "messages": self.messages(turns[2 * dropped:]), "stream": True,
-                    "stream_options": {"include_usage": True}, **self.fields}
-            try:
-                response = self._open("POST", "/chat/completions", body)
-                break
-            except ServerRefused as e:
-                if not (e.status == 400 and "maximum context length" in str(e).lower()) or len(turns) == 1 + 2 * dropped:
-                    raise ValueError(str(e)) from None
-        shown, first_token_s, finish, num_tokens = "", None, "stop", 0
+        shown, first_token_s, finish, num_tokens, chunks, dropped = "", None, None, None, 0, 0
         try:
+            response, dropped = self._open_fitting(turns, fields)
             with response:
                 for chunk in _server_sent_events(response):
                     if chunk.get("usage"):
-                        num_tokens = chunk["usage"].get("completion_tokens", num_tokens)
+                        num_tokens = chunk["usage"].get("completion_tokens")
                     for choice in chunk.get("choices") or ():
                         if delta := (choice.get("delta") or {}).get("content"):
                             first_token_s = first_token_s or time.perf_counter() - start
                             shown += delta
+                            chunks += 1
                             write(delta)
                         finish = choice.get("finish_reason") or finish
-        except KeyboardInterrupt:  # nothing of the conversation is half-updated: closing the stream ends it
+        except KeyboardInterrupt:  # closing the stream (leaving `with`) ends the request on the server
             finish = "interrupted"
-        self.turns = [*turns[2 * dropped:], {"role": "assistant", "content": shown}]
-        return Reply(shown, num_tokens, finish, first_token_s, time.perf_counter() - start, dropped)
+        except (http.client.HTTPException, OSError) as e:
+            raise ValueError(f"the connection to {self.base} broke mid-answer ({e!r})") from None
+        if finish is None:
+            raise ValueError(f"{self.base} ended the answer without finishing it (no finish_reason)")
+        self.record(turns, dropped, shown, finish)
+        return Reply(shown, chunks if num_tokens is None else num_tokens, finish, first_token_s,
+                     time.perf_counter() - start, dropped)
+
+    def _open_fitting(self, turns: list[dict], fields: dict):
+        """The streamed response to `turns`, and how many leading user turns (each with its answer)
+        were left out after the server said the conversation no longer fits its context."""
+        dropped = 0
+        while True:
+            body = {"model": self.model, "messages": self.messages(turns[2 * dropped:]), "stream": True,
+                    "stream_options": {"include_usage": True}, **fields}
+            try:
+                return self._open("POST", "/chat/completions", body), dropped
+            except ServerRefused as e:
+                too_long = e.status == 400 and "maximum context length" in str(e).lower()
+                if not too_long or 2 * dropped + 1 >= len(turns):
+                    raise ValueError(str(e)) from None
+                dropped += 1
 
 
 class ServerRefused(ValueError):
@@ -193,9 +230,10 @@ class ServerRefused(ValueError):
 
 
 def _server_sent_events(response) -> Iterator[dict]:
-    """The JSON chunks of an OpenAI stream, up to `data: [DONE]`; an error event is a ValueError."""
+    """The JSON chunks of an OpenAI stream, up to `data: [DONE]`; an error event, or a stream that
+    ends without [DONE] (the server gone), is a ValueError."""
     for raw in response:
-        line = raw.decode().strip()
+        line = raw.decode(errors="replace").strip()
         if not line.startswith("data:"):
             continue
         data = line[len("data:"):].strip()
@@ -203,23 +241,40 @@ def _server_sent_events(response) -> Iterator[dict]:
             return
         chunk = json.loads(data)
         if "error" in chunk:
-            raise ValueError(f"the server failed mid-answer: {chunk['error'].get('message')}")
+            error = chunk["error"]
+            raise ValueError(f"the server failed mid-answer: {error.get('message') if isinstance(error, dict) else error}")
         yield chunk
+    raise ValueError("the stream ended before the server said [DONE] (the server stopped?)")
 
 
 def read_message(interactive: bool) -> str | None:
     """The next user turn: one line, or several joined where a line ends in a backslash (None at
-    end of input)."""
+    end of input). Bytes that are not UTF-8 read as U+FFFD. Ctrl-C while continuing a message
+    drops that message and asks again; at an empty prompt it leaves (KeyboardInterrupt)."""
     lines: list[str] = []
     while True:
         try:
             line = input(("... " if lines else "> ") if interactive else "")
         except EOFError:
+            if interactive:
+                print()  # the shell's prompt on a line of its own
             return "\n".join(lines) if lines else None
+        except KeyboardInterrupt:
+            if not lines:
+                raise
+            print()
+            lines = []
+            continue
+        line = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace") if _has_surrogates(line) else line
         if line.endswith("\\"):
             lines.append(line[:-1])
             continue
         return "\n".join([*lines, line])
+
+
+def _has_surrogates(text: str) -> bool:
+    """Whether stdin's decoding left undecodable bytes in `text` as lone surrogates."""
+    return any("\ud800" <= ch <= "\udfff" for ch in text)
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -245,7 +300,8 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """Bad flags, a model that cannot load or has no chat template, a server out of reach: one line, exit 2."""
+    """Bad flags, a model that cannot load or has no chat template, a server out of reach: one line,
+    exit 2. A turn that fails says why and the session goes on; with piped input the exit is then 1."""
     chosen = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed}
     chosen = {k: v for k, v in chosen.items() if v is not None}
@@ -266,6 +322,7 @@ def run_chat(args: argparse.Namespace) -> int:
         where = (f"{session.model} at {session.base}" if isinstance(session, RemoteChat)
                  else f"{args.model} (context {session.llm.engine.max_model_len} tokens)")
         print(f"chatting with {where}; {COMMANDS_HELP}", file=sys.stderr)
+    failed = False
     while True:
         try:
             message = read_message(interactive)
@@ -273,17 +330,20 @@ def run_chat(args: argparse.Namespace) -> int:
             print(file=sys.stderr)
             return 0
         if message is None or message.strip() in ("/exit", "/quit"):
-            return 0
+            return 1 if failed and not interactive else 0
         if message.strip() == "/clear":
             session.clear()
             continue
         if not message.strip():
             continue
+        terminal = _Terminal()
         try:
-            reply = session.ask(message, _print_now) if isinstance(session, RemoteChat) \
-                else _ask_with_ctrl_c(session, message)
+            reply = session.ask(message, terminal) if isinstance(session, RemoteChat) \
+                else _ask_with_ctrl_c(session, message, terminal)
         except ValueError as e:
+            print("\n" if terminal.printed else "", end="", flush=True)  # the error on a line of its own
             print(f"error: {e}", file=sys.stderr)
+            failed = True
             continue
         print(flush=True)
         if reply.dropped_turns:
@@ -308,11 +368,18 @@ def _local_session(args: argparse.Namespace, chosen: dict) -> ChatSession:
     return ChatSession(llm, params, args.system, lora)
 
 
-def _print_now(text: str) -> None:
-    print(text, end="", flush=True)
+class _Terminal:
+    """Prints an answer as it streams, and remembers whether it printed any of it."""
+
+    def __init__(self) -> None:
+        self.printed = False
+
+    def __call__(self, text: str) -> None:
+        self.printed = self.printed or bool(text)
+        print(text, end="", flush=True)
 
 
-def _ask_with_ctrl_c(session: ChatSession, message: str, write: Callable[[str], None] = _print_now) -> Reply:
+def _ask_with_ctrl_c(session: ChatSession, message: str, write: Callable[[str], None]) -> Reply:
     """`session.ask`, Ctrl-C turned into a stop between steps."""
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -90,6 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """How `generate` and `chat` load the model."""
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the context in tokens (default: the model's; llama-cli's -c)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
@@ -102,8 +104,9 @@ def llm_from_args(args: argparse.Namespace) -> tuple[LLM, LoRARequest | None]:
     """The `LLM` and the LoRA request (or None) `add_engine_args`' flags ask for (ValueError if refused)."""
     from engine import LLM, LoRARequest
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
-              kv_scales=args.kv_scales, speculative_config=args.speculative_config, enable_lora=args.lora is not None)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
+              speculative_config=args.speculative_config, enable_lora=args.lora is not None)
     if args.kv_scales == "dynamic":
         print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)
     return llm, None if args.lora is None else LoRARequest("lora", 1, args.lora)

@@ -108,3 +108,61 @@ def test_the_command_refuses_a_model_without_a_chat_template(tiny_model_dir, tmp
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert main(["chat", str(folder)]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_a_message_alone_may_take_more_than_the_answers_room(llm):
+    """Earlier turns leave to keep room for an answer, but a lone message that fits is answered
+    with what is left (it was refused past half the context)."""
+    session = ChatSession(llm, greedy(max_tokens=None))  # answer_room: half the context
+    long = "word " * 30
+    prompt, dropped = session._fit([{"role": "user", "content": long}])
+    assert session.answer_room < len(prompt) < llm.engine.max_model_len - 1 and dropped == 0
+    reply = session.ask(long, lambda _: None)
+    assert reply.num_tokens > 0
+    assert_idle(llm)
+
+
+def test_a_seed_moves_on_with_each_turn_so_a_session_replays_but_turns_differ(llm):
+    def session_answers() -> list[str]:
+        session = ChatSession(llm, SamplingParams(temperature=1.0, max_tokens=8, seed=7))
+        return [session.ask("same question", lambda _: None).text for _ in range(2)]
+
+    first = session_answers()
+    assert first == session_answers()  # the same session again: the same answers
+    session = ChatSession(llm, SamplingParams(seed=7))
+    assert session.turn_seed(7) == 7
+    session.record([{"role": "user", "content": "q"}], 0, "a", "stop")
+    assert session.turn_seed(7) == 8 and session.turn_seed(None) is None
+
+
+def test_ctrl_c_before_any_answer_leaves_the_conversation_as_it_was(llm):
+    session = ChatSession(llm, greedy(max_tokens=8))
+    session.ask("hi", lambda _: None)
+    before = list(session.turns)
+    reply = session.ask("again", lambda _: None, interrupted=lambda: True)
+    assert reply.finish_reason == "interrupted" and reply.text == "" and session.turns == before
+    assert_idle(llm)
+
+
+def test_input_that_is_not_utf8_and_ctrl_c_while_continuing_a_message(monkeypatch):
+    import builtins
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("ab\udcff\udcfecd\n"))  # stdin's surrogateescape of \xff\xfe
+    assert read_message(False) == "ab\ufffd\ufffdcd"
+    typed = iter(["first \\", KeyboardInterrupt, "second"])
+
+    def fake_input(_prompt: str) -> str:
+        value = next(typed)
+        if value is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return value
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    assert read_message(True) == "second"  # Ctrl-C dropped the unfinished message, not the session
+
+
+def test_a_failed_turn_makes_a_piped_session_exit_1(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO(("word " * 200) + "\nhello\n"))
+    assert main(["chat", str(tiny_model_dir), "--max-model-len", "64", "--max-tokens", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert "the context holds 64: send a shorter one" in err and "Traceback" not in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from engine.chat_repl import RemoteChat
@@ -71,3 +73,41 @@ def test_the_command_talks_to_the_server_named_by_url(base_url, monkeypatch, cap
     out, err = capsys.readouterr()
     assert out.endswith("\n") and err.count("tokens") == 2 and "Traceback" not in err
     assert main(["chat"]) == 2 and "name a model folder, or a server with --url" in capsys.readouterr().err
+
+
+class _Stream(io.BytesIO):
+    """A canned server-sent-event body, as urllib's response reads."""
+
+
+def _canned(chat: RemoteChat, monkeypatch, events: list[str]) -> None:
+    body = "".join(f"data: {event}\n\n" for event in events).encode()
+    monkeypatch.setattr(chat, "_open", lambda *args: _Stream(body))
+
+
+def test_a_stream_cut_short_is_an_error_and_ctrl_c_before_any_answer_keeps_the_session(base_url, monkeypatch):
+    chat = RemoteChat(base_url, MODEL_NAME, {"max_tokens": 4})
+    chat.ask("hi", lambda _: None)
+    before = list(chat.turns)
+    _canned(chat, monkeypatch, ['{"choices": [{"delta": {"content": "the"}}]}'])  # no finish, no [DONE]
+    with pytest.raises(ValueError, match="before the server said \\[DONE\\]"):
+        chat.ask("again", lambda _: None)
+    assert chat.turns == before
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt  # Ctrl-C while the server still prefills: no byte yet
+
+    monkeypatch.setattr(chat, "_open", interrupted)
+    reply = chat.ask("again", lambda _: None)
+    assert reply.finish_reason == "interrupted" and chat.turns == before
+
+
+def test_without_usage_the_stats_count_the_streamed_chunks(base_url, monkeypatch):
+    chat = RemoteChat(base_url, MODEL_NAME, {})
+    _canned(chat, monkeypatch, ['{"choices": [{"delta": {"content": "a"}}]}', '{"choices": [{"delta": {"content": "b"}}]}',
+                                '{"choices": [{"delta": {}, "finish_reason": "stop"}]}', "[DONE]"])
+    assert chat.ask("hi", lambda _: None).num_tokens == 2
+
+
+def test_a_model_name_the_server_does_not_list_is_refused_at_start(base_url):
+    with pytest.raises(ValueError, match="not 'nope'"):
+        RemoteChat(base_url, "nope", {})
