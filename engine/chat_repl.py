@@ -5,8 +5,9 @@ streams as it is generated, and the whole conversation is the next turn's prompt
 model's chat template, so its earlier turns come from the prefix cache. A conversation that outgrows
 the context loses its oldest turns (the system prompt stays). Ctrl-C stops an answer between two
 engine steps, never inside one, so the engine stays whole and the request's KV blocks are freed;
-what it had said stays in the conversation. With `--url` the same conversation runs against a
-served model (ours, vLLM's, any OpenAI-compatible server), streamed from its chat completions.
+what it had said stays in the conversation (a turn stopped before it said anything is dropped).
+With `--url` the same conversation runs against a served model (ours, vLLM's, any
+OpenAI-compatible server), streamed from its chat completions.
 """
 
 from __future__ import annotations
