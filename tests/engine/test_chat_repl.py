@@ -11,20 +11,12 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.chat_repl import ChatSession, _ask_with_ctrl_c, read_message
 from engine.cli import main
+from tests.engine.test_llm_api import assert_idle, greedy
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir) -> LLM:
     return LLM(str(tiny_model_dir), dtype="float32", max_model_len=160, num_kv_blocks=64)
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, **kwargs)
-
-
-def assert_idle(llm: LLM) -> None:
-    stats = llm.stats()
-    assert not llm.engine.has_unfinished() and stats.num_blocks_used == 0
 
 
 def test_each_turn_answers_the_whole_conversation_as_llm_chat_does(llm):
