@@ -309,6 +309,9 @@ def run_chat(args: argparse.Namespace) -> int:
     try:
         if (args.model is None) == (args.url is None):
             raise ValueError("name a model folder, or a server with --url (not both)")
+        if args.url and (engine_flags := _engine_flags_given(args)):
+            raise ValueError(f"{', '.join(engine_flags)} set an in-process engine; a --url server runs as it was "
+                             "started (pass them to `driftgate serve`)")
         session = RemoteChat(args.url, args.model_name, chosen, args.system, args.api_key) if args.url \
             else _local_session(args, chosen)
     except ValueError as e:
@@ -355,6 +358,16 @@ def run_chat(args: argparse.Namespace) -> int:
             print("[cut at the token limit]", file=sys.stderr)
         if args.stats:
             print(_describe(reply), file=sys.stderr)
+
+
+def _engine_flags_given(args: argparse.Namespace) -> list[str]:
+    """The engine flags (engine.cli.add_engine_args) set to other than their defaults."""
+    from engine.cli import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return ["--" + dest.replace("_", "-") for dest, default in vars(parser.parse_args([])).items()
+            if getattr(args, dest) != default]
 
 
 def _local_session(args: argparse.Namespace, chosen: dict) -> ChatSession:

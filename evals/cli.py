@@ -400,7 +400,7 @@ def _serves_candidate(root: str | None, candidate_dir: Path) -> bool | None:
     if root is None:
         return None
     served = Path(root)
-    if served == candidate_dir.resolve():
+    if served.resolve() == candidate_dir.resolve():  # the same folder, however either names it
         return True
     if not served.is_dir():
         print(f"[gate] warning: the server serves {root}, which this machine cannot read to compare with "

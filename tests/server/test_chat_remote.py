@@ -111,3 +111,10 @@ def test_without_usage_the_stats_count_the_streamed_chunks(base_url, monkeypatch
 def test_a_model_name_the_server_does_not_list_is_refused_at_start(base_url):
     with pytest.raises(ValueError, match="not 'nope'"):
         RemoteChat(base_url, "nope", {})
+
+
+def test_engine_flags_with_url_are_refused(base_url, capsys):
+    from engine.cli import main
+
+    assert main(["chat", "--url", base_url, "--dtype", "bfloat16", "--max-model-len", "64"]) == 2
+    assert "--dtype, --max-model-len set an in-process engine" in capsys.readouterr().err
