@@ -572,3 +572,24 @@ def test_ctrl_c_is_exit_130_with_one_line(setup, fast_policy, monkeypatch, capsy
     assert _gate(baseline, copy, fast_policy, root) == 130
     err = capsys.readouterr().err
     assert "interrupted; no verdict written" in err and "Traceback" not in err
+
+
+def test_a_candidate_with_nan_weights_fails_with_a_report(setup, tmp_path, capsys):
+    """NaN logits are a broken checkpoint: a FAIL with its report (Tier 0 names the arm), never a
+    crash, and no item of it counts as answered."""
+    root, baseline, _ = setup
+    broken = tmp_path / "nan"
+    shutil.copytree(baseline, broken, ignore=shutil.ignore_patterns("verdict.json"))
+    tensors = load_file(broken / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("layers.1.mlp.down_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    policy = tmp_path / "tier0.toml"
+    policy.write_text(FAST_POLICY.replace("[tier0]\nenabled = false", "[tier0]\nnum_documents = 1\n"
+                                          "max_tokens_per_sequence = 64"))
+    assert _gate(baseline, broken, policy, tmp_path) == EXIT_DRIFT
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["tier0.finite_logits"]["status"] == "fail" and "candidate" in checks["tier0.finite_logits"]["detail"]
+    assert not any(item["correct"] for item in report["items"]["candidate"]["driftgate_piqa"])
+    assert "Traceback" not in capsys.readouterr().err
