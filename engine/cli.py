@@ -40,6 +40,8 @@ BENCHES = {
              "our checkpoints in vLLM against driftgate: logprobs and greedy tokens on the same inputs"),
 }
 
+# commands whose arguments belong to another tool, passed on unparsed (help included)
+PASSTHROUGH = {"lm-eval"}
 # name → (module, function adding its arguments, function running it, one-line help)
 COMMANDS = {
     "import-model": ("engine.cli", "add_import_args", "run_import", "import a GGUF (default: SmolLM2-135M) as an HF folder"),
@@ -49,6 +51,8 @@ COMMANDS = {
     "gate": ("evals.cli", "add_gate_args", "run_gate", "gate a quantized checkpoint against its baseline"),
     "serve": ("server.cli", "add_serve_args", "run_serve", "OpenAI-compatible HTTP server"),
     "run-batch": ("server.batch", "add_batch_args", "run_batch", "answer an OpenAI batch file (JSONL) offline"),
+    "lm-eval": ("evals.lm_eval_cli", "add_lm_eval_args", "run_lm_eval",
+                "lm-evaluation-harness's command line, with --model driftgate (our engine)"),
     "bench": ("engine.cli", "add_bench_args", "run_bench", "benchmarks: " + ", ".join(BENCHES)),
     "cluster-sim": ("engine.cluster.sim", "add_sim_args", "run_sim", "simulate routing policies on N nodes"),
 }
@@ -160,7 +164,7 @@ def build_parser(command: str | None, argv: list[str] | None = None) -> argparse
     parser = argparse.ArgumentParser(prog="driftgate", description="Serve quantized LLMs that provably did not drift.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, add_fn, _, help_text) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text)
+        sp = sub.add_parser(name, help=help_text, add_help=name not in PASSTHROUGH)
         if name == command:
             getattr(importlib.import_module(module), add_fn)(sp)
             if name in ("serve", "run-batch") and argv:
@@ -173,7 +177,12 @@ def build_parser(command: str | None, argv: list[str] | None = None) -> argparse
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None, argv).parse_args(argv)
+    parser = build_parser(command if command in COMMANDS else None, argv)
+    if command in PASSTHROUGH:  # another tool's command line: everything after the command is its own
+        args = parser.parse_args(argv[:argv.index(command) + 1])
+        args.passthrough = argv[argv.index(command) + 1:]
+    else:
+        args = parser.parse_args(argv)
     module, _, run_fn, _ = COMMANDS[args.command]
     return getattr(importlib.import_module(module), run_fn)(args)
 

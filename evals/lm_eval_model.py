@@ -8,10 +8,12 @@ the shared context; the prefill tokens this saves are read from the engine's sta
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lm_eval.models  # noqa: F401  -- registers lm-eval's own models too, so `local-completions` resolves
+import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -50,6 +52,20 @@ def prefill_first(llm: LLM, prompts: Sequence[list[int]]) -> None:
     """
     if len(prompts) > 1:
         llm.generate(list(prompts[:1]), SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+
+
+log = logging.getLogger(__name__)
+
+
+def _device(asked: str | None) -> str:
+    """lm-eval's --device for our engine: its CLI asks for cuda:0 by default, which on a machine
+    without CUDA means the CPU (as lm-eval's own HF model falls back, with a warning)."""
+    if asked is None:
+        return "auto"
+    if asked.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("lm-eval asked for device %s, but torch sees no CUDA device: running on the CPU", asked)
+        return "cpu"
+    return asked
 
 
 @register_model("driftgate")
@@ -92,6 +108,7 @@ class DriftgateLM(TemplateLM):
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching,
                 seed=seed,
+                device=_device(device),
             )
         self.llm = llm
         self.tokenizer = llm.tokenizer
