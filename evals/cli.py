@@ -199,7 +199,7 @@ def _run(args: argparse.Namespace) -> int:
     served, cand_llm = None, None
     if args.server:
         candidate, prompts, served = _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir,
-                                                       own_prompts)
+                                                       own_prompts, (candidate_hashes, judged_configs))
     else:
         candidate, cand_llm = arms.run_arm(candidate_dir, policy, data_dir, ids, label="candidate", device=device,
                                            dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -361,7 +361,8 @@ def _tier2_prompts(arms, policy, tokenizer, data_dir: Path, own: list | None) ->
     return arms.tier2_prompts(tokenizer, data_dir, policy.tier2.num_prompts) if policy.tier2.enabled else []
 
 
-def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, own_prompts) -> tuple:
+def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, own_prompts,
+                      candidate_files: tuple[dict[str, str], dict[str, str]]) -> tuple:
     """The candidate arm from a live server: Tier 1 via lm-eval's HTTP client, Tier 2 via completions.
 
     Returns (the arm, its Tier 2 prompts, a `remote.ServedCandidate`).
@@ -374,7 +375,7 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, 
             raise GateInputError(f"the server's max_model_len {served_len} is below the policy's "
                                  f"{policy.engine.max_model_len}: serve with --max-model-len "
                                  f"{policy.engine.max_model_len} so both arms see the same prompts")
-        serves_candidate = _serves_candidate(card.get("root"), candidate_dir)
+        serves_candidate = _serves_candidate(card.get("root"), candidate_dir, candidate_files)
         candidate = arms.run_server_arm(args.server, card["id"], candidate_dir, policy, data_dir, ids,
                                         api_key=args.server_api_key)
         tokenizer = load_tokenizer(candidate_dir)
@@ -391,10 +392,12 @@ def _server_candidate(args, arms, remote, policy, data_dir, ids, candidate_dir, 
     return candidate, prompts, remote.ServedCandidate(args.server, card, tokenizer, exact, serves_candidate)
 
 
-def _serves_candidate(root: str | None, candidate_dir: Path) -> bool | None:
-    """Whether the server answers with the --candidate files the verdict will bind. A driftgate or
-    vLLM server names the folder it serves: another folder is refused unless its files are the
-    candidate's (a copy); a folder this machine cannot read, or no name, cannot be told (None)."""
+def _serves_candidate(root: str | None, candidate_dir: Path,
+                      candidate_files: tuple[dict[str, str], dict[str, str]]) -> bool | None:
+    """Whether the server answers with the --candidate files the verdict will bind (their weight and
+    config hashes, taken at the start). A driftgate or vLLM server names the folder it serves:
+    another folder is refused unless its files are the candidate's (a copy); a folder this machine
+    cannot read, or no name, cannot be told (None)."""
     from evals.verdict import config_hashes, weight_hashes
 
     if root is None:
@@ -406,8 +409,9 @@ def _serves_candidate(root: str | None, candidate_dir: Path) -> bool | None:
         print(f"[gate] warning: the server serves {root}, which this machine cannot read to compare with "
               f"{candidate_dir.resolve()}; the verdict binds the --candidate files", flush=True)
         return None
-    for kind, files in (("weights", weight_hashes), ("config, tokenizer or chat template", config_hashes)):
-        if files(served) != files(candidate_dir):
+    for kind, files, candidate in (("weights", weight_hashes, candidate_files[0]),
+                                   ("config, tokenizer or chat template", config_hashes, candidate_files[1])):
+        if files(served) != candidate:
             raise GateInputError(f"the server serves {root}, whose {kind} differ from --candidate {candidate_dir}: "
                                  "the verdict would bind files the server did not answer with; give --candidate "
                                  f"{root}, or serve {candidate_dir}")
