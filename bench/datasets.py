@@ -62,18 +62,35 @@ def sharegpt(tokenizer, data_dir: Path, num_prompts: int, output_len: int, fixed
     raise ValueError(f"only {len(samples)} ShareGPT prompts pass the length filter; asked for {num_prompts}")
 
 
-def _random_text(tokenizer, rng: np.random.Generator, num_tokens: int) -> str:
+def _text_vocabulary(tokenizer) -> np.ndarray:
+    """Token ids to draw random prompts from: not special, and each decodes to whole characters
+    (a lone byte of a multi-byte character decodes to U+FFFD, which encodes back as three tokens)."""
     special = set(tokenizer.all_special_ids)
-    vocab = np.array([t for t in range(len(tokenizer)) if t not in special])
-    return tokenizer.decode(rng.choice(vocab, size=num_tokens).tolist())
+    texts = tokenizer.batch_decode([[t] for t in range(len(tokenizer))])
+    return np.array([t for t, text in enumerate(texts) if t not in special and "\ufffd" not in text])
+
+
+def _random_text(tokenizer, vocab: np.ndarray, rng: np.random.Generator, num_tokens: int, tries: int = 10) -> str:
+    """Text that encodes to `num_tokens` tokens, as vLLM's random dataset makes it: decoded random ids
+    merge and split when encoded again, so the encoding is cut to the length, or random ids are
+    added, and decoded again, until it fits (or `tries` run out)."""
+    ids = rng.choice(vocab, size=num_tokens).tolist()
+    for _ in range(tries):
+        text = tokenizer.decode(ids)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == num_tokens:
+            break
+        ids = ids[:num_tokens] + rng.choice(vocab, size=max(0, num_tokens - len(ids))).tolist()
+    return text
 
 
 def random_prompts(tokenizer, num_prompts: int, input_len: int, output_len: int,
                    rng: np.random.Generator) -> list[Sample]:
-    """Decoded random token ids; lengths are re-measured since decode/encode need not round-trip."""
+    """Random token ids as text of `input_len` tokens; lengths are measured, since a few may miss."""
+    vocab = _text_vocabulary(tokenizer)
     samples = []
     for _ in range(num_prompts):
-        prompt = _random_text(tokenizer, rng, input_len)
+        prompt = _random_text(tokenizer, vocab, rng, input_len)
         samples.append(Sample(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
     return samples
 
@@ -88,10 +105,11 @@ def prefix_shared(tokenizer, num_prompts: int, prefix_len: int, input_len: int, 
     """
     if num_prefixes < 1:
         raise ValueError(f"num_prefixes must be at least 1, got {num_prefixes}")
-    prefixes = [_random_text(tokenizer, rng, prefix_len) for _ in range(num_prefixes)]
+    vocab = _text_vocabulary(tokenizer)
+    prefixes = [_random_text(tokenizer, vocab, rng, prefix_len) for _ in range(num_prefixes)]
     samples = []
     for _ in range(num_prompts):
         prefix = prefixes[int(rng.integers(num_prefixes))] if num_prefixes > 1 else prefixes[0]
-        prompt = prefix + "\n" + _random_text(tokenizer, rng, input_len)
+        prompt = prefix + "\n" + _random_text(tokenizer, vocab, rng, input_len)
         samples.append(Sample(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
     return samples

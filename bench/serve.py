@@ -40,7 +40,7 @@ class RequestResult:
     """What one request measured (seconds); `error` is set when it failed."""
 
     prompt_len: int
-    output_len: int = 0  # counted with the tokenizer on the generated text
+    output_len: int = 0  # the server's usage.completion_tokens, else its text re-tokenized
     server_output_len: int | None = None  # usage.completion_tokens when the server reports it
     ttft: float = 0.0
     latency: float = 0.0
@@ -119,13 +119,12 @@ def arrival_gaps(num: int, rate: float, burstiness: float, rng: np.random.Genera
     return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num)
 
 
-def _text_of(event: dict, chat: bool) -> str:
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
-    if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+def _text_of(choice: dict, chat: bool) -> str:
+    """A chunk's text: a completion's `text`, a chat delta's reasoning and answer."""
+    if not chat:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    return (delta.get("reasoning_content") or "") + (delta.get("content") or "")
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict, chat: bool, tokenizer,
@@ -134,29 +133,31 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, chat:
     start = time.perf_counter()
     pieces: list[str] = []
     try:
-        await _stream(client, url, payload, chat, result, start, pieces)
+        chunks = await _stream(client, url, payload, chat, result, start, pieces)
     except Exception as exc:  # noqa: BLE001 — whatever ends one request is that request's failure, not the run's
         result.error = f"{type(exc).__name__}: {exc}"
         return
     if result.error is not None:
         return
-    if not pieces:
-        result.error = "no output"
+    if not chunks:  # as vLLM's bench: without a first chunk there is no TTFT to report
+        result.error = "no chunk with choices before the stream ended"
         return
     result.output_len = (result.server_output_len if result.server_output_len is not None
                          else len(tokenizer.encode("".join(pieces), add_special_tokens=False)))
 
 
 async def _stream(client: httpx.AsyncClient, url: str, payload: dict, chat: bool, result: RequestResult,
-                  start: float, pieces: list[str]) -> None:
+                  start: float, pieces: list[str]) -> int:
     """Read one streamed response into `result` (timings, the server's token count) and `pieces` (its
-    text); `result.latency` is set once the stream has ended (a cancelled request keeps 0)."""
-    last = start
+    text); returns how many chunks carried choices. As in vLLM's bench, every such chunk is a timing
+    event (TTFT at the first, an ITL gap per later one, E2E at the last), its text empty or not (a chat
+    stream's first chunk holds the role alone); `result.latency` is set once the stream has ended."""
+    last, chunks = start, 0
     async with client.stream("POST", url, json=payload) as response:
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")[:200]
             result.error = f"HTTP {response.status_code}: {body}"
-            return
+            return chunks
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -167,20 +168,21 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict, chat: bool
             if "error" in event:
                 error = event["error"]
                 result.error = str(error.get("message", error) if isinstance(error, dict) else error)
-                return
+                return chunks
             if event.get("usage"):
                 result.server_output_len = event["usage"].get("completion_tokens")
-            text = _text_of(event, chat)
-            if not text:
+            choices = event.get("choices")
+            if not choices:
                 continue
             now = time.perf_counter()
-            if not pieces:
-                result.ttft = now - start
-            else:
+            if chunks:
                 result.itl.append(now - last)
-            last = now
-            pieces.append(text)
-    result.latency = last - start  # to the last text, not to a trailing usage chunk or [DONE]
+            else:
+                result.ttft = now - start
+            last, chunks = now, chunks + 1
+            pieces.append(_text_of(choices[0], chat))
+    result.latency = last - start  # to the last chunk with choices, not to a trailing usage chunk or [DONE]
+    return chunks
 
 
 def build_payload(sample: Sample, args: argparse.Namespace, chat: bool) -> dict:

@@ -128,7 +128,7 @@ def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: 
         args = parser.parse_args([
             # vLLM's bench spellings (--dataset-name, --random-input-len, --goodput) name the same settings
             "--base-url", url, "--model", MODEL_NAME, "--tokenizer", str(tiny_model_dir), "--dataset-name", "random",
-            "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos",
+            "--num-prompts", "6", "--random-input-len", "40", "--random-output-len", "8", "--ignore-eos",
             "--sweep", "4,inf", "--max-concurrency", "4",
             "--temperature", "1.0",  # greedy on random weights can settle on special tokens (no text)
             "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(tmp_path / "r.json"),
@@ -138,7 +138,7 @@ def test_live_run_writes_json_and_plots(engine, tiny_model_dir: Path, tmp_path: 
         check_server(parser.parse_args(["--base-url", url, "--model", "other"]))
         assert f"warning: {url}/v1/models lists ['{MODEL_NAME}'], not --model 'other'" in capsys.readouterr().err
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["slo"] == "ttft:60000,tpot:60000" and result["input_len"] == 16
+    assert result["slo"] == "ttft:60000,tpot:60000" and result["input_len"] == 40
     assert [run["request_rate"] for run in result["runs"]] == [4.0, "inf"]  # strict JSON, as vLLM writes it
     for run in result["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0
@@ -207,6 +207,10 @@ def test_the_tokenizer_defaults_to_the_folder_the_server_names(engine, tiny_mode
       '{"choices": [], "usage": {"completion_tokens": 7}}', "[DONE]"], None, 7),  # the server's count
     (['{"choices": [{"text": "a"}]}', '{"error": "plain text"}'], "plain text", 0),
     (['{"choices": [{"text": "a"}]}', '["not", "an", "event"]'], "AttributeError", 0),
+    # an empty completion is a success with no tokens, as in vLLM's bench; no choices at all is not
+    (['{"choices": [{"text": "", "finish_reason": "stop"}]}', '{"choices": [], "usage": {"completion_tokens": 0}}'],
+     None, 0),
+    (['{"choices": [], "usage": {"completion_tokens": 0}}', "[DONE]"], "no chunk with choices", 0),
 ])
 def test_each_request_ends_with_a_result_whatever_the_stream_holds(tokenizer, events, error, output_len):
     import asyncio
@@ -228,6 +232,43 @@ def test_each_request_ends_with_a_result_whatever_the_stream_holds(tokenizer, ev
     result = asyncio.run(run())
     assert (error is None and result.error is None) or error in result.error
     assert result.output_len == output_len and (result.latency > 0) == (error is None)
+
+
+def test_chat_timings_start_at_the_role_chunk_and_count_reasoning_text(tokenizer):
+    """vLLM's bench: every chunk with choices is a timing event (TTFT at the role-only first chunk,
+    one ITL gap per later chunk); the tokens counted without usage include reasoning_content."""
+    import asyncio
+
+    import httpx
+
+    from bench.serve import send_request
+
+    events = ['{"choices": [{"delta": {"role": "assistant", "content": ""}}]}',
+              '{"choices": [{"delta": {"reasoning_content": "Let me think"}}]}',
+              '{"choices": [{"delta": {"content": " Paris"}, "finish_reason": "stop"}]}', "[DONE]"]
+
+    def reply(_request):
+        return httpx.Response(200, text="".join(f"data: {e}\n\n" for e in events),
+                              headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+            result = RequestResult(prompt_len=1)
+            await send_request(client, "http://server/v1/chat/completions", {}, True, tokenizer, result)
+            return result
+
+    result = asyncio.run(run())
+    assert result.error is None and len(result.itl) == 2
+    assert 0 < result.ttft <= result.latency
+    assert result.output_len == len(tokenizer.encode("Let me think Paris", add_special_tokens=False))
+
+
+def test_random_prompts_have_the_asked_length(tokenizer):
+    """Decoded random ids re-encode to other lengths (~5% longer on SmolLM2's BPE); the prompts are
+    adjusted until they encode to --input-len, as vLLM's random dataset does."""
+    samples = datasets.random_prompts(tokenizer, 16, 96, 8, np.random.default_rng(0))
+    assert [s.prompt_len for s in samples] == [96] * 16
+    assert all(len(tokenizer.encode(s.prompt, add_special_tokens=False)) == 96 for s in samples)
 
 
 def test_max_duration_holds_at_a_finite_rate_and_bad_limits_are_refused(engine, tiny_model_dir: Path, capsys):
