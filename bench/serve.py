@@ -30,6 +30,7 @@ import numpy as np
 from bench import datasets
 from bench.datasets import Sample
 from engine.slo import meets_slo, parse_slo, time_per_output_token
+from server.client import auth_headers, model_cards
 
 PERCENTILES = (50, 90, 99)
 _METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -204,7 +205,7 @@ async def run_load(samples: list[Sample], args: argparse.Namespace, rate: float,
     rng = np.random.default_rng(args.seed)
     gaps = arrival_gaps(len(samples), rate, args.burstiness, rng)
     limit = asyncio.Semaphore(args.max_concurrency or len(samples))  # None: no limit
-    headers = _headers(args)
+    headers = auth_headers(args.api_key)
     results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
     progress = None
     if not args.no_progress:
@@ -415,28 +416,15 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _headers(args: argparse.Namespace) -> dict[str, str]:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-
-
 def check_server(args: argparse.Namespace) -> list[dict]:
-    """Before any load: the server answers /v1/models (ValueError saying why not, as vLLM's bench
-    stops when its first test request fails), and a warning when it does not list `--model`.
-    Returns its model cards (none when the answer is not an OpenAI model list)."""
-    url = args.base_url.rstrip("/") + "/v1/models"
-    try:
-        reply = httpx.get(url, headers=_headers(args), timeout=10)
-    except httpx.HTTPError as exc:
-        raise ValueError(f"cannot reach {url}: {exc}") from None
-    if reply.status_code != 200:
-        raise ValueError(f"{url} answered HTTP {reply.status_code}: {reply.text[:200]}")
-    try:
-        cards = [card for card in reply.json().get("data") or [] if isinstance(card, dict)]
-    except (ValueError, AttributeError):
-        return []  # not an OpenAI model list; the requests themselves will say more
-    served = [card.get("id") for card in cards]
+    """Before any load: the server's model cards (ValueError saying why it does not answer with
+    them, as vLLM's bench stops when its first test request fails), and a warning when they do not
+    list `--model`."""
+    cards = model_cards(args.base_url, args.api_key)
+    served = [card["id"] for card in cards]
     if args.model not in served:
-        print(f"warning: {url} lists {served}, not --model {args.model!r}", file=sys.stderr)
+        print(f"warning: {args.base_url.rstrip('/')}/v1/models lists {served}, not --model {args.model!r}",
+              file=sys.stderr)
     return cards
 
 

@@ -17,6 +17,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from evals.lm_eval_model import GenerationRecord
+from server.client import auth_headers, error_message, model_cards
 
 _ID_PREFIX = "token_id:"
 TIER0_SKIP_REASON = "candidate served over HTTP: an OpenAI-style server returns top-k logprobs only, Tier 0 needs all"
@@ -26,26 +27,12 @@ class ServerError(RuntimeError):
     """The server could not be used for the candidate arm; the message says why."""
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
 def server_model(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
     """The first model card the server lists (`id`, and `max_model_len` where the server says)."""
-    url = base_url.rstrip("/") + "/v1/models"
     try:
-        response = httpx.get(url, headers=_headers(api_key), timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise ServerError(f"cannot reach {url}: {exc}") from exc
-    if response.status_code != 200:
-        raise ServerError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
-    try:
-        cards = response.json().get("data") or []
-    except (ValueError, AttributeError) as exc:
-        raise ServerError(f"{url} did not answer with an OpenAI model list: {response.text[:200]!r}") from exc
-    if not cards:
-        raise ServerError(f"{url} lists no model")
-    return cards[0]
+        return model_cards(base_url, api_key, timeout)[0]
+    except ValueError as exc:
+        raise ServerError(str(exc)) from None
 
 
 @register_model("driftgate-server")
@@ -86,7 +73,7 @@ def server_lm(base_url: str, model: str, tokenizer_dir: str, max_length: int, ap
         num_concurrent=1,  # the synchronous path is the one that hands contexts to parse_generations
         max_retries=2,
         max_length=max_length,
-        header=_headers(api_key) or None,
+        header=auth_headers(api_key) or None,
         timeout=600,
     )
 
@@ -113,11 +100,11 @@ def greedy_generations(base_url: str, model: str, prompts: Sequence[list[int]], 
                "temperature": 0.0, "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
     url = base_url.rstrip("/") + "/v1/completions"
     try:
-        response = httpx.post(url, json=payload, headers=_headers(api_key), timeout=timeout)
+        response = httpx.post(url, json=payload, headers=auth_headers(api_key), timeout=timeout)
     except httpx.HTTPError as exc:
         raise ServerError(f"greedy generations from {url} failed: {exc}") from exc
     if response.status_code != 200:
-        raise ServerError(f"{url} answered HTTP {response.status_code}: {response.text[:300]}")
+        raise ServerError(f"{url} answered HTTP {response.status_code}: {error_message(response)}")
     choices = sorted(response.json()["choices"], key=lambda c: c["index"])
     if len(choices) != len(prompts):
         raise ServerError(f"{url} returned {len(choices)} completions for {len(prompts)} prompts")

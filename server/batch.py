@@ -27,6 +27,7 @@ from engine.json_object import numbered_lines, parse_json_object
 from engine.output_paths import check_output_path
 from server.app import build_app
 from server.cli import add_serve_args, build_engine, engine_config, is_cluster, server_config
+from server.client import auth_headers
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
@@ -141,8 +142,8 @@ def run_batch(args: argparse.Namespace) -> int:
         print(f"error: could not load {args.model}: {exc}", file=sys.stderr)
         return 1
     try:
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        records = asyncio.run(answer_lines(build_app(engine, config), lines, min(config.max_queue, 256), headers))
+        records = asyncio.run(answer_lines(build_app(engine, config), lines, min(config.max_queue, 256),
+                                           auth_headers(config.api_key)))
     finally:
         engine.shutdown()
         if is_cluster(args):

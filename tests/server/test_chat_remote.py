@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from engine.chat_repl import RemoteChat
+from server.chat_client import RemoteChat
 from tests.server.conftest import MODEL_NAME, serve, wait_until_idle
 
 
@@ -58,7 +58,7 @@ def test_a_server_out_of_reach_or_refusing_the_key_is_one_clear_error(engine):
     with pytest.raises(ValueError, match="cannot reach http://127.0.0.1:9/v1"):
         RemoteChat("http://127.0.0.1:9", None, {})
     with serve(engine, api_key="secret") as url:
-        with pytest.raises(ValueError, match="answered 401"):
+        with pytest.raises(ValueError, match="answered HTTP 401: missing or invalid API key$"):
             RemoteChat(url, None, {})
         assert RemoteChat(url, None, {"max_tokens": 2}, api_key="secret").ask("hi", lambda _: None).num_tokens > 0
 

@@ -1,0 +1,40 @@
+"""What a client of an OpenAI-compatible server (ours or vLLM's) reads before sending work: the
+models it serves. The gate's `--server` arm, `bench serve` and `chat --url` share it."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer token a server started with `--api-key` wants (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def error_message(response: httpx.Response) -> str:
+    """An error reply's own words: an OpenAI error body's message, else the start of the body."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = None
+    return message if isinstance(message, str) else response.text[:200]
+
+
+def model_cards(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict]:
+    """The server's `/v1/models` cards (`id`, and `root` / `max_model_len` where the server gives
+    them); `base_url` with or without `/v1`. A ValueError says why when the list cannot be had."""
+    base = base_url.rstrip("/")
+    url = (base if base.endswith("/v1") else base + "/v1") + "/models"
+    try:
+        response = httpx.get(url, headers=auth_headers(api_key), timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from None
+    if response.status_code != 200:
+        raise ValueError(f"{url} answered HTTP {response.status_code}: {error_message(response)}")
+    try:
+        cards = [card for card in response.json().get("data") or [] if isinstance(card, dict) and "id" in card]
+    except (ValueError, AttributeError):
+        raise ValueError(f"{url} did not answer with an OpenAI model list: {response.text[:200]!r}") from None
+    if not cards:
+        raise ValueError(f"{url} lists no model")
+    return cards
