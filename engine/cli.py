@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import KV_CACHE_DTYPES, KV_SCALES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
+from server.flags import human_int
 
 if TYPE_CHECKING:
     from engine import LLM, LoRARequest
@@ -94,8 +95,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """How `generate` and `chat` load the model."""
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when there is a GPU)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="the context in tokens (default: the model's; llama-cli's -c)")
+    parser.add_argument("--max-model-len", type=human_int, default=None,
+                        help="the context in tokens, e.g. 4096 or 4K (default: the model's; llama-cli's -c)")
+    parser.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
+                        help="the KV cache's size, e.g. 4G (default: 1 GiB on a CPU; on CUDA what 90%% of the "
+                             "device's memory leaves)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--kv-scales", choices=KV_SCALES, default="checkpoint",
                         help="fp8 KV scales: calibrated from the checkpoint, or dynamic (from the first batch)")
@@ -109,7 +113,7 @@ def llm_from_args(args: argparse.Namespace) -> tuple[LLM, LoRARequest | None]:
     from engine import LLM, LoRARequest
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
               speculative_config=args.speculative_config, enable_lora=args.lora is not None)
     if args.kv_scales == "dynamic":
         print("note: fp8 KV cache with dynamic scales (uncalibrated, from the first batch)", file=sys.stderr)

@@ -158,3 +158,25 @@ def test_a_failed_turn_makes_a_piped_session_exit_1(tiny_model_dir, monkeypatch,
     assert main(["chat", str(tiny_model_dir), "--max-model-len", "64", "--max-tokens", "2"]) == 1
     out, err = capsys.readouterr()
     assert "the context holds 64: send a shorter one" in err and "Traceback" not in err
+
+
+def test_the_kv_cache_size_and_context_take_sizes_as_serve_does(tiny_model_dir, capsys):
+    """`--kv-cache-memory-bytes` (chat and generate, as serve): a cache twice the size holds twice
+    the blocks; one too small for a single context is one clear error, exit 2."""
+    import argparse
+
+    from engine.cli import add_engine_args, llm_from_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    add_engine_args(parser)
+    blocks = []
+    for size in ("1M", "2M"):
+        llm, _ = llm_from_args(parser.parse_args([str(tiny_model_dir), "--kv-cache-memory-bytes", size,
+                                                  "--max-model-len", "0.5k"]))
+        assert llm.engine.max_model_len == 500
+        blocks.append(llm.engine.block_manager.num_blocks)
+    assert blocks[1] == 2 * blocks[0]
+    assert main(["chat", str(tiny_model_dir), "--kv-cache-memory-bytes", "1K"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "kv_cache_memory_bytes" in err and "Traceback" not in err
