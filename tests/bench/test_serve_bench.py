@@ -202,6 +202,28 @@ def test_the_tokenizer_defaults_to_the_folder_the_server_names(engine, tiny_mode
             tokenizer_folder(args, check_server(args))
 
 
+def _measure(tokenizer, events: list[str], chat: bool) -> RequestResult:
+    """What bench serve measures of one request whose server streams `events` (each a `data:` line)."""
+    import asyncio
+
+    import httpx
+
+    from bench.serve import send_request
+
+    def reply(_request):
+        return httpx.Response(200, text="".join(f"data: {e}\n\n" for e in events),
+                              headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+            result = RequestResult(prompt_len=1)
+            url = "http://server/v1/" + ("chat/completions" if chat else "completions")
+            await send_request(client, url, {}, chat, tokenizer, result)
+            return result
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize(("events", "error", "output_len"), [
     (['{"choices": [{"text": "a b"}]}', '{"choices": [{"text": " c"}]}',
       '{"choices": [], "usage": {"completion_tokens": 7}}', "[DONE]"], None, 7),  # the server's count
@@ -213,23 +235,7 @@ def test_the_tokenizer_defaults_to_the_folder_the_server_names(engine, tiny_mode
     (['{"choices": [], "usage": {"completion_tokens": 0}}', "[DONE]"], "no chunk with choices", 0),
 ])
 def test_each_request_ends_with_a_result_whatever_the_stream_holds(tokenizer, events, error, output_len):
-    import asyncio
-
-    import httpx
-
-    from bench.serve import send_request
-
-    def reply(_request):
-        return httpx.Response(200, text="".join(f"data: {e}\n\n" for e in events),
-                              headers={"content-type": "text/event-stream"})
-
-    async def run():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
-            result = RequestResult(prompt_len=1)
-            await send_request(client, "http://server/v1/completions", {}, False, tokenizer, result)
-            return result
-
-    result = asyncio.run(run())
+    result = _measure(tokenizer, events, chat=False)
     assert (error is None and result.error is None) or error in result.error
     assert result.output_len == output_len and (result.latency > 0) == (error is None)
 
@@ -237,27 +243,10 @@ def test_each_request_ends_with_a_result_whatever_the_stream_holds(tokenizer, ev
 def test_chat_timings_start_at_the_role_chunk_and_count_reasoning_text(tokenizer):
     """vLLM's bench: every chunk with choices is a timing event (TTFT at the role-only first chunk,
     one ITL gap per later chunk); the tokens counted without usage include reasoning_content."""
-    import asyncio
-
-    import httpx
-
-    from bench.serve import send_request
-
     events = ['{"choices": [{"delta": {"role": "assistant", "content": ""}}]}',
               '{"choices": [{"delta": {"reasoning_content": "Let me think"}}]}',
               '{"choices": [{"delta": {"content": " Paris"}, "finish_reason": "stop"}]}', "[DONE]"]
-
-    def reply(_request):
-        return httpx.Response(200, text="".join(f"data: {e}\n\n" for e in events),
-                              headers={"content-type": "text/event-stream"})
-
-    async def run():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
-            result = RequestResult(prompt_len=1)
-            await send_request(client, "http://server/v1/chat/completions", {}, True, tokenizer, result)
-            return result
-
-    result = asyncio.run(run())
+    result = _measure(tokenizer, events, chat=True)
     assert result.error is None and len(result.itl) == 2
     assert 0 < result.ttft <= result.latency
     assert result.output_len == len(tokenizer.encode("Let me think Paris", add_special_tokens=False))
