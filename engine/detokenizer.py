@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 
+# prompt tokens the first output token is decoded after (vLLM's detokenizer takes as many)
+PROMPT_CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
     """Decodes only a short window per new token, holding back incomplete UTF-8 sequences.
 
     Byte-level BPE can split one character over several tokens; decoding such a prefix yields
-    U+FFFD, so new text is released only once the window decodes cleanly.
+    U+FFFD, so new text is released only once the window decodes cleanly. The window starts on
+    the prompt's last tokens, since a token's text can depend on what precedes it: SentencePiece
+    decoders drop the leading space of a sequence's first "▁word", which after a prompt is a space.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self.text = ""
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.token_ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

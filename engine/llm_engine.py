@@ -275,7 +275,7 @@ class LLMEngine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             sequences.append(_SequenceState(Request(seq_id, prompt_ids, p, grammar=grammar, priority=priority,
                                                     lora=lora),
-                                            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                                            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids),
                                             [] if params.logprobs is not None else None))
         return _RequestState(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                              sequences, [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
