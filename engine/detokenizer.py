@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 # prompt tokens the first output token is decoded after (vLLM's detokenizer takes as many)
 PROMPT_CONTEXT_TOKENS = 5
 

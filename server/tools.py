@@ -353,7 +353,10 @@ class ToolCallReader:
         """The part of a growing output that may be streamed as text now."""
         if self.constraint is not None:
             return ""  # a call's JSON goes out whole, at the end
-        return self._streamable(text) if self._streamable else text
+        if self._streamable is None:
+            return text
+        shown = self._streamable(text)
+        return shown if shown.strip() else ""  # blank text before calls is no content: it waits
 
     def parts(self, completion: CompletionOutput, reasoning_parser: str | None,
               ) -> tuple[str | None, str | None, list[ToolCall]]:

@@ -262,3 +262,33 @@ def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="unknown tool-call parser 'xml'; known: hermes, llama3_json, mistral, "
                                          "pythonic, granite, phi4_mini_json, qwen3_coder"):
         ServerConfig(served_model_name="x", tool_call_parser="xml")
+
+
+@pytest.mark.parametrize("parser", sorted(CALLS_AS_WRITTEN))
+@pytest.mark.parametrize("reasoning_parser", [None, "qwen3"])
+def test_blank_text_before_calls_is_no_content_streamed_or_not(parser, reasoning_parser):
+    """'<think>…</think>\\n\\n<tool_call>…' (Qwen3, Hermes): the blank text before the calls was
+    streamed as content while the whole message said content null. Cut anywhere, the stream now
+    holds the blank back, and its content adds up to the message's."""
+    from engine.outputs import CompletionOutput, RequestOutput
+    from server.chat import _Renderer
+    from server.tools import ToolCallReader
+
+    said, content = CALLS_AS_WRITTEN[parser]
+    text = ("<think>ok</think>" if reasoning_parser else "") + "\n\n" + said.removeprefix("Sure. ").removeprefix(
+        "Sure.\n")
+
+    def renderer(stream: bool) -> _Renderer:
+        body = ChatCompletionRequest(messages=MESSAGES, tools=[FLAG], stream=stream)
+        return _Renderer(body, "id", MODEL_NAME, str, [1], ToolCallReader(body, parser), reasoning_parser)
+
+    def output(upto: int, finished: bool) -> RequestOutput:
+        done = CompletionOutput(0, text[:upto], [0], None, "stop" if finished else None)
+        return RequestOutput("id", None, [1], [done], finished)
+
+    message = renderer(False).full({0: output(len(text), True)}).choices[0].message
+    assert message.content is None and [c.function.name for c in message.tool_calls] == ["set_flag"]
+    for cut in range(len(text)):
+        stream = renderer(True)
+        chunks = stream.delta(0, output(cut, False)) + stream.delta(0, output(len(text), True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
