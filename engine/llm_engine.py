@@ -443,8 +443,9 @@ class LLMEngine:
         shown = req.params.detokenize and (req.params.include_stop_str_in_output or not stopped_by_token)
         new_text = seq.detok.append(token) if shown else ""
         stops = req.params.stop
-        # a stop string the length limit's last token completes still stops it (and is cut)
-        if stops and new_text and not stopped_by_token and num_output >= req.params.min_tokens:
+        # a stop string the length limit's last token completes still stops it (and is cut); as a stop
+        # token, one can end the output from the token after the first min_tokens (vLLM's rule)
+        if stops and new_text and not stopped_by_token and num_output > req.params.min_tokens:
             hit = find_stop(seq.detok.text, len(new_text), stops)
             if hit is not None:
                 idx, stop = hit

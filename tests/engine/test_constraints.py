@@ -31,13 +31,15 @@ def _one_token_word(llm) -> tuple[str, int]:
 
 
 def test_min_tokens_defers_stop_strings(llm):
+    """As stop tokens (and as vLLM's v1 engine), a stop string first ends the output on the token
+    after the first min_tokens: min_tokens=3 keeps three words and stops at the fourth."""
     word, token = _one_token_word(llm)
     def run(**kw):
         params = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={token: 100.0}, stop=[word], **kw)
         return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
     assert run().text == ""
     out = run(min_tokens=3)
-    assert (out.text, len(out.token_ids), out.finish_reason) == (word * 2, 3, "stop")
+    assert (out.text, len(out.token_ids), out.finish_reason) == (word * 3, 4, "stop")
 
 
 def test_bad_words_outweigh_any_bias(llm):
