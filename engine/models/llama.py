@@ -151,7 +151,7 @@ class LlamaArgs:
         """The arguments of an HF config.json; a key it lacks, or a size that is not a positive
         integer, is a ValueError naming it (not a KeyError, or a TypeError deep in torch)."""
         try:
-            args = cls._from_hf_config(config, max_model_len)
+            args = cls._from_hf_config(with_hf_defaults(config), max_model_len)
         except KeyError as exc:
             raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
         except TypeError as exc:
@@ -220,6 +220,27 @@ class LlamaArgs:
             **(_granite(config) if arch == "GraniteForCausalLM" else {}),
             **(_moe(config, arch) if arch in MOE_ARCHITECTURES else {}),
         )
+
+
+# read from config.json alone: the model's sizes (a class default would build a model of another
+# shape, not say the key is missing), and the rotary settings transformers 5 restates in its own form
+_OWN_READING = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "rope_parameters", "rope_scaling", "rope_theta"})
+
+
+def with_hf_defaults(config: dict) -> dict:
+    """config.json with what it leaves out as the model's transformers config class fills it in:
+    Gemma 2's window and its alternating local and global layers, Gemma's tied embeddings and
+    logit caps, Phi-3's and OLMo's norm epsilon, SmolLM3's layers without rotary. The reference
+    the engine answers like reads a missing key so; a config transformers cannot build is used as
+    it is (the engine's own fallbacks then hold)."""
+    from transformers import AutoConfig
+
+    try:
+        defaults = AutoConfig.for_model(**config).to_dict()
+    except Exception:  # noqa: BLE001 — whatever the class refuses (its own validators' errors vary), the engine checks itself
+        return config
+    return {**{k: v for k, v in defaults.items() if k not in _OWN_READING}, **config}
 
 
 def _gemma(config: dict, arch: str) -> dict:

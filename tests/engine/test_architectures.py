@@ -193,6 +193,37 @@ def test_qwen_windows_only_under_use_sliding_window(tmp_path):
     assert LlamaArgs.from_hf_config(listed).layer_windows == (32, None)
 
 
+_GEMMA3_UNLISTED = {k: v for k, v in _GEMMA3.items() if k != "layer_types"}
+
+
+@pytest.mark.parametrize("architecture, model_kwargs, drop", [
+    # Gemma 2 configs (transformers 4.42's) list no layer_types and no tie_word_embeddings: its class
+    # alternates local and global layers and ties the embeddings
+    ("Gemma2ForCausalLM", {"head_dim": 16, "extra_config": _GEMMA2},
+     ("layer_types", "tie_word_embeddings", "attn_logit_softcapping", "final_logit_softcapping")),
+    ("Gemma3ForCausalLM", {"head_dim": 16, "num_layers": 6, "extra_config": _GEMMA3_UNLISTED},
+     ("layer_types",)),  # 1 layer in 6 global
+    ("Olmo3ForCausalLM", {"num_layers": 4, "extra_config": {"pad_token_id": 0, "sliding_window": 8}},
+     ("layer_types", "rms_norm_eps")),  # 1 in 4 global; epsilon 1e-5
+    # SmolLM3 carries a sliding_window that only use_sliding_window turns on
+    ("SmolLM3ForCausalLM", {"extra_config": {"pad_token_id": 0, "sliding_window": 8, "use_sliding_window": False}},
+     ("layer_types", "tie_word_embeddings")),
+])
+def test_keys_config_json_leaves_out_are_read_as_transformers_reads_them(tmp_path, architecture, model_kwargs, drop):
+    """A key config.json lacks takes the default of the model's transformers config class, not
+    the engine's own: every layer windowed, untied embeddings or another epsilon gave other tokens
+    (or no model at all) where HF loads the same folder."""
+    model_dir = _with_config(make_tiny_model_dir(tmp_path, architecture=architecture, **model_kwargs), drop=drop)
+    assert not set(drop) & set(json.loads((model_dir / "config.json").read_text()))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 30)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    reference = {i: hf_greedy(hf, p, 16) for i, p in enumerate(prompts)}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = LLM(str(model_dir), dtype="float32", block_size=4)
+    assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, architecture)
+
+
 @pytest.mark.parametrize("case, options", [
     ("gemma3", "w8a16 --algo awq"), ("gemma3", "w8a8-int8 --smoothquant 0.5"), ("gemma3", "fp8-dynamic"),
     ("gemma2", "w8a16 --algo awq"), ("granite", "w4a16 --algo gptq"), ("granite", "fp8-dynamic"),
