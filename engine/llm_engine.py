@@ -120,6 +120,7 @@ class LLMEngine:
                                  f"{config.max_model_len}; raise kv_cache_memory_bytes (on CUDA: gpu_memory_utilization) "
                                  "or lower max_model_len")
             self.max_model_len = capacity
+            self.model.serve_context(capacity)
         # a mixture of experts picks each expert's rows per step: shapes a graph cannot replay
         use_graphs = config.device.startswith("cuda") and not config.enforce_eager and not args.is_moe
         # CUDA graphs pad decode batches; the padding rows write to one spare slot past the blocks

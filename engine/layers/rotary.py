@@ -95,28 +95,43 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  served_context: int | None = None):
         super().__init__()
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "longrope", "yarn", None):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+        self.rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if self.rope_type not in ("default", "linear", "llama3", "longrope", "yarn", None):
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r} "
                              "(supported: default, linear, llama3, longrope, yarn)")
-        self.rotary_dim = rotary_dim
-        dims = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu")
-        inv_freq = 1.0 / (theta ** (dims / rotary_dim))
-        attention_factor = 1.0
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif rope_type == "linear":
-            inv_freq = inv_freq / scaling["factor"]
-        elif rope_type == "longrope":
-            inv_freq, attention_factor = _longrope(inv_freq, scaling, max_positions, served_context)
-        elif rope_type == "yarn":
-            inv_freq, attention_factor = _yarn(theta, rotary_dim, scaling, max_positions)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
-        # [max_positions, rotary_dim]: the two halves repeat so rotate_half needs no re-indexing
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+        self.rotary_dim, self.max_positions, self.theta, self.scaling = rotary_dim, max_positions, theta, scaling
+        self.cos, self.sin = self._tables(served_context)
         self._last_positions: torch.Tensor | None = None
         self._last = (self.cos, self.sin)
+
+    def _tables(self, served_context: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position, [max_positions, rotary_dim]."""
+        rotary_dim, scaling = self.rotary_dim, self.scaling
+        dims = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (self.theta ** (dims / rotary_dim))
+        attention_factor = 1.0
+        if self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif self.rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif self.rope_type == "longrope":
+            inv_freq, attention_factor = _longrope(inv_freq, scaling, self.max_positions, served_context)
+        elif self.rope_type == "yarn":
+            inv_freq, attention_factor = _yarn(self.theta, rotary_dim, scaling, self.max_positions)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+        # [max_positions, rotary_dim]: the two halves repeat so rotate_half needs no re-indexing
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * attention_factor, emb.sin() * attention_factor
+
+    def serve(self, served_context: int) -> None:
+        """The engine serves `served_context` tokens after all (its KV cache holds no more): LongRoPE's
+        factors follow the served context, so its tables are rewritten in place (kernels that hold
+        them keep valid pointers); other scalings do not depend on it."""
+        if self.rope_type == "longrope":
+            cos, sin = self._tables(served_context)
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
+            self._last_positions = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (queries and keys together) → rotated, same shape.

@@ -235,11 +235,16 @@ def with_hf_defaults(config: dict) -> dict:
     the engine answers like reads a missing key so; a config transformers cannot build is used as
     it is (the engine's own fallbacks then hold)."""
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its advice on how to write a config is for their loader's users
     try:
         defaults = AutoConfig.for_model(**config).to_dict()
     except Exception:  # noqa: BLE001 — whatever the class refuses (its own validators' errors vary), the engine checks itself
         return config
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return {**{k: v for k, v in defaults.items() if k not in _OWN_READING}, **config}
 
 
@@ -515,6 +520,10 @@ class LlamaForCausalLM(nn.Module):
                                        quant_config=quant_config, dtype=dtype)
         self.packed_embedding: torch.Tensor | None = None  # the tied lm_head, CPU-packed
         self.fused_decode: FusedDecode | None = None  # decode-only steps in one C call, once packed
+
+    def serve_context(self, served_context: int) -> None:
+        """Serve at most `served_context` tokens (fewer than built for: the KV cache holds no more)."""
+        self.model.rotary.serve(served_context)
 
     def prepack_for_cpu(self) -> None:
         """Serving-time weight layout for CPU matmuls; the embedding keeps its dense copy for lookups.

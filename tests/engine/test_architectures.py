@@ -193,6 +193,21 @@ def test_qwen_windows_only_under_use_sliding_window(tmp_path):
     assert LlamaArgs.from_hf_config(listed).layer_windows == (32, None)
 
 
+def test_longrope_takes_the_short_factors_when_the_kv_cache_caps_the_context(tmp_path):
+    """A KV cache that holds 64 tokens serves a 64-token context, within LongRoPE's pretraining
+    one: the short factors, as HF uses them there (the long ones were chosen for the 512 the
+    model could have served, before the cache capped it)."""
+    model_dir = make_tiny_model_dir(tmp_path, architecture="Phi3ForCausalLM", extra_config=_LONGROPE)
+    g = torch.Generator().manual_seed(10)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 40)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reference = {i: hf_greedy(hf, p, 16) for i, p in enumerate(prompts)}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = LLM(str(model_dir), dtype="float32", block_size=16, num_kv_blocks=4)
+    assert llm.engine.max_model_len == 64
+    assert_outputs_match_hf(llm.generate(prompts, params, use_tqdm=False), reference, "capped")
+
+
 _GEMMA3_UNLISTED = {k: v for k, v in _GEMMA3.items() if k != "layer_types"}
 
 
