@@ -34,8 +34,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
     config.max_new_tokens, config.pad_token_id = max_new_tokens, 0
     config.output_scores, config.return_dict_in_generate = True, True
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():  # the mask: without one, generate masks every prompt token equal to the pad id
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     return tokens, [s[0].float().log_softmax(-1) for s in out.scores]
 

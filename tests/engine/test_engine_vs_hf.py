@@ -202,3 +202,17 @@ def test_layer_states_equal_hf_hidden_states(tiny_model_dir):
     for i in range(num_layers - 1):  # HF's last entry has the final norm applied
         torch.testing.assert_close(states[i], ref.hidden_states[i + 1][0], atol=1e-4, rtol=1e-4)
     assert not llm.engine.model.model.layers[0]._forward_hooks, "capture hooks must be removed"
+
+
+def test_prompts_holding_the_pad_id_are_seen_whole_by_the_oracle(tiny_model_dir):
+    """The oracle's generate pads with id 0: without an attention mask, HF masked every prompt
+    token equal to it, and a prompt holding one looked like a mismatch of ours."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompt = [5, 0, 7, 0, 9, 11, 0, 13]
+    _, logprobs = hf_greedy(hf, prompt, 1)
+    with torch.no_grad():
+        plain = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    torch.testing.assert_close(logprobs[0], plain)
+    out = LLM(str(tiny_model_dir), dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert abs(out.logprobs[0][out.token_ids[0]] - plain.max().item()) < 1e-4
