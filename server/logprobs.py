@@ -6,7 +6,12 @@ would otherwise make the whole response unencodable.
 
 from __future__ import annotations
 
+import codecs
+import functools
+import json
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.outputs import LogprobsDict
@@ -27,13 +32,51 @@ def _clamp(logprob: float) -> float:
 
 
 class TokenText:
-    """Per-token strings as clients expect them (`decode([id])`), cached per tokenizer."""
+    """Per-token strings as clients expect them (`decode([id])`), and each token's own bytes
+    (OpenAI's `bytes`: where a character is split over tokens, so are its bytes, which the
+    string, decoded alone, shows as U+FFFD), cached per tokenizer."""
 
     def __init__(self, tokenizer) -> None:
         self._decode = lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
+        self.raw_bytes = lru_cache(maxsize=65536)(functools.partial(token_bytes, tokenizer, _byte_level(tokenizer)))
+        self.special = frozenset(tokenizer.all_special_ids)
 
     def __call__(self, token_id: int) -> str:
         return self._decode(token_id)
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's pieces spell bytes in GPT-2's printable alphabet (Llama 3, Qwen, SmolLM2)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+
+
+@lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the others for
+    the 256 code points that follow."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def token_bytes(tokenizer, byte_level: bool, token_id: int) -> bytes:
+    """The bytes one token stands for: a byte-level piece mapped back through its alphabet, a
+    byte-fallback piece's byte, a SentencePiece word with its space; else its decoded text."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece is None:
+        return b""
+    added = token_id in tokenizer.added_tokens_decoder
+    if byte_level and not added and all(ch in _byte_of_char() for ch in piece):
+        return bytes(_byte_of_char()[ch] for ch in piece)
+    if match := _BYTE_PIECE.fullmatch(piece):
+        return bytes([int(match.group(1), 16)])
+    if not added and piece.startswith("▁"):
+        return piece.replace("▁", " ").encode()
+    return tokenizer.decode([token_id]).encode()
 
 
 def token_ids_as_text(token_id: int) -> str:
@@ -41,12 +84,22 @@ def token_ids_as_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-TokenNamer = Callable[[int], str]
+@dataclass(frozen=True, slots=True)
+class TokenNamer:
+    """How logprob entries name one request's tokens, with the tokens' own bytes and which are
+    special (text that skips special tokens has none of theirs)."""
+
+    name: Callable[[int], str]
+    raw_bytes: Callable[[int], bytes]
+    special: frozenset[int] = frozenset()
+
+    def __call__(self, token_id: int) -> str:
+        return self.name(token_id)
 
 
 def token_namer(text: TokenText, as_ids: bool) -> TokenNamer:
     """How logprob entries name tokens for one request."""
-    return token_ids_as_text if as_ids else text
+    return TokenNamer(token_ids_as_text if as_ids else text, text.raw_bytes, text.special)
 
 
 def _ranked(entries: LogprobsDict, top_n: int) -> list[tuple[int, float]]:
@@ -66,11 +119,13 @@ def completion_logprobs(
     and as lm-eval's greedy check expects.
     """
     out = CompletionLogprobs()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a split character counts where it completes
     for token_id, entry in zip(token_ids, entries, strict=True):
         token = text(token_id)
         out.tokens.append(token)
         out.text_offset.append(text_offset)
-        text_offset += len(token)
+        if token_id not in text.special:
+            text_offset += len(utf8.decode(text.raw_bytes(token_id)))
         if entry is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
@@ -104,8 +159,8 @@ def chat_logprobs(text: TokenNamer, token_ids: list[int], entries: list[Logprobs
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         token = text(token_id)
-        top = [TopLogprob(token=text(t), logprob=_clamp(lp), bytes=list(text(t).encode()))
+        top = [TopLogprob(token=text(t), logprob=_clamp(lp), bytes=list(text.raw_bytes(t)))
                for t, lp in _ranked(entry, top_n)]
         content.append(TokenLogprob(token=token, logprob=_clamp(entry[token_id]),
-                                    bytes=list(token.encode()), top_logprobs=top))
+                                    bytes=list(text.raw_bytes(token_id)), top_logprobs=top))
     return ChatLogprobs(content=content)
