@@ -68,12 +68,16 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             logits[i, torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
         banned = _banned(row)
         if banned:
-            kept = logits[i, banned].clone() if row.grammar_active else None
+            kept = logits[i, banned].clone()
             logits[i, banned] = float("-inf")
-            if kept is not None and not torch.isfinite(logits[i]).any():
-                # the grammar allows nothing but what min_tokens bans (its output is complete):
-                # the grammar wins, or the row would sample from nothing
+            if not torch.isfinite(logits[i]).any():
+                # the grammar (its output complete) or allowed_token_ids allow nothing but what
+                # min_tokens or bad_words ban: they win, or the row would sample from nothing
                 logits[i, banned] = kept
+        if row.grammar_active and p.allowed_token_ids is not None and not torch.isfinite(logits[i]).any():
+            # allowed_token_ids and the grammar share no token: the output ends (a grammar's
+            # request always stops at EOS), where sampling from nothing gave token 0 to the end
+            logits[i, p.stop_token_ids[0]] = 0.0
         forced = row.forced_token
         if forced is not None:
             logits[i] = float("-inf")

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutputs
-from engine.thinking import ThinkingBudget
+from engine.thinking import ThinkingBudget, last_marker_end
 
 POOLING_TYPES = ("last", "mean", "cls")
 _INT64 = 2**63
@@ -26,11 +26,15 @@ class SamplingParams:
     [-100, 100]), no stop token before `min_tokens`, and no token that would complete one of
     `bad_words` (the engine tokenizes them into `bad_words_token_ids`). `structured_outputs`
     holds the output to JSON, a schema, a regex, a choice or a grammar: from the first token, or,
-    with `structured_outputs_after`, from the token after those ids first appear in the prompt or
-    the output (a reasoning model's end of thinking, so the constraint holds its answer, not its
-    thoughts; a template that turns thinking off writes an empty block into the prompt).
-    `thinking_budget` caps the tokens a reasoning model spends inside a thinking block, then
-    forces the block's end (engine/thinking.py).
+    with `structured_outputs_after`, from the token after those ids in the prompt or the output (a
+    reasoning model's end of thinking, so the constraint holds its answer, not its thoughts; a
+    template that turns thinking off writes an empty block into the prompt) where no later
+    `structured_outputs_reopened_by` (the block's start) opened another: an earlier turn's
+    thoughts, or a user quoting the marker, leave the new block's thinking free, as vLLM's
+    reasoning parsers read the last marker. `thinking_budget` caps the tokens a reasoning model
+    spends inside a thinking block, then forces the block's end (engine/thinking.py); with a
+    structured output and no `structured_outputs_after` the engine starts the constraint after
+    that block, or the grammar and the forced end would contradict each other.
     """
 
     n: int = 1
@@ -62,6 +66,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # filled by the engine from bad_words
     structured_outputs: StructuredOutputs | None = None
     structured_outputs_after: list[int] | None = None
+    structured_outputs_reopened_by: list[int] | None = None
     thinking_budget: ThinkingBudget | None = None
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     # embed the prompt instead of generating: its final hidden states pooled ("last" token, "mean"
@@ -123,6 +128,10 @@ class SamplingParams:
         if self.structured_outputs_after is not None and (not self.structured_outputs_after
                                                           or self.structured_outputs is None):
             raise ValueError("structured_outputs_after must be a non-empty list of token ids, with structured_outputs")
+        if self.structured_outputs_reopened_by is not None and (not self.structured_outputs_reopened_by
+                                                                or self.structured_outputs_after is None):
+            raise ValueError("structured_outputs_reopened_by must be a non-empty list of token ids, with "
+                             "structured_outputs_after")
 
     def _check_types(self) -> None:
         """Wrong types fail here, naming the field, not inside the engine's step (where one bad
@@ -146,11 +155,15 @@ class SamplingParams:
         return self.max_tokens if self.max_tokens is not None else max(max_model_len - num_prompt_tokens, 1)
 
     def grammar_started(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> bool:
-        """Whether the structured output holds from the next token on."""
+        """Whether the structured output holds from the next token on: the last end marker in the
+        prompt and output is past the last start marker."""
         after = self.structured_outputs_after
         if after is None:
             return True
-        return any(_contains(tokens, after) for tokens in (prompt_token_ids, output_token_ids))
+        backwards = [*prompt_token_ids, *output_token_ids][::-1]
+        ended = last_marker_end(backwards, tuple(after))
+        reopen = self.structured_outputs_reopened_by
+        return ended >= 0 and (not reopen or last_marker_end(backwards, tuple(reopen)) < ended)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids the params name must be rows of the logits (ValueError naming the field)."""
@@ -190,16 +203,3 @@ def _as_list(value: object) -> list:
     if value is None:
         return []
     return [value] if isinstance(value, (str, int)) else list(value)
-
-
-def _contains(tokens: list[int], part: list[int]) -> bool:
-    """Whether `part` occurs in `tokens` (its first id found by list.index, at C speed)."""
-    start = 0
-    try:
-        while True:
-            start = tokens.index(part[0], start)
-            if tokens[start:start + len(part)] == part:
-                return True
-            start += 1
-    except ValueError:
-        return False

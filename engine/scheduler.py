@@ -267,9 +267,9 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        # before min_tokens the sampler bans stop tokens, unless a grammar allows nothing else (it is complete)
-        if token in params.stop_token_ids and (request.num_output_tokens >= params.min_tokens
-                                               or request.grammar is not None):
+        # before min_tokens the sampler lets a stop token through only where nothing else is allowed
+        # (a complete grammar, allowed_token_ids): it ends the output then
+        if token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:

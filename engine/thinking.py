@@ -31,7 +31,7 @@ class ThinkingBudget:
             raise ValueError("a thinking budget needs the block's start and end marker token ids")
 
 
-def _last_marker_end(backwards: list[int], marker: tuple[int, ...]) -> int:
+def last_marker_end(backwards: list[int], marker: tuple[int, ...]) -> int:
     """The index just past the last occurrence of `marker` in the token list whose reverse is
     `backwards`, or -1 (its last id looked for by list.index, at C speed: a long prompt is
     scanned once)."""
@@ -55,7 +55,7 @@ class ThinkingCounter:
         self.budget = budget
         self._width = max(len(budget.start_ids), len(budget.end_ids))
         backwards = list(prompt_token_ids)[::-1]
-        opened, closed = _last_marker_end(backwards, budget.start_ids), _last_marker_end(backwards, budget.end_ids)
+        opened, closed = last_marker_end(backwards, budget.start_ids), last_marker_end(backwards, budget.end_ids)
         is_open = opened > closed if max(opened, closed) >= 0 else budget.open_at_start
         self._state = (is_open, 0, self._tail(tuple(prompt_token_ids[-self._width:])))
         self._num_folded = 0  # output tokens in _state

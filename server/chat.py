@@ -220,6 +220,7 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
         # the constraint holds the answer, from the token after </think> (as vLLM does): in the
         # prompt where thinking is turned off, else once the model has thought
         params.structured_outputs_after = think_end
+        params.structured_outputs_reopened_by = engine.tokenizer.encode(THINK_START, add_special_tokens=False)
     if body.thinking_token_budget is not None:
         params.thinking_budget = _thinking_budget(body.thinking_token_budget, config.reasoning_parser, params,
                                                   engine.tokenizer, think_end)

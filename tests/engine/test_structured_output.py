@@ -162,3 +162,53 @@ def test_a_grammar_can_start_after_a_marker(tiny_model_dir, spec):
     assert re.fullmatch("[0-9]{3}", in_prompt.text)  # the marker in the prompt: held from the first token
     with pytest.raises(ValueError, match="structured_outputs_after"):
         SamplingParams(structured_outputs_after=[1])
+
+
+def test_a_start_marker_after_the_end_marker_reopens_the_wait(llm):
+    """The last marker decides (vLLM's reasoning parsers read it so): an end marker in an earlier
+    turn, followed by a start marker that opens a new block, leaves the new block free; with the
+    end marker last the constraint holds from the first token."""
+    digits = StructuredOutputs(regex="[0-9]{3}")
+    prompt = [5, 6, 7, 8]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert 6 not in free.token_ids  # the end marker is never written: a wait lasts the whole output
+
+    def run(reopened_by: list[int]):
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs=digits,
+                                structured_outputs_after=[6], structured_outputs_reopened_by=reopened_by)
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+    assert run([8]).token_ids == free.token_ids  # 6 … 8: a block opened again, free
+    assert re.fullmatch("[0-9]{3}", run([5]).text)  # 5 … 6: the block closed, held at once
+
+
+def test_a_thinking_budget_with_a_grammar_holds_the_answer_after_the_block(llm):
+    """The budget forces the block's end, which a grammar holding the whole output would refuse
+    (the end was taken anyway and the answer broke its schema): the grammar starts after it."""
+    from engine.thinking import ThinkingBudget
+
+    start, end = llm.tokenizer.encode("<think>", add_special_tokens=False), [9]
+    budget = ThinkingBudget(2, tuple(start), tuple(end), open_at_start=True)
+    for seed in range(4):
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=seed, max_tokens=24,
+                                                       structured_outputs=StructuredOutputs(regex="[0-9]{3}"),
+                                                       thinking_budget=budget), use_tqdm=False)[0].outputs[0]
+        at = out.token_ids.index(9)
+        assert at <= 2 and out.finish_reason == "stop"
+        assert re.fullmatch("[0-9]{3}", llm.tokenizer.decode(out.token_ids[at + 1:], skip_special_tokens=True))
+
+
+def test_allowed_token_ids_that_the_grammar_refuses_end_the_output(llm):
+    """No token both allowed and in the grammar: the output ends (it sampled from nothing before,
+    token 0 to the end of max_tokens); allowed_token_ids against min_tokens alone: the allowed win."""
+    digits = StructuredOutputs(regex="[0-9]{3}")
+    letters = llm.tokenizer.encode("abc", add_special_tokens=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, structured_outputs=digits,
+                                                   allowed_token_ids=letters), use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.text, len(out.token_ids)) == ("stop", "", 1)
+    eos = llm.tokenizer.eos_token_id
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, min_tokens=3,
+                                                   allowed_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
+    assert (list(out.token_ids), out.finish_reason) == ([eos], "stop")
+    assert llm.stats().num_blocks_used == 0

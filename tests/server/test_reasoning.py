@@ -101,10 +101,17 @@ def test_a_constraint_holds_the_answer_not_the_thinking(engine, parser):
     plain = {k: v for k, v in body.items() if k != "response_format"}
     no_thinking = {**body, "messages": [*MESSAGES, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
                    "add_generation_prompt": False, "continue_final_message": True}
+    # an earlier turn's closed block, then a new one opened: the last marker decides, the thinking is free
+    reopened = {**no_thinking, "messages": [*no_thinking["messages"][:-1],
+                                            {"role": "assistant", "content": "<think>\nhm\n</think>\n\nok"},
+                                            {"role": "user", "content": "Again."},
+                                            {"role": "assistant", "content": "<think>\n"}]}
+    reopened_plain = {k: v for k, v in reopened.items() if k != "response_format"}
     with serve(engine, reasoning_parser=parser) as url:
-        held, free, answered = (httpx.post(url + "/v1/chat/completions", json=b, timeout=60).json()["choices"][0]["message"]
-                                for b in (body, plain, no_thinking))
-        assert held == free
+        held, free, answered, held_again, free_again = (
+            httpx.post(url + "/v1/chat/completions", json=b, timeout=60).json()["choices"][0]["message"]
+            for b in (body, plain, no_thinking, reopened, reopened_plain))
+        assert held == free and held_again == free_again
         # deepseek_r1's parser reads an output with no </think> as thinking (vLLM's does too)
         assert answered["content" if parser == "qwen3" else "reasoning_content"].lstrip().startswith("{")
 
