@@ -444,7 +444,8 @@ class LLMEngine:
         # the token that stopped the sequence (EOS, a stop_token_id) is not text, even where
         # skip_special_tokens=False shows special tokens (vLLM's rule)
         stopped_by_token = finished and req.status == RequestStatus.FINISHED_STOPPED
-        if stopped_by_token and token == self.tokenizer.eos_token_id and not req.params.ignore_eos:
+        ended_by_eos = not req.params.ignore_eos or req.params.structured_outputs is not None  # a grammar's end too
+        if stopped_by_token and token == self.tokenizer.eos_token_id and ended_by_eos:
             req.stop_reason = None  # vLLM names only a stop_token_id, not the model's end of sequence
         shown = req.params.detokenize and (req.params.include_stop_str_in_output or not stopped_by_token)
         new_text = seq.detok.append(token) if shown else ""

@@ -53,6 +53,7 @@ def test_a_complete_grammar_ends_the_output_under_ignore_eos_too(llm):
         params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, structured_outputs=constraint)
         out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
         assert (out.text, out.token_ids, out.finish_reason) == (plain.text, plain.token_ids, "stop"), constraint.kind
+        assert out.stop_reason is plain.stop_reason is None  # the end of sequence, not a stop_token_id
 
 
 def test_json_schema_output_parses_and_follows_the_schema(llm):
