@@ -86,18 +86,33 @@ class StructuredOutputs:
         try:
             if kind in ("json", "json_object"):  # json_object: OpenAI's JSON mode, an object (not any value)
                 schema = self.json if kind == "json" else {"type": "object"}
-                return grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
-                                                max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+                return _strict_json_strings(grammar.from_json_schema(
+                    schema if isinstance(schema, str) else json.dumps(schema), max_whitespace_cnt=_MAX_JSON_WHITESPACE))
             if kind == "regex":
                 return grammar.from_regex(self.regex)
             if kind == "choice":  # JSON string literals are valid EBNF literals, escapes included
                 return grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
                                                                   for c in self.choice))
             if kind == "structural_tag":
-                return _structural_tag_grammar(self.structural_tag)
+                return _strict_json_strings(_structural_tag_grammar(self.structural_tag))
             return grammar.from_ebnf(self.grammar)
         except RuntimeError as exc:
             raise ValueError(f"{kind}: {_reason(exc)}") from None
+
+
+# xgrammar (0.2) writes the characters of a string with minLength/maxLength as [^"\\\r\n], which
+# admits raw control characters (invalid JSON: a tiny model wrote "\x1a" and finished 'stop'), where
+# its other strings exclude them as JSON does
+_LOOSE_STRING_CHARACTERS = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARACTERS = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _strict_json_strings(grammar):
+    """The grammar with every JSON string's characters those JSON allows unescaped."""
+    text = str(grammar)
+    if _LOOSE_STRING_CHARACTERS not in text:
+        return grammar
+    return type(grammar).from_ebnf(text.replace(_LOOSE_STRING_CHARACTERS, _JSON_STRING_CHARACTERS))
 
 
 def _structural_tag_grammar(tag: dict[str, Any] | str):

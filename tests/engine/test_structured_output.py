@@ -213,3 +213,17 @@ def test_allowed_token_ids_that_the_grammar_refuses_end_the_output(llm):
                                                    allowed_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
     assert (list(out.token_ids), out.finish_reason) == ([eos], "stop")
     assert llm.stats().num_blocks_used == 0
+
+
+def test_length_bounded_strings_admit_no_raw_control_characters():
+    """xgrammar lets a minLength/maxLength string hold raw control characters, which no JSON parser
+    accepts (a tiny model wrote '"\\x1a"' and finished 'stop'); its bounds still hold."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 4},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}}},
+              "required": ["name", "tags"]}
+    grammar = StructuredOutputs(json=schema).to_grammar()
+    for text, valid in (('{"name": "abc", "tags": ["x"]}', True), ('{"name": "a\x1ab", "tags": []}', False),
+                        ('{"name": "ab", "tags": ["\x01"]}', False), ('{"name": "abcde", "tags": []}', False)):
+        assert _is_grammar_accept_string(grammar, text) is valid, text
