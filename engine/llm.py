@@ -20,7 +20,6 @@ from engine.pooling import (
     PoolingConfig,
     ScorePlan,
     classifier_config,
-    finish_embedding,
     pooling_config,
     score_pairs,
 )
@@ -82,8 +81,7 @@ class LLM:
         config = self._pooling_config
         params = SamplingParams(max_tokens=1, pooling=pooling or config.pooling)
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
-        normalize = config.normalize if normalize is None else normalize
-        return [PoolingRequestOutput(out.request_id, EmbeddingOutput(finish_embedding(out.embedding, normalize, dimensions)),
+        return [PoolingRequestOutput(out.request_id, EmbeddingOutput(config.embedding(out.embedding, normalize, dimensions)),
                                      out.prompt_token_ids)
                 for out in outputs]
 

@@ -1,8 +1,9 @@
 """How a model's pooled outputs become what clients get: embeddings, class probabilities, scores.
 
 An embedding checkpoint saved by sentence-transformers lists its modules in `modules.json`
-(a Pooling module with its `config.json`, often a Normalize module); a model without them is
-pooled as vLLM pools decoder models by default: the last token's final hidden state, L2-normalized.
+(a Pooling module with its `config.json`, Dense projections after it in some, often a Normalize
+module); a model without them is pooled as vLLM pools decoder models by default: the last token's
+final hidden state, L2-normalized. A module this engine would not apply is refused, not skipped.
 A sequence classifier (`*ForSequenceClassification`) pools its last token through its score
 head; its config.json names the classes and whether they exclude each other.
 """
@@ -17,12 +18,48 @@ from pathlib import Path
 import torch
 
 _MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"))
+# sentence-transformers' Dense activations, by the class name its config.json gives
+_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": torch.tanh, "GELU": torch.nn.functional.gelu,
+                "ReLU": torch.relu, "Sigmoid": torch.sigmoid}
+_APPLIED_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+
+
+@dataclass(frozen=True, slots=True)
+class Dense:
+    """A sentence-transformers Dense module: activation(W · pooled + b)."""
+
+    weight: torch.Tensor  # [out_features, in_features]
+    bias: torch.Tensor | None
+    activation: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        return _ACTIVATIONS[self.activation](y)
 
 
 @dataclass(frozen=True, slots=True)
 class PoolingConfig:
     pooling: str = "last"  # "last", "mean" or "cls"
     normalize: bool = True
+    dense: tuple[Dense, ...] = ()  # projections of the pooled state, in order
+
+    def width(self, pooled_width: int) -> int:
+        """How many values an embedding has, from a pooled state of `pooled_width`."""
+        return self.dense[-1].weight.shape[0] if self.dense else pooled_width
+
+    def embedding(self, pooled: list[float], normalize: bool | None = None,
+                  dimensions: int | None = None) -> list[float]:
+        """The embedding a client gets: the pooled state through the Dense projections, its first
+        `dimensions` values (Matryoshka models), then L2-normalized (as the model says unless
+        `normalize` does)."""
+        vector = torch.tensor(pooled, dtype=torch.float32)
+        for layer in self.dense:
+            vector = layer(vector)
+        if dimensions:
+            vector = vector[:dimensions]
+        if self.normalize if normalize is None else normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
 
 
 def _read_json(path: Path, what: str) -> dict | list:
@@ -30,25 +67,64 @@ def _read_json(path: Path, what: str) -> dict | list:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} ({what}) is not valid JSON: {exc}") from None
+    except FileNotFoundError:
+        raise ValueError(f"{path} ({what}) is missing") from None
+
+
+def _dense(folder: Path) -> Dense:
+    """One Dense module's weights and activation (model.safetensors, or pytorch_model.bin)."""
+    config = _read_json(folder / "config.json", "sentence-transformers Dense")
+    activation = str(config.get("activation_function", "torch.nn.modules.linear.Identity")).rsplit(".", 1)[-1]
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{folder}: a Dense activation {activation!r}; driftgate applies "
+                         f"{', '.join(_ACTIVATIONS)}")
+    from safetensors.torch import load_file
+
+    files = [f for f in (folder / "model.safetensors", folder / "pytorch_model.bin") if f.is_file()]
+    if not files:
+        raise ValueError(f"{folder}: a Dense module without model.safetensors or pytorch_model.bin")
+    try:
+        weights = (load_file(files[0]) if files[0].suffix == ".safetensors"
+                   else torch.load(files[0], map_location="cpu", weights_only=True))
+        bias = weights["linear.bias"].float() if config.get("bias", True) else None
+        return Dense(weights["linear.weight"].float(), bias, activation)
+    except Exception as exc:  # noqa: BLE001 — a damaged file fails in the reader's own way; say which file
+        raise ValueError(f"{files[0]}: cannot read the Dense weights ({type(exc).__name__}: {exc})") from None
 
 
 def pooling_config(model_dir: str | Path) -> PoolingConfig:
-    """The model's pooling (sentence-transformers' modules.json and Pooling config), else last-token + normalize."""
+    """The model's pooling (sentence-transformers' modules.json, its Pooling config and Dense
+    modules), else last-token + normalize; a module or mode it would not apply is a ValueError."""
     model_dir = Path(model_dir)
     modules_path = model_dir / "modules.json"
     if not modules_path.is_file():
         return PoolingConfig()
     modules = _read_json(modules_path, "sentence-transformers modules")
-    types = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
-    pooling = "last"
-    if "Pooling" in types:
-        config = _read_json(model_dir / types["Pooling"] / "config.json", "sentence-transformers pooling")
-        chosen = [name for key, name in _MODES if config.get(key)]
-        if len(chosen) != 1:
-            raise ValueError(f"{model_dir}: pooling config asks for {chosen or 'no mode'}; driftgate pools by "
-                             "exactly one of lasttoken, mean_tokens, cls_token")
-        pooling = chosen[0]
-    return PoolingConfig(pooling, normalize="Normalize" in types)
+    pooling, dense, normalize = "last", [], False
+    for module in modules:
+        kind, folder = module.get("type", "").rsplit(".", 1)[-1], model_dir / module.get("path", "")
+        if kind not in _APPLIED_MODULES:
+            raise ValueError(f"{modules_path} lists a {kind or 'nameless'} module; driftgate applies "
+                             f"{', '.join(_APPLIED_MODULES)} only, and would answer without it")
+        if kind == "Pooling":
+            pooling = _pooling_mode(folder, model_dir)
+        elif kind == "Dense":
+            dense.append(_dense(folder))
+        elif kind == "Normalize":
+            normalize = True
+    return PoolingConfig(pooling, normalize, tuple(dense))
+
+
+def _pooling_mode(folder: Path, model_dir: Path) -> str:
+    config = _read_json(folder / "config.json", "sentence-transformers pooling")
+    chosen = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+    if len(chosen) != 1 or chosen[0] not in dict(_MODES):
+        raise ValueError(f"{model_dir}: pooling config asks for {chosen or 'no mode'}; driftgate pools by "
+                         "exactly one of lasttoken, mean_tokens, cls_token")
+    if config.get("include_prompt") is False:
+        raise ValueError(f"{model_dir}: pooling config leaves the prompt out of the pooled tokens "
+                         "(include_prompt false), which driftgate does not do")
+    return dict(_MODES)[chosen[0]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +197,7 @@ class ScorePlan:
     pooling: str
     pair_rows: list[tuple[int, int]] | None  # embedding models: each pair's rows of `prompts`
     classifier: ClassifierConfig | None
+    embedder: PoolingConfig | None = None  # embedding models: how a pooled state becomes an embedding
 
     @classmethod
     def build(cls, pairs: list[tuple[str, str]], tokenizer, classifier: ClassifierConfig | None,
@@ -133,7 +210,7 @@ class ScorePlan:
         texts = sorted({text for pair in pairs for text in pair})
         row = {text: i for i, text in enumerate(texts)}
         return cls([tokenizer.encode(text) for text in texts], pooling.pooling,
-                   [(row[a], row[b]) for a, b in pairs], None)
+                   [(row[a], row[b]) for a, b in pairs], None, pooling)
 
     def pair_token_ids(self) -> list[list[int]]:
         """What each pair was scored from: the cross-encoder's input, or the two texts' ids."""
@@ -145,14 +222,6 @@ class ScorePlan:
         """One score per pair, from the pooled outputs of `prompts` in order."""
         if self.classifier is not None:
             return [self.classifier.probabilities(logits)[0] for logits in pooled]
-        vectors = torch.tensor(pooled, dtype=torch.float32)
+        vectors = torch.tensor([self.embedder.embedding(p, normalize=False) for p in pooled])
         return [torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()
                 for a, b in self.pair_rows]
-
-
-def finish_embedding(pooled: list[float], normalize: bool, dimensions: int | None = None) -> list[float]:
-    """The embedding a client gets: the first `dimensions` values (Matryoshka models), then L2-normalized."""
-    vector = torch.tensor(pooled[:dimensions] if dimensions else pooled, dtype=torch.float32)
-    if normalize:
-        vector = torch.nn.functional.normalize(vector, dim=0)
-    return vector.tolist()

@@ -10,7 +10,6 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine.pooling import finish_embedding
 from server.completions import tokenized_prompts
 from server.errors import APIError
 from server.pooling import Pooled, classified, pooled_outputs
@@ -34,11 +33,11 @@ async def _embeddings(body: EmbeddingRequest, request: Request, id_prefix: str) 
                             "/rerank, not embeddings", param="model")
     prompts = [ids for _, ids in tokenized_prompts(body.input, state.ready_engine().tokenizer)]
     pooled = await pooled_outputs(request, body, prompts, config.pooling.pooling, id_prefix=id_prefix)
-    width = len(pooled.outputs[0].embedding)
+    width = config.pooling.width(len(pooled.outputs[0].embedding))
     if body.dimensions is not None and body.dimensions > width:
         raise APIError(400, f"dimensions {body.dimensions} exceeds the model's {width}", param="dimensions")
-    return pooled, [_encoded(finish_embedding(out.embedding, config.pooling.normalize, body.dimensions),
-                             body.encoding_format) for out in pooled.outputs]
+    return pooled, [_encoded(config.pooling.embedding(out.embedding, dimensions=body.dimensions), body.encoding_format)
+                    for out in pooled.outputs]
 
 
 async def create_embedding(body: EmbeddingRequest, request: Request) -> JSONResponse:

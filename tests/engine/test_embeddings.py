@@ -87,6 +87,67 @@ def test_a_headless_checkpoint_embeds_with_its_sentence_transformers_pooling(qwe
         pooling_config(folder)
 
 
+def _sentence_transformers_folder(qwen3_dir, folder, modules: list[tuple[str, str]]):
+    """A headless checkpoint with these (type, path) sentence-transformers modules after its Transformer."""
+    hf = AutoModel.from_pretrained(qwen3_dir, dtype=torch.float32)
+    hf.save_pretrained(folder)
+    for tokenizer_file in qwen3_dir.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, folder)
+    listed = [("Transformer", ""), *modules]
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(listed)]))
+    return hf
+
+
+def test_dense_projections_after_the_pooling_are_applied(qwen3_dir, tmp_path):
+    """EmbeddingGemma's and LaBSE's layout: Pooling, Dense modules (here 64 → 48 with tanh, then
+    48 → 32), Normalize. Their projections were skipped: 64 values, not the model's 32."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "dense"
+    hf = _sentence_transformers_folder(qwen3_dir, folder, [("Pooling", "1_Pooling"), ("Dense", "2_Dense"),
+                                                           ("Dense", "3_Dense"), ("Normalize", "4_Normalize")])
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    g = torch.Generator().manual_seed(0)
+    layers = [(64, 48, "torch.nn.modules.activation.Tanh", True), (48, 32, "torch.nn.modules.linear.Identity", False)]
+    expected = _hf_pooled(hf, PROMPTS[1], "mean")
+    for (n_in, n_out, activation, bias), path in zip(layers, ("2_Dense", "3_Dense"), strict=True):
+        (folder / path).mkdir()
+        (folder / path / "config.json").write_text(json.dumps({"in_features": n_in, "out_features": n_out,
+                                                               "bias": bias, "activation_function": activation}))
+        weights = {"linear.weight": torch.randn(n_out, n_in, generator=g)}
+        if bias:
+            weights["linear.bias"] = torch.randn(n_out, generator=g)
+        save_file(weights, str(folder / path / "model.safetensors"))
+        expected = torch.nn.functional.linear(expected, weights["linear.weight"], weights.get("linear.bias"))
+        expected = torch.tanh(expected) if activation.endswith("Tanh") else expected
+    llm = LLM(str(folder), dtype="float32")
+    out = llm.embed(PROMPTS[1:2], use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(out), torch.nn.functional.normalize(expected, dim=0), atol=1e-5, rtol=1e-5)
+    first, second = (torch.tensor(o.outputs.embedding) for o in llm.embed(["a b", "a b c"], use_tqdm=False))
+    (score,) = llm.score("a b", "a b c", use_tqdm=False)  # the cosine of the projected embeddings
+    assert score.outputs.score == pytest.approx(float(first @ second), abs=1e-5)
+
+
+@pytest.mark.parametrize(("modules", "pooling", "says"), [
+    ([("Pooling", "1_Pooling"), ("LayerNorm", "2_LayerNorm")], {"pooling_mode_mean_tokens": True},
+     "lists a LayerNorm module"),
+    ([("Pooling", "1_Pooling")], {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True},
+     "exactly one of"),
+    ([("Pooling", "1_Pooling")], {"pooling_mode_mean_tokens": True, "include_prompt": False}, "include_prompt"),
+])
+def test_modules_and_modes_it_would_not_apply_are_refused(qwen3_dir, tmp_path, modules, pooling, says):
+    """An embedding answered without one of its modules (or with another pooling) is a wrong
+    answer that looks right; the folder is refused, saying what."""
+    _sentence_transformers_folder(qwen3_dir, tmp_path, modules)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    with pytest.raises(ValueError, match=says):
+        pooling_config(tmp_path)
+
+
 def test_the_embeddings_route_answers_as_openai_does(qwen3_dir):
     """Text, token ids and lists of either; float or base64; Matryoshka `dimensions`
     (truncated, then normalized); usage; 400s for a bad input or too many dimensions. vLLM's
