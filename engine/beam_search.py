@@ -1,4 +1,6 @@
-"""Beam search over the engine, as vLLM runs it (`LLM.beam_search`, the API's `use_beam_search`).
+"""Beam search over the engine, driven as vLLM drives it (`LLM.beam_search`, the API's
+`use_beam_search`), hypotheses kept and scored as HF transformers' (the oracle it is tested on;
+vLLM's length counts the prompt, and it keeps every EOS extension).
 
 Each step submits every live beam (prompt + its tokens) as a one-token request asking for the
 top 2 × beam_width next-token logprobs; the prefix cache serves all but the beam's last partial
