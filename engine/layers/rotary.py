@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF "rotate half" layout), with Llama 3, LongRoPE and YaRN frequency scaling."""
+"""Rotary position embedding (HF "rotate half" layout), with Llama 3, LongRoPE and YaRN frequency scaling
+(and dynamic NTK, which within the served context is the plain one)."""
 
 from __future__ import annotations
 
@@ -96,9 +97,11 @@ class RotaryEmbedding(nn.Module):
                  served_context: int | None = None):
         super().__init__()
         self.rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if self.rope_type not in ("default", "linear", "llama3", "longrope", "yarn", None):
+        if self.rope_type not in ("default", "linear", "llama3", "longrope", "yarn", "dynamic", None):
             raise ValueError(f"unsupported rope scaling type {self.rope_type!r} "
-                             "(supported: default, linear, llama3, longrope, yarn)")
+                             "(supported: default, linear, llama3, longrope, yarn, dynamic)")
+        # dynamic NTK grows the base only for sequences past max_position_embeddings, which caps
+        # the served context: within it, HF's frequencies are the plain ones
         self.rotary_dim, self.max_positions, self.theta, self.scaling = rotary_dim, max_positions, theta, scaling
         self.cos, self.sin = self._tables(served_context)
         self._last_positions: torch.Tensor | None = None

@@ -62,6 +62,9 @@ CASES = {
     "llama-yarn-mscale": ("LlamaForCausalLM", {"extra_config": {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
         "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False, "beta_fast": 16}}}, (3, 18, 40), {}),
+    # dynamic NTK within the pretraining context: the plain frequencies, as HF computes them there
+    "llama-dynamic-ntk": ("LlamaForCausalLM", {"extra_config": {"rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}}, (3, 18, 40), {}),
     # OLMo 2: norms on the attention and MLP outputs only, q and k normed over all heads
     "olmo2": ("Olmo2ForCausalLM", {"extra_config": {"pad_token_id": 0}}, (3, 18, 40), {}),
     # OLMo 3: the same, an 8-token window in its first layer, whose rotary base differs from the global one's
