@@ -74,7 +74,8 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
                 # the grammar (its output complete) or allowed_token_ids allow nothing but what
                 # min_tokens or bad_words ban: they win, or the row would sample from nothing
                 logits[i, banned] = kept
-        if row.grammar_active and p.allowed_token_ids is not None and not torch.isfinite(logits[i]).any():
+        if (row.grammar_active and p.allowed_token_ids is not None and p.stop_token_ids
+                and not torch.isfinite(logits[i]).any()):
             # allowed_token_ids and the grammar share no token: the output ends (a grammar's
             # request always stops at EOS), where sampling from nothing gave token 0 to the end
             logits[i, p.stop_token_ids[0]] = 0.0
