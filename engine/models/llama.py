@@ -289,15 +289,17 @@ def _moe(config: dict, arch: str) -> dict:
 
 def _layer_windows(config: dict, arch: str) -> tuple[int | None, ...]:
     """Each layer's sliding window, from config.json's layer_types where it lists them; a Qwen
-    config without them windows the layers from max_window_layers on, and only under
-    use_sliding_window (its sliding_window is otherwise unused)."""
+    config without them windows the layers from max_window_layers on (a Qwen3-MoE every layer),
+    and only under use_sliding_window (its sliding_window is otherwise unused)."""
     num_layers, window = config["num_hidden_layers"], config.get("sliding_window")
     types = config.get("layer_types")
     if types is None and "sliding_window_pattern" in config:  # older Gemma 3 configs: every n-th layer is global
         pattern = config["sliding_window_pattern"]
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if types is None and arch.startswith("Qwen"):
-        first = config.get("max_window_layers", num_layers) if config.get("use_sliding_window") else num_layers
+        first = num_layers
+        if config.get("use_sliding_window"):  # transformers windows every layer of a Qwen3-MoE
+            first = 0 if arch == "Qwen3MoeForCausalLM" else config.get("max_window_layers", num_layers)
         types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
     if not window:
         return (None,) * num_layers

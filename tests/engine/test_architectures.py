@@ -123,6 +123,7 @@ _QWEN_WINDOW = {"use_sliding_window": True, "max_window_layers": 1}
 
 @pytest.mark.parametrize("architecture, extra", [("MistralForCausalLM", {}), ("Phi3ForCausalLM", _PHI3),
                                                  ("Qwen2ForCausalLM", _QWEN_WINDOW),
+                                                 ("Qwen3MoeForCausalLM", {**_EXPERTS, **_QWEN_WINDOW}),
                                                  ("Gemma3ForCausalLM", {**_GEMMA3, "head_dim": 16}),
                                                  ("Gemma2ForCausalLM", {**_GEMMA2, "head_dim": 16})])
 def test_sliding_window_attention_equals_hf(tmp_path, monkeypatch, architecture, extra):
