@@ -264,16 +264,11 @@ class LLMEngine:
         stop_ids = list(params.stop_token_ids)
         # a structured output ends with its grammar, ignore_eos or not: the grammar then allows only
         # EOS, and a sequence going on past it would run unconstrained
-        if not params.ignore_eos or params.structured_outputs is not None:
-            stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
-        budget, after = params.thinking_budget, {}
-        if params.structured_outputs is not None and budget is not None and params.structured_outputs_after is None:
-            # the constraint holds the answer after the thinking block, whose forced end it would refuse
-            after = {"structured_outputs_after": list(budget.end_ids),
-                     "structured_outputs_reopened_by": list(budget.start_ids)}
+        if not params.ignore_eos or params.structured_outputs is not None:  # EOS first: the sampler's way out
+            stop_ids = [*self.eos_token_ids, *(t for t in stop_ids if t not in self.eos_token_ids)]
         seq_params = dataclasses.replace(params, stop_token_ids=stop_ids,
                                          max_tokens=params.output_budget(len(prompt_ids), self.max_model_len),
-                                         bad_words_token_ids=self._bad_words_token_ids(params.bad_words), **after)
+                                         bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         sequences = []
         for i in range(params.n):

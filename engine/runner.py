@@ -376,10 +376,16 @@ class ModelRunner:
         return counter
 
     def grammar_waits(self, request) -> bool:
-        """Whether the request's grammar has yet to start (structured_outputs_after not seen): once
-        it has a matcher it holds, so only a waiting request scans its tokens."""
-        return (request.grammar is not None and request.request_id not in self.request_matchers
-                and not request.params.grammar_started(request.prompt_token_ids, request.output_token_ids))
+        """Whether the request's grammar has yet to start (structured_outputs_after not seen; with a
+        thinking budget and no such marker, while the budget's block is open: the constraint holds
+        the answer, and would refuse the block's forced end): once it has a matcher it holds, so only
+        a waiting request scans its tokens."""
+        if request.grammar is None or request.request_id in self.request_matchers:
+            return False
+        params = request.params
+        if params.structured_outputs_after is None and params.thinking_budget is not None:
+            return self._thinking_counter(request).is_open()
+        return not params.grammar_started(request.prompt_token_ids, request.output_token_ids)
 
     def _pool(self, chunk: ScheduledChunk, hidden: torch.Tensor, result: StepResult) -> None:
         """Fold an embedding request's chunk into its pooled state; the chunk that completes its

@@ -76,8 +76,8 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
                 logits[i, banned] = kept
         if (row.grammar_active and p.allowed_token_ids is not None and p.stop_token_ids
                 and not torch.isfinite(logits[i]).any()):
-            # allowed_token_ids and the grammar share no token: the output ends (a grammar's
-            # request always stops at EOS), where sampling from nothing gave token 0 to the end
+            # allowed_token_ids and the grammar share no token: the output ends at EOS (a grammar's
+            # request stops there, its first stop token), where sampling from nothing gave token 0 to the end
             logits[i, p.stop_token_ids[0]] = 0.0
         forced = row.forced_token
         if forced is not None:

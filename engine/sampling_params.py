@@ -33,8 +33,9 @@ class SamplingParams:
     thoughts, or a user quoting the marker, leave the new block's thinking free, as vLLM's
     reasoning parsers read the last marker. `thinking_budget` caps the tokens a reasoning model
     spends inside a thinking block, then forces the block's end (engine/thinking.py); with a
-    structured output and no `structured_outputs_after` the engine starts the constraint after
-    that block, or the grammar and the forced end would contradict each other.
+    structured output and no `structured_outputs_after` the constraint waits while that block is
+    open (from the first token where none is), or the grammar and the forced end would contradict
+    each other.
     """
 
     n: int = 1

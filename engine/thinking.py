@@ -83,6 +83,10 @@ class ThinkingCounter:
         self._state = self._fold(self._state, output_token_ids[self._num_folded:])
         self._num_folded = len(output_token_ids)
 
+    def is_open(self) -> bool:
+        """Whether a thinking block is open after the committed output."""
+        return self._state[0]
+
     def forced_token(self, output_token_ids: Sequence[int]) -> int | None:
         """The only token allowed next for an output that extends the committed one, or None."""
         is_open, count, _ = self._fold(self._state, output_token_ids[self._num_folded:])

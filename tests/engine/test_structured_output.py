@@ -198,6 +198,12 @@ def test_a_thinking_budget_with_a_grammar_holds_the_answer_after_the_block(llm):
         at = out.token_ids.index(9)
         assert at <= 2 and out.finish_reason == "stop"
         assert re.fullmatch("[0-9]{3}", llm.tokenizer.decode(out.token_ids[at + 1:], skip_special_tokens=True))
+    # no block open (the model answers without thinking): the constraint holds from the first token
+    closed = ThinkingBudget(2, tuple(start), tuple(end))
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=0, max_tokens=24, thinking_budget=closed,
+                                                   structured_outputs=StructuredOutputs(regex="[0-9]{3}")),
+                       use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason == "stop"
 
 
 def test_allowed_token_ids_that_the_grammar_refuses_end_the_output(llm):
