@@ -19,6 +19,7 @@ checkpoint stores them so (Phi-3).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -240,7 +241,7 @@ def with_hf_defaults(config: dict) -> dict:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its advice on how to write a config is for their loader's users
     try:
-        defaults = AutoConfig.for_model(**config).to_dict()
+        defaults = AutoConfig.for_model(**copy.deepcopy(config)).to_dict()  # it writes into nested dicts
     except Exception:  # noqa: BLE001 — whatever the class refuses (its own validators' errors vary), the engine checks itself
         return config
     finally:
