@@ -65,7 +65,8 @@ class _Renderer:
             offset = len(prompt_text) + chars
             if echo:
                 ids, entries, offset = prompt_ids + ids, list(out.prompt_logprobs or []) + entries, 0
-            logprobs = completion_logprobs(self.text, ids, entries, self.body.logprobs, offset)
+            logprobs = completion_logprobs(self.text, ids, entries, self.body.logprobs, offset,
+                                           self.body.skip_special_tokens)
         if echo:
             text = prompt_text + text
         choice = CompletionChoice(index=prompt_index * self.body.n + c.index, text=text, logprobs=logprobs,

@@ -112,11 +112,13 @@ def completion_logprobs(
     entries: list[LogprobsDict | None],
     top_n: int,
     text_offset: int = 0,
+    skip_special_tokens: bool = True,
 ) -> CompletionLogprobs:
     """The legacy shape; a `None` entry (the first prompt token) gives `null` logprobs there.
 
     `top_logprobs` holds the top `top_n` plus the actual token, as OpenAI and vLLM return it
-    and as lm-eval's greedy check expects.
+    and as lm-eval's greedy check expects. `text_offset` counts a special token's text only where
+    the output shows it (`skip_special_tokens` off): an echoed prompt's BOS is not in its text.
     """
     out = CompletionLogprobs()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a split character counts where it completes
@@ -124,7 +126,7 @@ def completion_logprobs(
         token = text(token_id)
         out.tokens.append(token)
         out.text_offset.append(text_offset)
-        if token_id not in text.special:
+        if not skip_special_tokens or token_id not in text.special:
             text_offset += len(utf8.decode(text.raw_bytes(token_id)))
         if entry is None:
             out.token_logprobs.append(None)

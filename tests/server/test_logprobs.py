@@ -66,3 +66,17 @@ def test_an_echoed_prompt_that_splits_characters_keeps_its_offsets_inside_the_te
     offsets, text = choice["logprobs"]["text_offset"], choice["text"]
     assert text.startswith(TEXT) and offsets[0] == 0 and max(offsets) <= len(text)
     assert offsets[len(offsets) - 1] == len(TEXT)  # the generated token starts where the prompt ends
+
+
+def test_special_tokens_count_where_the_output_shows_them(tmp_path):
+    """With skip_special_tokens off the text holds a special token's text, and the offsets after it
+    move past it; with it on (the default) the text has none of it."""
+    write_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    names = token_namer(TokenText(tokenizer), as_ids=False)
+    ids = tokenizer.encode("ok<|im_end|>then", add_special_tokens=False)
+    for skip in (True, False):
+        text = tokenizer.decode(ids, skip_special_tokens=skip)
+        offsets = completion_logprobs(names, ids, [None] * len(ids), 0, skip_special_tokens=skip).text_offset
+        assert "".join(text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)], strict=True)) == text
+        assert offsets[-1] == len(text) - len(tokenizer.decode(ids[-1:]))
