@@ -420,7 +420,7 @@ def check_server(args: argparse.Namespace) -> list[dict]:
     """Before any load: the server's model cards (ValueError saying why it does not answer with
     them, as vLLM's bench stops when its first test request fails), and a warning when they do not
     list `--model`."""
-    cards = model_cards(args.base_url, args.api_key)
+    cards = model_cards(args.base_url.rstrip("/") + "/v1", args.api_key)
     served = [card["id"] for card in cards]
     if args.model not in served:
         print(f"warning: {args.base_url.rstrip('/')}/v1/models lists {served}, not --model {args.model!r}",

@@ -30,7 +30,7 @@ class ServerError(RuntimeError):
 def server_model(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
     """The first model card the server lists (`id`, and `max_model_len` where the server says)."""
     try:
-        return model_cards(base_url, api_key, timeout)[0]
+        return model_cards(base_url.rstrip("/") + "/v1", api_key, timeout)[0]
     except ValueError as exc:
         raise ServerError(str(exc)) from None
 

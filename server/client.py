@@ -20,11 +20,11 @@ def error_message(response: httpx.Response) -> str:
     return message if isinstance(message, str) else response.text[:200]
 
 
-def model_cards(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict]:
-    """The server's `/v1/models` cards (`id`, and `root` / `max_model_len` where the server gives
-    them); `base_url` with or without `/v1`. A ValueError says why when the list cannot be had."""
-    base = base_url.rstrip("/")
-    url = (base if base.endswith("/v1") else base + "/v1") + "/models"
+def model_cards(api_base: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict]:
+    """The server's model cards (`id`, and `root` / `max_model_len` where the server gives them),
+    from `{api_base}/models` (`api_base` the one its other routes hang off, e.g.
+    http://host:8000/v1). A ValueError says why when the list cannot be had."""
+    url = api_base.rstrip("/") + "/models"
     try:
         response = httpx.get(url, headers=auth_headers(api_key), timeout=timeout)
     except httpx.HTTPError as exc:

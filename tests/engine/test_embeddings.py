@@ -129,6 +129,9 @@ def test_dense_projections_after_the_pooling_are_applied(qwen3_dir, tmp_path):
     first, second = (torch.tensor(o.outputs.embedding) for o in llm.embed(["a b", "a b c"], use_tqdm=False))
     (score,) = llm.score("a b", "a b c", use_tqdm=False)  # the cosine of the projected embeddings
     assert score.outputs.score == pytest.approx(float(first @ second), abs=1e-5)
+    save_file({"linear.weight": torch.randn(32, 40, generator=g)}, str(folder / "3_Dense" / "model.safetensors"))
+    with pytest.raises(ValueError, match="3_Dense: a Dense module taking 40 values where 48 come"):
+        pooling_config(folder)  # refused at load, not a 500 on every request
 
 
 @pytest.mark.parametrize(("modules", "pooling", "says"), [
