@@ -121,11 +121,12 @@ def arrival_gaps(num: int, rate: float, burstiness: float, rng: np.random.Genera
 
 
 def _text_of(choice: dict, chat: bool) -> str:
-    """A chunk's text: a completion's `text`, a chat delta's reasoning and answer."""
+    """A chunk's text: a completion's `text`, a chat delta's reasoning (`reasoning_content`, or newer
+    vLLM's `reasoning`) and answer."""
     if not chat:
         return choice.get("text") or ""
     delta = choice.get("delta") or {}
-    return (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+    return (delta.get("reasoning_content") or delta.get("reasoning") or "") + (delta.get("content") or "")
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict, chat: bool, tokenizer,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 # prompt tokens the first output token is decoded after (vLLM's detokenizer takes as many)
 PROMPT_CONTEXT_TOKENS = 5
 
@@ -15,7 +17,7 @@ class IncrementalDetokenizer:
     decoders drop the leading space of a sequence's first "▁word", which after a prompt is a space.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_ids: list[int] = ()):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])

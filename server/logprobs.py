@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import codecs
 import functools
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +37,8 @@ class TokenText:
 
     def __init__(self, tokenizer) -> None:
         self._decode = lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
-        self.raw_bytes = lru_cache(maxsize=65536)(functools.partial(token_bytes, tokenizer, _byte_level(tokenizer)))
+        self.raw_bytes = lru_cache(maxsize=65536)(functools.partial(
+            token_bytes, tokenizer, _byte_level(tokenizer), frozenset(tokenizer.added_tokens_decoder)))
         self.special = frozenset(tokenizer.all_special_ids)
 
     def __call__(self, token_id: int) -> str:
@@ -47,8 +47,8 @@ class TokenText:
 
 def _byte_level(tokenizer) -> bool:
     """Whether the tokenizer's pieces spell bytes in GPT-2's printable alphabet (Llama 3, Qwen, SmolLM2)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()  # its JSON, a Sequence's parts too
 
 
 @lru_cache(maxsize=1)
@@ -63,18 +63,18 @@ def _byte_of_char() -> dict[str, int]:
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
-def token_bytes(tokenizer, byte_level: bool, token_id: int) -> bytes:
+def token_bytes(tokenizer, byte_level: bool, added: frozenset[int], token_id: int) -> bytes:
     """The bytes one token stands for: a byte-level piece mapped back through its alphabet, a
     byte-fallback piece's byte, a SentencePiece word with its space; else its decoded text."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if piece is None:
         return b""
-    added = token_id in tokenizer.added_tokens_decoder
-    if byte_level and not added and all(ch in _byte_of_char() for ch in piece):
+    is_added = token_id in added  # added tokens keep their text as it is
+    if byte_level and not is_added and all(ch in _byte_of_char() for ch in piece):
         return bytes(_byte_of_char()[ch] for ch in piece)
     if match := _BYTE_PIECE.fullmatch(piece):
         return bytes([int(match.group(1), 16)])
-    if not added and piece.startswith("▁"):
+    if not is_added and piece.startswith("▁"):
         return piece.replace("▁", " ").encode()
     return tokenizer.decode([token_id]).encode()
 
