@@ -99,6 +99,8 @@ def pooling_config(model_dir: str | Path) -> PoolingConfig:
     modules_path = model_dir / "modules.json"
     if not modules_path.is_file():
         return PoolingConfig()
+    from engine.loader import read_config
+
     modules = _read_json(modules_path, "sentence-transformers modules")
     pooling, dense, normalize = "last", [], False
     for module in modules:
@@ -110,18 +112,13 @@ def pooling_config(model_dir: str | Path) -> PoolingConfig:
             pooling = _pooling_mode(folder, model_dir)
         elif kind == "Dense":
             dense.append(_dense(folder))
-            takes, given = dense[-1].weight.shape[1], dense[-2].weight.shape[0] if len(dense) > 1 else _hidden_size(model_dir)
+            takes = dense[-1].weight.shape[1]
+            given = dense[-2].weight.shape[0] if len(dense) > 1 else read_config(model_dir).get("hidden_size")
             if given is not None and takes != given:
                 raise ValueError(f"{folder}: a Dense module taking {takes} values where {given} come")
         elif kind == "Normalize":
             normalize = True
     return PoolingConfig(pooling, normalize, tuple(dense))
-
-
-def _hidden_size(model_dir: Path) -> int | None:
-    """The size of the final hidden state the pooling sees (None where config.json does not say)."""
-    path = model_dir / "config.json"
-    return _read_json(path, "model config").get("hidden_size") if path.is_file() else None
 
 
 def _pooling_mode(folder: Path, model_dir: Path) -> str:

@@ -68,9 +68,11 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             logits[i, torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
         banned = _banned(row)
         if banned:
-            kept = logits[i, banned].clone()
+            # only a row a grammar or allowed_token_ids narrowed can be left with nothing
+            restricted = row.grammar_active or p.allowed_token_ids is not None
+            kept = logits[i, banned].clone() if restricted else None
             logits[i, banned] = float("-inf")
-            if not torch.isfinite(logits[i]).any():
+            if kept is not None and not torch.isfinite(logits[i]).any():
                 # the grammar (its output complete) or allowed_token_ids allow nothing but what
                 # min_tokens or bad_words ban: they win, or the row would sample from nothing
                 logits[i, banned] = kept

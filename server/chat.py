@@ -215,31 +215,29 @@ def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
         if exc.param != "logprobs":
             raise
         raise APIError(400, exc.message.replace("logprobs", "top_logprobs", 1), param="top_logprobs") from None
-    think_end = engine.tokenizer.encode(THINK_END, add_special_tokens=False) if config.reasoning_parser else None
+    think_start, think_end = ([engine.tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
+                              if config.reasoning_parser else (None, None))
     if think_end and isinstance(params, SamplingParams) and params.structured_outputs is not None:
         # the constraint holds the answer, from the token after </think> (as vLLM does): in the
         # prompt where thinking is turned off, else once the model has thought
-        params.structured_outputs_after = think_end
-        params.structured_outputs_reopened_by = engine.tokenizer.encode(THINK_START, add_special_tokens=False)
+        params.structured_outputs_after, params.structured_outputs_reopened_by = think_end, think_start
     if body.thinking_token_budget is not None:
         params.thinking_budget = _thinking_budget(body.thinking_token_budget, config.reasoning_parser, params,
-                                                  engine.tokenizer, think_end)
+                                                  think_start, think_end)
     if reader.keeps_special_tokens and isinstance(params, SamplingParams):
         params.skip_special_tokens = False
     return ChatJob(engine, ids, params, reader, lora)
 
 
 def _thinking_budget(max_tokens: int, parser: str | None, params: SamplingParams | BeamSearchParams,
-                     tokenizer, think_end: list[int] | None) -> ThinkingBudget:
-    """thinking_token_budget as the engine's, the block's markers tokenized as the model writes them
-    (`think_end`: </think>'s ids, already at hand)."""
+                     think_start: list[int] | None, think_end: list[int] | None) -> ThinkingBudget:
+    """thinking_token_budget as the engine's, the block's markers tokenized as the model writes them."""
     if parser is None:
         raise APIError(400, "thinking_token_budget needs a server started with --reasoning-parser, which names "
                             "the thinking block's markers", param="thinking_token_budget")
     if not isinstance(params, SamplingParams):
         raise APIError(400, "thinking_token_budget does not apply to beam search", param="thinking_token_budget")
-    return ThinkingBudget(max_tokens, tuple(tokenizer.encode(THINK_START, add_special_tokens=False)),
-                          tuple(think_end), open_at_start=parser == "deepseek_r1")
+    return ThinkingBudget(max_tokens, tuple(think_start), tuple(think_end), open_at_start=parser == "deepseek_r1")
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:

@@ -53,11 +53,10 @@ def _byte_level(tokenizer) -> bool:
 
 @lru_cache(maxsize=1)
 def _byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the others for
-    the 256 code points that follow."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+    """GPT-2's byte-level alphabet (transformers' own table), inverted."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
