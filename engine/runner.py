@@ -26,7 +26,7 @@ from engine.outputs import LogprobsDict
 from engine.sampler import SamplingRow, prompt_logprobs, sample, verify
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.structured_output import new_matcher
-from engine.thinking import ThinkingCounter
+from engine.thinking import BlockWatch, ThinkingCounter
 
 
 @dataclass(slots=True)
@@ -70,6 +70,7 @@ class ModelRunner:
         self.request_generators: dict[str, torch.Generator] = {}
         self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
         self.thinking_counters: dict[str, ThinkingCounter] = {}  # request id → its thinking budget's count
+        self.grammar_watches: dict[str, BlockWatch] = {}  # request id → whether its grammar's wait is over
         self.pooling_state: dict[str, torch.Tensor] = {}  # embedding requests: the running sum, or the first row
         # request id → (its block_ids list, that list as int32): see _block_row
         self.block_rows: dict[str, tuple[list[int], np.ndarray]] = {}
@@ -383,9 +384,14 @@ class ModelRunner:
         if request.grammar is None or request.request_id in self.request_matchers:
             return False
         params = request.params
-        if params.structured_outputs_after is None and params.thinking_budget is not None:
-            return self._thinking_counter(request).is_open()
-        return not params.grammar_started(request.prompt_token_ids, request.output_token_ids)
+        if params.structured_outputs_after is None:
+            return params.thinking_budget is not None and self._thinking_counter(request).is_open()
+        watch = self.grammar_watches.get(request.request_id)
+        if watch is None:
+            watch = self.grammar_watches[request.request_id] = BlockWatch(
+                params.structured_outputs_reopened_by, params.structured_outputs_after, request.prompt_token_ids)
+        watch.commit(request.output_token_ids)
+        return not watch.closed
 
     def _pool(self, chunk: ScheduledChunk, hidden: torch.Tensor, result: StepResult) -> None:
         """Fold an embedding request's chunk into its pooled state; the chunk that completes its
@@ -416,4 +422,5 @@ class ModelRunner:
         self.request_generators.pop(request_id, None)
         self.request_matchers.pop(request_id, None)
         self.thinking_counters.pop(request_id, None)
+        self.grammar_watches.pop(request_id, None)
         self.block_rows.pop(request_id, None)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutputs
-from engine.thinking import ThinkingBudget, last_marker_end
+from engine.thinking import ThinkingBudget
 
 POOLING_TYPES = ("last", "mean", "cls")
 _INT64 = 2**63
@@ -154,17 +154,6 @@ class SamplingParams:
     def output_budget(self, num_prompt_tokens: int, max_model_len: int) -> int:
         """max_tokens, or (None) what the context leaves after the prompt, as vLLM reads it."""
         return self.max_tokens if self.max_tokens is not None else max(max_model_len - num_prompt_tokens, 1)
-
-    def grammar_started(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> bool:
-        """Whether the structured output holds from the next token on: the last end marker in the
-        prompt and output is past the last start marker."""
-        after = self.structured_outputs_after
-        if after is None:
-            return True
-        backwards = [*prompt_token_ids, *output_token_ids][::-1]
-        ended = last_marker_end(backwards, tuple(after))
-        reopen = self.structured_outputs_reopened_by
-        return ended >= 0 and (not reopen or last_marker_end(backwards, tuple(reopen)) < ended)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """The token ids the params name must be rows of the logits (ValueError naming the field)."""

@@ -47,6 +47,33 @@ def last_marker_end(backwards: list[int], marker: tuple[int, ...]) -> int:
         at += 1
 
 
+class BlockWatch:
+    """Whether a block (`start` … `end`, a reasoning model's thinking) is closed after a request's
+    tokens: its end marker seen after its last start marker; neither seen, it is not. Without a
+    start marker the block closes at the first end marker for good. Committed tokens are folded
+    in as they come, so a step looks only at what is new and a long prompt is scanned once."""
+
+    def __init__(self, start_ids: Sequence[int] | None, end_ids: Sequence[int], prompt_token_ids: Sequence[int]):
+        self._start, self._end = tuple(start_ids or ()), tuple(end_ids)
+        backwards = list(prompt_token_ids)[::-1]
+        ended = last_marker_end(backwards, self._end)
+        self.closed = ended >= 0 and (not self._start or last_marker_end(backwards, self._start) < ended)
+        self._keep = max(len(self._start), len(self._end)) - 1  # tokens a marker ending later may begin with
+        self._tail = tuple(prompt_token_ids[len(prompt_token_ids) - self._keep:]) if self._keep else ()
+        self._num_folded = 0
+
+    def commit(self, output_token_ids: Sequence[int]) -> None:
+        """Fold in the request's output up to now (its tokens are final)."""
+        for token in output_token_ids[self._num_folded:]:
+            window = self._tail + (token,)
+            if self._start and window[-len(self._start):] == self._start:
+                self.closed = False  # a marker ending here as both opens, as the last start decides
+            elif window[-len(self._end):] == self._end:
+                self.closed = True
+            self._tail = window[len(window) - self._keep:] if self._keep else ()
+        self._num_folded = len(output_token_ids)
+
+
 class ThinkingCounter:
     """One request's walk over its output: whether a thinking block is open and how many tokens it
     has had, folded in as tokens are committed, so a step looks only at what is new."""
