@@ -46,7 +46,7 @@ from engine.scheduler import SCHEDULING_POLICIES
 from engine.spec_decode import SPECULATIVE_CONFIG_HELP, speculative_config_arg
 from server.app import build_app
 from server.config import ServerConfig
-from server.flags import apply_config_file, human_int, positive_int
+from server.flags import apply_config_file, human_int, positive_int, positive_seconds
 from server.reasoning import REASONING_PARSERS
 from server.state import ServerState
 from server.tools import TOOL_CALL_PARSERS
@@ -274,6 +274,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="join this Ray cluster (`auto`: the one on this machine); default: start a local one")
     cluster.add_argument("--router-policy", default="coordinated",
                          choices=["round-robin", "least-loaded", "coordinated"])
+    cluster.add_argument("--replica-lost-after", type=positive_seconds, default=None, metavar="SECONDS",
+                         help="a replica that answers no report for this long (a wedged process, a partitioned "
+                              "node) is given up on: its streams restart elsewhere if nothing was sent yet, "
+                              "else end with an error (default 30)")
     vllm = parser.add_argument_group("vLLM's flags that a copied command line carries")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                       help="1 only: a model runs on one device here (for more, --replicas)")
@@ -381,7 +385,8 @@ def build_engine(args: argparse.Namespace, config: EngineConfig | None = None) -
         return AsyncEngine(config)
     from engine.cluster.cluster_engine import ClusterEngine
 
-    return ClusterEngine.launch(config, args.replicas, args.router_policy, args.ray_address)
+    lost_after = {} if args.replica_lost_after is None else {"lost_after_s": args.replica_lost_after}
+    return ClusterEngine.launch(config, args.replicas, args.router_policy, args.ray_address, **lost_after)
 
 
 def _gpu_memory_utilization(args: argparse.Namespace) -> dict[str, float]:
@@ -409,7 +414,8 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig, state: ServerSt
         server.should_exit = True
         return
     state.attach(engine)
-    where = f" on {args.replicas} replicas ({args.router_policy} routing)" if is_cluster(args) else ""
+    where = (f" on {args.replicas} replicas ({args.router_policy} routing; a replica silent for "
+             f"{engine.lost_after_s:g} s is given up on)" if is_cluster(args) else "")
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address, as a URL writes it
     logger.info("serving %s as %r%s on http://%s:%d", args.model, state.config.served_model_name, where, host, args.port)
     if args.kv_scales == "dynamic":
@@ -468,6 +474,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError(reason)
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replica_lost_after is not None and not is_cluster(args):
+        raise ValueError("--replica-lost-after is for a cluster: give --replicas N (N > 1) or --ray-address")
     _check_vllm_flags(args)
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (an unset shell variable?): give the key, or leave the flag out "

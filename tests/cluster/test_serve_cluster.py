@@ -48,7 +48,8 @@ def test_driftgate_serve_replicas_2_routes_a_shared_prefix_to_one_replica(tiny_m
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", str(tiny_model_dir), "--port", str(port), "--served-model-name", MODEL,
-         "--replicas", "2", "--router-policy", "coordinated", "--kv-cache-memory-bytes", "4000000"],
+         "--replicas", "2", "--router-policy", "coordinated", "--kv-cache-memory-bytes", "4000000",
+         "--replica-lost-after", "45"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -82,7 +83,8 @@ def test_driftgate_serve_replicas_2_routes_a_shared_prefix_to_one_replica(tiny_m
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate()
+        stderr = proc.communicate()[1]
+    assert "a replica silent for 45 s is given up on" in stderr  # --replica-lost-after reached the router
 
 
 @pytest.fixture(scope="module")

@@ -121,6 +121,12 @@ def test_replicas_without_ray_exit_2_saying_what_to_install(tiny_model_dir: Path
         assert main([str(tiny_model_dir), flag, "2"]) == 2
         assert "pip install driftgate[cluster]" in capsys.readouterr().err
     assert main([str(tiny_model_dir), "--replicas", "0"]) == 2
+    assert main([str(tiny_model_dir), "--replica-lost-after", "5"]) == 2  # one engine: nothing to give up on
+    assert "--replicas N" in capsys.readouterr().err
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            main([str(tiny_model_dir), "--replicas", "2", "--replica-lost-after", bad])
+        assert "--replica-lost-after" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
