@@ -260,7 +260,7 @@ class LLMEngine:
             raise ValueError(f"the prompt needs {blocks_needed} KV blocks but the cache has "
                              f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes")
         params.check_vocabulary(self.model.args.vocab_size)
-        params.check_logprobs(self.max_logprobs)
+        params.check_logprobs(self.max_logprobs, self.model.args.vocab_size)
         stop_ids = list(params.stop_token_ids)
         # a structured output ends with its grammar, ignore_eos or not: the grammar then allows only
         # EOS, and a sequence going on past it would run unconstrained

@@ -89,34 +89,38 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over output tokens; repetition penalty over all tokens."""
+    """vLLM's order: the repetition penalty over prompt and output tokens, then OpenAI's frequency
+    and presence penalties over output tokens."""
     for i, row in enumerate(rows):
         p = row.params
-        if p.presence_penalty or p.frequency_penalty:
-            if row.output_token_ids:
-                ids, counts = torch.tensor(row.output_token_ids).unique(return_counts=True)
-                logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
         if p.repetition_penalty != 1.0:
             ids = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
             seen = logits[i, ids]
             logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            ids, counts = torch.tensor(row.output_token_ids).unique(return_counts=True)
+            logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
     return logits
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens outside top-k / the top-p nucleus / below min_p · max prob (rows in parallel)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """vLLM's filters on temperature-scaled logits, rows in parallel: min_p against the likeliest
+    token's probability; then top-k, keeping every token tied with the k-th; then top-p over what
+    top-k left, renormalized: the unlikeliest tokens go while their mass stays within 1 − top_p
+    (top_p 1 drops nothing, however small; the likeliest token always stays)."""
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if not bool((top_k > 0).any() or (top_p < 1).any()):
+        return logits
+    ascending, order = logits.sort(dim=-1)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-    drop = ranks >= k
-    probs = sorted_logits.softmax(dim=-1)
-    # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
-    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
-    drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    kth = ascending.gather(1, (vocab - torch.where(top_k > 0, top_k, vocab)).unsqueeze(1))
+    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
 
 
 def _adjusted(row: SamplingRow) -> bool:
@@ -178,10 +182,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
 
 
 def _logprobs_entries(logprobs: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[LogprobsDict]:
-    """logprobs [N, vocab] → per row its token's logprob and rank in the whole vocabulary, then
-    the row's top-n, ranked in order (the token may be among them), for all rows at once."""
+    """logprobs [N, vocab] → per row its token's logprob and rank in the whole vocabulary (how many
+    tokens are at least as likely), then the row's top-n, ranked in order (the token may be among
+    them), for all rows at once."""
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))  # [N, 1]
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # vLLM's: a tie takes the rank after the tokens it ties
     entries = [{token: Logprob(value, rank)}
                for token, value, rank in zip(tokens, chosen.squeeze(1).tolist(), ranks, strict=True)]
     if widest := max(top_ns):

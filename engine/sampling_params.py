@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutputs
 from engine.thinking import ThinkingBudget
 
+log = logging.getLogger(__name__)
+
 POOLING_TYPES = ("last", "mean", "cls")
+MIN_TEMPERATURE = 0.01  # vLLM's floor: below it, scaled logits overflow to inf and the softmax to NaN
 _INT64 = 2**63
 _INTEGER_FIELDS = ("n", "min_tokens", "top_k")
 _OPTIONAL_INTEGER_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
@@ -45,7 +49,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # -1: none, as vLLM reads it
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -53,8 +57,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # top-n logprobs per generated token (the sampled one always included)
-    prompt_logprobs: int | None = None  # top-n per prompt token; 0 = only the prompt token's own
+    logprobs: int | None = None  # top-n logprobs per generated token (the sampled one always included; -1: all)
+    prompt_logprobs: int | None = None  # top-n per prompt token; 0 = only the prompt token's own; -1: all
     # First prompt position whose logprob is wanted (scoring a continuation after a shared
     # context): earlier positions may then come from the prefix cache and are reported as None.
     prompt_logprobs_start: int = 0
@@ -81,6 +85,8 @@ class SamplingParams:
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:
+            self.seed = None
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -96,6 +102,10 @@ class SamplingParams:
         check_truncation(self.truncate_prompt_tokens)
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %g is below %g, where logits overflow; sampling at %g (0 is greedy)",
+                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -110,8 +120,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be at least 0, got {value}")
+            if value is not None and value < -1:
+                raise ValueError(f"{name} must be at least 0, or -1 for the whole vocabulary, got {value}")
         if self.logit_bias is not None:
             bad = next((v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0), None)
             if bad is not None:
@@ -165,12 +175,16 @@ class SamplingParams:
             if bad is not None:
                 raise ValueError(f"{name} token id {bad} is outside the vocabulary (size {vocab_size})")
 
-    def check_logprobs(self, limit: int) -> None:
-        """At most `limit` alternatives per token (the engine's max_logprobs; ValueError naming the field)."""
+    def check_logprobs(self, limit: int, vocab_size: int) -> None:
+        """At most `limit` alternatives per token (the engine's max_logprobs; ValueError naming the
+        field); -1, the whole vocabulary, becomes its size."""
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) == -1:
+                setattr(self, name, vocab_size)
             if (value := getattr(self, name)) is not None and value > limit:
+                asked = "-1 (the whole vocabulary)" if value == vocab_size else value
                 raise ValueError(f"{name} must be at most {limit} here (serve --max-logprobs N raises it; -1: "
-                                 f"the whole vocabulary), got {value}")
+                                 f"the whole vocabulary), got {asked}")
 
     @property
     def is_greedy(self) -> bool:

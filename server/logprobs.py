@@ -102,7 +102,9 @@ def token_namer(text: TokenText, as_ids: bool) -> TokenNamer:
 
 
 def _ranked(entries: LogprobsDict, top_n: int) -> list[tuple[int, float]]:
-    return sorted(entries.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+    """The entries by logprob, the first `top_n` (-1: all, the whole vocabulary asked for)."""
+    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)
+    return ranked if top_n == -1 else ranked[:top_n]
 
 
 def completion_logprobs(

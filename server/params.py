@@ -243,7 +243,7 @@ def build_sampling_params(
             cache_salt=req.cache_salt,
         )
         params.check_vocabulary(vocab_size)
-        params.check_logprobs(max_logprobs)
+        params.check_logprobs(max_logprobs, vocab_size)
         return params
     except ValueError as exc:
         message = str(exc)

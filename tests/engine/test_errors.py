@@ -35,7 +35,7 @@ def test_bad_request_in_a_batch_rejects_batch_without_leaking(tiny_model_dir):
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"n": 0}, "n must be"),
-    ({"logprobs": -1}, "logprobs must be at least 0"),  # the upper bound is the engine's max_logprobs
+    ({"logprobs": -2}, "logprobs must be at least 0, or -1"),  # the upper bound is the engine's max_logprobs
 ])
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -55,15 +55,87 @@ def test_per_request_seed_reproduces():
     assert draw() == draw()
 
 
-def test_penalties():
-    logits = torch.zeros(1, 5)
-    logits[0, 4] = 2.0
+def test_penalties_follow_vllms_order():
+    """Repetition first (prompt and output tokens), then frequency and presence (output only),
+    as vLLM applies them: a seen token's logit 0.5 seen twice in the output with repetition 2,
+    frequency 1, presence 0.5 ends at 0.5 / 2 − 2 − 0.5 = −2.25 (the other order gave −4.0)."""
+    logits = torch.zeros(1, 6)
+    logits[0, 4], logits[0, 5] = 2.0, 0.5
     row = SamplingRow(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0),
                       [4], [3, 3], None)
     out = apply_penalties(logits.clone(), [row])
-    assert out[0, 3].item() == -(0.5 + 2 * 0.25) * 2.0  # presence once + frequency per occurrence, then ×2 (negative)
+    assert out[0, 3].item() == 0.0 * 2.0 - 2 * 0.25 - 0.5  # a zero logit is not scaled; then the OpenAI penalties
     assert out[0, 4].item() == 1.0  # positive logit of a prompt token divided by the repetition penalty
     assert out[0, 0].item() == 0.0
+    row = SamplingRow(SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=2.0),
+                      [], [5, 5], None)
+    assert apply_penalties(logits.clone(), [row])[0, 5].item() == -2.25
+
+
+def _support(logits: torch.Tensor, draws: int = 400, **kw) -> set[int]:
+    g = torch.Generator().manual_seed(0)
+    return {sample(logits.clone(), [_row(temperature=1.0, **kw)], g)[0][0] for _ in range(draws)}
+
+
+def test_top_p_applies_to_what_top_k_and_min_p_left():
+    """vLLM's order: min_p, then top_k, then top_p over the renormalized rest. With [.4, .3, .2, .1],
+    top_k 2 leaves [.57, .43], whose top_p 0.5 keeps one token (over the whole row, two)."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert _support(logits, top_k=2, top_p=0.5) == {0}
+    assert _support(logits, top_p=0.5) == {0, 1}
+    # min_p 0.3 keeps [.4, .3, .2] (≥ 0.12), renormalized [.44, .33, .22]: top_p 0.7 keeps two of them
+    assert _support(logits, min_p=0.3, top_p=0.7) == {0, 1}
+    assert _support(logits, min_p=0.3) == {0, 1, 2}
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    assert _support(logits, top_k=2) == {0, 1, 2, 3}
+    assert _support(logits, top_k=1) == {0}
+
+
+def test_top_p_1_keeps_a_rows_whole_tail_beside_rows_that_filter():
+    """A row asking for no filter draws from its whole distribution even when a batch-mate's
+    top_p or top_k sends the batch through the filter: tokens of mass ~1e-9 stay possible."""
+    logits = torch.full((2, 4000), -20.0)
+    logits[:, 0] = 0.0
+    from engine.sampler import _filter
+
+    kept = _filter(logits, torch.tensor([0, 1]), torch.tensor([1.0, 0.9]), torch.tensor([0.0, 0.0]))
+    assert torch.isfinite(kept[0]).all() and torch.isfinite(kept[1]).sum() == 1
+
+
+def test_a_tiny_temperature_samples_at_vllms_floor_not_nan(caplog):
+    """Below 0.01 the scaled logits overflowed (1e-38: softmax NaN, always token 0); vLLM raises
+    such a temperature to 0.01 with a warning, and so does this."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        params = SamplingParams(temperature=1e-38)
+    assert params.temperature == 0.01 and "0.01" in caplog.text
+    logits = torch.zeros(1, 10)
+    logits[0, 7] = 1.0
+    assert sample(logits.clone(), [SamplingRow(params, [1], [], None)])[0] == [7]
+
+
+def test_seed_minus_1_is_no_seed_and_logprobs_minus_1_the_whole_vocabulary():
+    assert SamplingParams(seed=-1).seed is None
+    params = SamplingParams(logprobs=-1, prompt_logprobs=-1)
+    params.check_logprobs(50, 50)
+    assert params.logprobs == 50 and params.prompt_logprobs == 50
+    with pytest.raises(ValueError, match=r"logprobs must be at most 20 here .* got -1 \(the whole vocabulary\)"):
+        SamplingParams(logprobs=-1).check_logprobs(20, 50)
+    with pytest.raises(ValueError, match="logprobs must be at least 0, or -1"):
+        SamplingParams(logprobs=-2)
+    tokens, lps = sample(torch.randn(1, 50), [_row(temperature=0.0, logprobs=50)])
+    assert len(lps[0]) == 50
+
+
+def test_a_tied_tokens_rank_counts_the_tokens_at_least_as_likely():
+    """vLLM's rank: how many tokens have a logprob ≥ the token's, so a token tied for first is 2."""
+    logits = torch.tensor([[3.0, 3.0, 1.0]])
+    _, lps = sample(logits.clone(), [_row(temperature=0.0, logprobs=0)])
+    assert lps[0][0].rank == 2
 
 
 def test_logprobs_are_raw_and_include_chosen():

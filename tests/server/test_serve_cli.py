@@ -347,6 +347,12 @@ def test_max_logprobs_flag_reaches_the_engine_and_bounds_requests(tiny_model_dir
             body = {"prompt": "The quick", "max_tokens": 1, "logprobs": vocab, "temperature": 0}
             out = httpx.post(url + "/v1/completions", json=body, timeout=60)
             assert out.status_code == 200 and len(out.json()["choices"][0]["logprobs"]["top_logprobs"][0]) > 20
+            # -1: the whole vocabulary, as vLLM reads it (the last entry was cut by a [:-1] slice)
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": True,
+                    "top_logprobs": -1, "prompt_logprobs": -1}
+            out = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+            assert len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
+            assert len(out["prompt_logprobs"][1]) == vocab
     finally:
         engine.shutdown()
 
