@@ -63,8 +63,8 @@ class LoRAFactors:
     @classmethod
     def build(cls, a: torch.Tensor, b: torch.Tensor) -> LoRAFactors:
         pad = -a.shape[0] % panel_matmul.PANEL
-        a_panels = panel_matmul.pack(F.pad(a, (0, 0, 0, pad)), narrow=False)
-        b_panels = panel_matmul.pack(F.pad(b, (0, pad)), narrow=False)
+        a_panels = panel_matmul.pack(F.pad(a, (0, 0, 0, pad)), narrow=False, lasting=False)
+        b_panels = panel_matmul.pack(F.pad(b, (0, pad)), narrow=False, lasting=False)
         if a_panels is None or b_panels is None:
             return cls(a, b, False)
         return cls(a_panels, b_panels, True)

@@ -24,10 +24,12 @@ def _kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
     return cpu_kernels.kernel("panel_matmul", symbol, _ARGTYPES, None)
 
 
-def _panels(t: torch.Tensor) -> torch.Tensor:
-    """[N, C] → [N / 16, C, 16]: row n of t lands in panel n // 16, lane n % 16."""
+def _panels(t: torch.Tensor, lasting: bool = True) -> torch.Tensor:
+    """[N, C] → [N / 16, C, 16]: row n of t lands in panel n // 16, lane n % 16; in the weights'
+    arena when `lasting`, else a tensor of its own, freed with it."""
     n, c = t.shape
-    return host_memory.WEIGHTS.copy(t.detach().reshape(n // PANEL, PANEL, c).transpose(1, 2))
+    arranged = t.detach().reshape(n // PANEL, PANEL, c).transpose(1, 2)
+    return host_memory.WEIGHTS.copy(arranged) if lasting else arranged.contiguous()
 
 
 def _run(kernel: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[torch.Tensor, ...],
@@ -65,9 +67,15 @@ def _bf16_values(weight: torch.Tensor) -> torch.Tensor | None:
     return bf16 if torch.equal(weight, bf16.float()) else None
 
 
-def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = False) -> torch.Tensor | None:
+def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = False,
+         lasting: bool = True) -> torch.Tensor | None:
     """weight [N, K] → panels [N / 16, K, 16], or None where the kernel does not apply
     (not a CPU fp32 weight, N not a multiple of 16, or no kernel on this machine).
+
+    The model's weights live as long as the engine, in the weights' arena (huge pages, whose
+    chunks stay mapped while anything carved from them lives); a weight that may be dropped
+    before (a LoRA adapter, unloaded or evicted) is packed with `lasting=False`, on memory of its
+    own, or every reload would take its size from the arena for good.
 
     The panels are bfloat16 when every weight is a bf16 value (a BF16 checkpoint served in
     fp32) and `narrow` is set: the kernel widens them exactly, so the products are the same
@@ -78,8 +86,8 @@ def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = 
     if not _fits(weight) or _kernel() is None:
         return None
     if narrow and (bf16 := _bf16_values(weight)) is not None:
-        return _panels(bf16)
-    return _panels(weight)
+        return _panels(bf16, lasting)
+    return _panels(weight, lasting)
 
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

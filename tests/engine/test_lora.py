@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, LoRARequest, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams, host_memory
 from tests.helpers import ON_CUDA, make_tiny_model_dir, write_lora_adapter
 from tests.oracle import assert_outputs_match_hf, hf_greedy
 
@@ -198,10 +198,15 @@ def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_is_evicted_and_
     lora = llm.engine.lora
     assert list(lora.adapters) == ["b"] and lora.num_loads == 2  # each read once at start, a then evicted
     requests = {name: LoRARequest(name, i + 1, str(folder)) for i, (name, folder) in enumerate(folders.items())}
+    llm.generate(PROMPTS[2:], GREEDY, use_tqdm=False, lora_request=requests["b"])  # anything packed on first use
+    chunk, offset = host_memory.WEIGHTS._chunk, host_memory.WEIGHTS._offset
     for step, name in enumerate(["a", "b", "a"]):
         outs = llm.generate(PROMPTS[2:], GREEDY, use_tqdm=False, lora_request=requests[name])
         assert_outputs_match_hf(outs, reference[name], f"adapter {name}")
         assert list(lora.adapters) == [name] and lora.num_loads == 3 + step
+    # a reloaded adapter's panels are its own memory, freed when it is evicted: they took each
+    # reload's size from the engine's weight arena for good (a soak audit saw it grow per reload)
+    assert host_memory.WEIGHTS._chunk is chunk and host_memory.WEIGHTS._offset == offset
     assert outs[0].num_cached_tokens > 0  # a's blocks from its first visit
     both = llm.generate(PROMPTS[2:] * 2, GREEDY, use_tqdm=False, lora_request=[requests["a"], requests["b"]])
     for out, name in zip(both, ["a", "b"], strict=True):
