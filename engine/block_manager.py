@@ -142,7 +142,9 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        """Free blocks still holding a hash: reclaimable capacity that can also serve hits."""
+        """Free blocks still holding a hash: reclaimable capacity that can also serve hits, but for
+        the duplicates of a block the cache already maps (two requests that computed the same
+        prefix at once), which serve none."""
         return self.free_queue.num_hashed
 
     def _emit(self, kind: str, hashes: tuple[bytes, ...] = (), parent: bytes | None = None) -> None:

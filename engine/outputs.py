@@ -105,7 +105,7 @@ class EngineStats:
     num_blocks_total: int = 0
     num_blocks_used: int = 0
     num_blocks_free: int = 0
-    num_blocks_cached: int = 0  # free blocks that still hold a hash (hittable)
+    num_blocks_cached: int = 0  # free blocks that still hold a hash (hittable, but for duplicates of a cached one)
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # prompt tokens served from the cache
     num_preemptions: int = 0
