@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from quant import fp4
 from quant.config import QuantizationConfig
-from quant.fp8 import fp8_scale, quantize_fp8
+from quant.fp8 import fp8_scale, quantize_fp8, spread_tiles, tile_scales
 from quant.int_quant import compute_qparams, pack_int32, quantize_int
 from quant.kv_cache import validate_kv_scale
 from quant.schemes import QuantScheme
@@ -115,6 +115,11 @@ def quantize_weight(
     if w.type == "float":
         if q is not None or zero_point is not None or g_idx is not None:
             raise ValueError("FP8 weights take no precomputed q/zero_point/g_idx")
+        if w.strategy == "block":  # a scale per tile, stored [row tiles, column tiles]
+            scale = (tile_scales(weight, w.block_structure) if scale is None else scale).to(sdtype)
+            tensors["weight"] = quantize_fp8(weight, spread_tiles(scale, w.block_structure, (out, cols)))
+            tensors["weight_scale"] = scale
+            return tensors
         scale = fp8_scale(weight, w.strategy) if scale is None else scale
         scale = _weight_scale_shape(scale.to(sdtype), w.strategy, out)
         tensors["weight"] = quantize_fp8(weight, scale.float().reshape(-1, 1))  # [out, in] fp8

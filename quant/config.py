@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from quant.schemes import CT_PRESETS, FORMATS, FP8_KV, QuantArgs, QuantScheme
+from quant.schemes import CT_PRESETS, FORMATS, FP8_KV, QuantArgs, QuantScheme, fp8_block
 
 QUANT_METHOD = "compressed-tensors"
+HF_FP8_METHOD = "fp8"  # transformers' FineGrainedFP8 checkpoints: block FP8 weights, `weight_scale_inv`
 _CLASS_TARGETS = ("Linear", "LinearBase")
 
 
@@ -98,8 +99,11 @@ class QuantizationConfig:
     def from_dict(cls, d: dict[str, Any]) -> QuantizationConfig:
         """Parse a config.json ``quantization_config``; raise ValueError on anything we cannot serve."""
         method = d.get("quant_method")
+        if method == HF_FP8_METHOD:
+            return cls._from_hf_fp8(d)
         if method != QUANT_METHOD:
-            raise ValueError(f"quant_method {method!r} is not supported; only {QUANT_METHOD!r} checkpoints load")
+            raise ValueError(f"quant_method {method!r} is not supported; {QUANT_METHOD!r} and block "
+                             f"{HF_FP8_METHOD!r} checkpoints load")
         fmt = d.get("format") or None
         if fmt is not None and fmt not in FORMATS:
             raise ValueError(f"unsupported compression format {fmt!r}; supported: {FORMATS}")
@@ -130,3 +134,20 @@ class QuantizationConfig:
             ignore=tuple(d.get("ignore") or ()),
             kv_cache_scheme=kv_args,
         )
+
+    @classmethod
+    def _from_hf_fp8(cls, d: dict[str, Any]) -> QuantizationConfig:
+        """transformers' ``fp8`` config (DeepSeek-V3, Qwen3 ``-FP8``) as the compressed-tensors
+        scheme it means: every Linear but ``lm_head`` and ``modules_to_not_convert`` (matched as
+        substrings, as transformers does) in FP8 tiles of ``weight_block_size``, inputs rounded to
+        FP8 per token and group of the tile's width (``activation_scheme: dynamic``)."""
+        block = d.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"an {HF_FP8_METHOD!r} checkpoint without weight_block_size [rows, columns] "
+                             f"(got {block!r}) is not supported: only block FP8 loads")
+        if d.get("activation_scheme", "dynamic") != "dynamic" or d.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"an {HF_FP8_METHOD!r} checkpoint must be e4m3 with dynamic activations, got fmt "
+                             f"{d.get('fmt')!r}, activation_scheme {d.get('activation_scheme')!r}")
+        keep = ["lm_head", *(d.get("modules_to_not_convert") or [])]
+        return cls(groups=(ConfigGroup("fp8_block", ("Linear",), fp8_block(tuple(block))),),
+                   ignore=tuple(f"re:.*{re.escape(name)}" for name in dict.fromkeys(keep)))

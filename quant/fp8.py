@@ -41,3 +41,18 @@ def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Round-trip through FP8 in x's dtype: what an FP8 kernel sees of ``x``."""
     return quantize_fp8(x, scale).float().mul_(scale).to(x.dtype)
+
+
+def tile_scales(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """absmax / 448 per tile of ``block`` (rows, columns) → fp32 [row tiles, column tiles]; the
+    last tiles of each dimension may be partial."""
+    (block_rows, block_cols), (rows, cols) = block, weight.shape
+    padded = torch.nn.functional.pad(weight.detach().abs().float(), (0, -cols % block_cols, 0, -rows % block_rows))
+    tiles = padded.reshape(-(-rows // block_rows), block_rows, -(-cols // block_cols), block_cols)
+    return (tiles.amax(dim=(1, 3)) / FP8_MAX).clamp_(min=_EPS)
+
+
+def spread_tiles(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Tile scales [row tiles, column tiles] → one per weight element [rows, columns], fp32."""
+    (block_rows, block_cols), (rows, cols) = block, shape
+    return scale.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]

@@ -23,7 +23,7 @@ from torch import nn
 from engine.layers import panel_matmul, triton_support
 from engine.layers.linear import dense_matmul
 from quant import fp4, triton_fp8
-from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8
+from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8, spread_tiles
 from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
 from quant.schemes import QuantScheme
 
@@ -350,6 +350,70 @@ class Fp8Linear(QuantLinearBase):
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
 
+class Fp8BlockLinear(QuantLinearBase):
+    """FP8 weights in tiles of ``block_structure`` (rows, columns) with one scale each (the
+    checkpoint's ``weight_scale``, or transformers' ``weight_scale_inv``: multiplied all the
+    same), and with input activations, FP8 inputs scaled per token and group of the tile's width.
+
+    No kernel here streams the tiles yet: the weight is dequantized once at ``finalize`` and the
+    dense path multiplies it (memory: the unquantized model's, and the fp8 bytes the oracle reads;
+    numerics those of a block-FP8 kernel up to accumulation order, the inputs rounded through FP8
+    per group as such a kernel sees them). It makes DeepSeek-style and llm-compressor
+    ``FP8_BLOCK`` checkpoints load, serve and gate.
+    """
+
+    kernel = "fp8block-dequantized"
+
+    def expected_tensors(self) -> tuple[set[str], set[str]]:
+        return {"weight"}, {"weight_scale", "weight_scale_inv"}
+
+    def _read_shard(self, where: str, rows: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        names = [n for n in ("weight_scale", "weight_scale_inv") if n in tensors]
+        if len(names) != 1:
+            raise ValueError(f"{where}: a block FP8 weight needs one of 'weight_scale' or 'weight_scale_inv', "
+                             f"got {names or 'neither'}")
+        _check(where, "weight", tensors["weight"], (rows, self.input_size), (FP8_DTYPE,))
+        block_rows, block_cols = self.scheme.weights.block_structure
+        tiles = (-(-rows // block_rows), -(-self.input_size // block_cols))
+        scale = tensors[names[0]]
+        _check(where, names[0], scale, tiles, _FLOATS)
+        if not torch.isfinite(scale).all() or (scale <= 0).any():
+            raise ValueError(f"{where} '{names[0]}': scales must be finite and positive")
+        return {"weight": tensors["weight"], "scale": scale.float()}
+
+    def _dequantize(self, shard: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """One shard's weight, each tile's scale spread over its rows and columns (the last
+        tiles may be partial, so fused shards are dequantized one by one)."""
+        block = self.scheme.weights.block_structure
+        return (shard["weight"].float() * spread_tiles(shard["scale"], block, tuple(shard["weight"].shape))).to(dtype)
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        self._shards = shards  # fp8 bytes and tile scales: a quarter of the fp32 weight, for the oracle
+        self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([self._dequantize(shard, dtype) for shard in self._shards])
+
+    def _quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Each token's groups of the tile's width rounded through FP8, each with its own scale."""
+        if self.scheme.input_activations is None:
+            return x2d
+        width = self.scheme.input_activations.group_size
+        rows, cols = x2d.shape
+        groups = F.pad(x2d, (0, -cols % width)).reshape(rows, -1, width)
+        return fake_quantize_fp8(groups, fp8_scale(groups, "token")).reshape(rows, -1)[:, :cols]
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.input_size).float()
+        y = F.linear(self._quantize_input(x2d), self.dequantized_weight())
+        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.input_size)
+        y = dense_matmul(self._quantize_input(x2d).to(self.dtype), self.weight_dense)
+        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+
+
 # ---------------------------------------------------------------- INT4 / INT8 weight-only
 
 
@@ -643,6 +707,8 @@ def make_quantized_linear(
     w, acts = scheme.weights, scheme.input_activations
     if w.is_fp4:
         return Fp4Linear(scheme, input_size, output_sizes, bias, dtype)
+    if w.type == "float" and w.strategy == "block":
+        return Fp8BlockLinear(scheme, input_size, output_sizes, bias, dtype)
     if w.type == "float":
         if w.strategy == "group":
             raise ValueError("FP8 weights need per-tensor or per-channel scales, not groups")

@@ -11,8 +11,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 TYPES = ("int", "float")
-WEIGHT_STRATEGIES = ("tensor", "channel", "group", "tensor_group")  # tensor_group: NVFP4's groups under a global scale
-# tensor_group: NVFP4 activations, scaled per 16 at run time; group: MXFP4's, per 32
+# tensor_group: NVFP4's groups under a global scale; block: FP8 tiles of [rows, columns] sharing a scale
+WEIGHT_STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block")
+# tensor_group: NVFP4 activations, scaled per 16 at run time; group: MXFP4's, per 32, and block FP8's
+# per token and group of the weight tile's width
 INPUT_STRATEGIES = ("tensor", "token", "tensor_group", "group")
 # 4-bit floats: NVFP4 groups 16 columns under a global scale, MXFP4 32 under powers of two
 FP4_KINDS = {("tensor_group", 16): "nvfp4", ("group", 32): "mxfp4"}
@@ -35,7 +37,8 @@ FORMATS = ("dense", "float-quantized", "naive-quantized", "int-quantized", "pack
 class QuantArgs:
     """How one tensor (weights, input activations or KV) is quantized.
 
-    ``group_size`` is set only for the group strategies. ``dynamic`` means the scale is computed
+    ``group_size`` is set only for the group strategies, ``block_structure`` (rows, columns) only
+    for the block strategy (FP8 weights, DeepSeek-V3's and llm-compressor's ``FP8_BLOCK``). ``dynamic`` means the scale is computed
     at run time (no ``*_scale`` tensor in the checkpoint); ``"local"`` (NVFP4 activations) that the
     group scales are, under a calibrated global scale (MXFP4's activations, with no global scale,
     are plainly dynamic).
@@ -49,6 +52,7 @@ class QuantArgs:
     dynamic: bool | str = False  # or "local"
     actorder: str | None = None
     observer: str | None = None
+    block_structure: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.type not in TYPES:
@@ -72,6 +76,13 @@ class QuantArgs:
                 raise ValueError(f"group strategy needs a positive group_size, got {self.group_size}")
         elif self.group_size is not None:
             raise ValueError(f"group_size={self.group_size} is only valid with a group strategy")
+        if (self.strategy == "block") != (self.block_structure is not None):
+            raise ValueError("the block strategy needs a block_structure [rows, columns], and only it takes one")
+        if self.block_structure is not None and (
+                len(self.block_structure) != 2 or not all(isinstance(b, int) and b > 0 for b in self.block_structure)
+                or self.type != "float" or self.num_bits != 8):
+            raise ValueError(f"block quantization is FP8 weights in tiles of two positive sizes, got "
+                             f"{self.type}{self.num_bits} block_structure {self.block_structure}")
         if self.strategy == "token" and not self.dynamic:
             raise ValueError("token strategy must be dynamic")
         if self.type == "float" and not self.symmetric:
@@ -102,7 +113,7 @@ class QuantArgs:
             "symmetric": self.symmetric,
             "group_size": self.group_size,
             "strategy": self.strategy,
-            "block_structure": None,
+            "block_structure": list(self.block_structure) if self.block_structure else None,
             "dynamic": self.dynamic,
             "actorder": self.actorder,
         }
@@ -116,8 +127,9 @@ class QuantArgs:
         unknown = set(d) - _ARGS_KEYS
         if unknown:
             raise ValueError(f"{what}: unknown QuantizationArgs keys {sorted(unknown)}")
-        if d.get("block_structure") is not None or d.get("strategy") == "block":
-            raise ValueError(f"{what}: block quantization is not supported")
+        block = d.get("block_structure")
+        if block is not None and not (isinstance(block, list) and all(isinstance(b, int) for b in block)):
+            raise ValueError(f"{what}: block_structure must be a list of two integers, got {block!r}")
         group_size = d.get("group_size")
         strategy = d.get("strategy")
         if strategy is None:
@@ -137,6 +149,7 @@ class QuantArgs:
                 dynamic="local" if d.get("dynamic") == "local" else bool(d.get("dynamic", False)),
                 actorder=actorder,
                 observer=d.get("observer"),
+                block_structure=tuple(block) if block is not None else None,
             )
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from e
@@ -162,9 +175,14 @@ class QuantScheme:
             raise ValueError("4-bit float weights are stored as nvfp4-pack-quantized (NVFP4) or mxfp4-pack-quantized "
                              "(MXFP4), and only they are")
         if a is not None:
-            if a.strategy not in INPUT_STRATEGIES or (a.strategy in ("group", "tensor_group")) != a.is_fp4:
-                raise ValueError(f"input activations must use token or tensor strategy (groups: FP4 only), "
-                                 f"got {a.strategy!r}")
+            block_groups = w.strategy == "block" and a.strategy == "group"
+            if a.strategy not in INPUT_STRATEGIES or (a.strategy in ("group", "tensor_group")) != (a.is_fp4 or block_groups):
+                raise ValueError(f"input activations must use token or tensor strategy (groups: FP4's, and block "
+                                 f"FP8's), got {a.strategy!r}")
+            if w.strategy == "block" and not (a.strategy == "group" and a.dynamic
+                                              and a.group_size == w.block_structure[1]):
+                raise ValueError(f"block FP8 weights take dynamic per-token activation groups as wide as their "
+                                 f"tiles ({w.block_structure[1]}), got {a.strategy} group_size {a.group_size}")
             if a.actorder is not None:
                 raise ValueError("actorder is not allowed on input activations")
             if not a.symmetric:
@@ -238,12 +256,12 @@ def _fp8(strategy: str, **kw: Any) -> QuantArgs:
 
 
 FP8_KV = _fp8("tensor")
-PRESETS = ("fp8-dynamic", "fp8-static", "w8a8-int8", "w4a16", "w4a16-asym", "w4a8", "w8a16", "nvfp4a16", "nvfp4",
-           "mxfp4a16", "mxfp4")
+PRESETS = ("fp8-dynamic", "fp8-static", "fp8-block", "w8a8-int8", "w4a16", "w4a16-asym", "w4a8", "w8a16", "nvfp4a16",
+           "nvfp4", "mxfp4a16", "mxfp4")
 
 
 def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> QuantScheme:
-    """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``W8A8``, ``W4A16``, ``W4A16_ASYM``; w8a16
+    """Our named schemes (LLMC ``FP8_DYNAMIC``, ``FP8``, ``FP8_BLOCK``, ``W8A8``, ``W4A16``, ``W4A16_ASYM``; w8a16
     is per-channel; nvfp4a16 is NVFP4 weights (LLMC ``NVFP4A16``: FP4 in groups of 16, FP8 group
     scales under a global scale), nvfp4 (LLMC ``NVFP4``) quantizes activations so as well; mxfp4a16 and
     mxfp4 likewise in MXFP4 (``MXFP4A16``, ``MXFP4``: FP4 in groups of 32, power-of-two scales).
@@ -259,6 +277,8 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
         return QuantScheme(_fp8("channel"), _fp8("token", dynamic=True), "float-quantized")
     if name == "fp8-static":
         return QuantScheme(_fp8("tensor"), _fp8("tensor", observer="static_minmax"), "float-quantized")
+    if name == "fp8-block":
+        return fp8_block((128, 128))
     if name == "w8a8-int8":
         return QuantScheme(QuantArgs(strategy="channel"), QuantArgs(strategy="token", dynamic=True), "int-quantized")
     if name in ("w4a16", "w4a16-asym", "w4a8"):
@@ -276,6 +296,14 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
         acts = replace(fp4, dynamic="local" if kind == "nvfp4" else True) if name == kind else None
         return QuantScheme(fp4, acts, f"{kind}-pack-quantized")
     raise ValueError(f"unknown scheme preset {name!r}; choose one of {PRESETS}")
+
+
+def fp8_block(block: tuple[int, int], *, activations: bool = True) -> QuantScheme:
+    """FP8 weights in tiles of ``block`` (rows, columns) with a scale each, and (``activations``)
+    FP8 inputs scaled per token and group of the tile's width at run time: llm-compressor's
+    ``FP8_BLOCK``, and transformers' ``fp8`` checkpoints (DeepSeek-V3, Qwen3 ``-FP8``)."""
+    acts = _fp8("group", group_size=block[1], dynamic=True) if activations else None
+    return QuantScheme(_fp8("block", block_structure=tuple(block)), acts, "float-quantized")
 
 
 def with_group_size(scheme: QuantScheme, group_size: int) -> QuantScheme:
@@ -297,4 +325,5 @@ CT_PRESETS = {
     "NVFP4": lambda: preset("nvfp4"),
     "MXFP4A16": lambda: preset("mxfp4a16"),
     "MXFP4": lambda: preset("mxfp4"),
+    "FP8_BLOCK": lambda: preset("fp8-block"),
 }

@@ -53,6 +53,7 @@ def our_dequantized(out: Path, scheme: QuantScheme, prefix: str) -> torch.Tensor
 @pytest.mark.parametrize("name,scheme", [
     ("fp8-dynamic", preset("fp8-dynamic")),
     ("fp8-static", preset("fp8-static")),
+    ("fp8-block", preset("fp8-block")),  # 128x128 tiles over Linears of 64-256 rows and columns: partial ones
     ("w4a16-g64", preset("w4a16", group_size=64)),
     ("w4a16-asym", W4A16_ASYM),
     ("w8a16", preset("w8a16")),

@@ -101,9 +101,9 @@ def test_llmcompressor_style_config_is_accepted():
     ({"transform_config": {"hadamard": {}}}, "transform"),
     ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "scale_dtype": None, "foo": 1}}}},
      r"config_groups\.g\.weights.*\['foo'\]"),
-    ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+    ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
                                                                  "strategy": "block", "block_structure": [128, 128]}}}},
-     "block"),
+     "block quantization is FP8 weights"),  # FP8 tiles load (tests/quant/test_llmc_checkpoint.py); int ones do not
     ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "group"}}}},
      "positive group_size"),
     ({"kv_cache_scheme": {"num_bits": 8, "type": "int"}}, "kv_cache_scheme"),

@@ -340,7 +340,7 @@ def test_fp4_is_refused_where_it_cannot_run(tmp_path, capsys):
     int8_groups = {"weights": preset("w8a8-int8").weights.to_dict(), "targets": ["Linear"],
                    "input_activations": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32,
                                          "dynamic": True}}
-    with pytest.raises(ValueError, match="groups: FP4 only"):
+    with pytest.raises(ValueError, match="groups: FP4's, and block FP8's"):
         QuantScheme.from_dict(int8_groups, fmt="int-quantized", what="group_0")
     with pytest.raises(ValueError, match="NVFP4 needs input sizes that are multiples of 16"):
         fp4.Nvfp4(torch.ones(1)).group_scales(torch.ones(4, 24))

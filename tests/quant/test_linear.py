@@ -63,7 +63,7 @@ def shapes():
 
 @quick
 @given(shape=shapes(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       name=st.sampled_from(["fp8-dynamic", "fp8-static", "w4a16", "w8a16"]), seed=st.integers(0, 1000))
+       name=st.sampled_from(["fp8-dynamic", "fp8-static", "fp8-block", "w4a16", "w8a16"]), seed=st.integers(0, 1000))
 def test_fast_forward_matches_reference(shape, dtype, name, seed):
     k, sizes, m = shape
     scheme = preset(name, group_size=32)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig as CTQuantizationConfig
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from safetensors.torch import load_file, save_file
 
 from engine import LLM
@@ -50,6 +51,11 @@ W4A8_GROUP = {  # llm-compressor W4A8: W4A16's weights, unpacked (int-quantized)
     "weights": W4A16_GROUP["weights"],
     "input_activations": {**_COMMON_ARGS, "num_bits": 8, "type": "int", "symmetric": True, "group_size": None,
                           "strategy": "token", "dynamic": True, "observer": None},
+}
+FP8_BLOCK_GROUP = {  # llm-compressor FP8_BLOCK: 128x128 weight tiles, inputs per token and 128 columns
+    "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+    **{k: {**_COMMON_ARGS, **v.model_dump(mode="json", exclude={"scale_dtype", "zp_dtype"})}
+       for k, v in PRESET_SCHEMES["FP8_BLOCK"].items()},
 }
 KV_SCHEME = {**_COMMON_ARGS, "num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
              "strategy": "tensor", "dynamic": False, "observer": "minmax"}
@@ -97,8 +103,24 @@ def int4_group_unpacked(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch
     return {"weight": q.reshape(w.shape).to(torch.int8), "weight_scale": tensors["weight_scale"]}, dequantized
 
 
+def fp8_block(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """e4m3 weight + fp32 [row tiles, column tiles] scale, each tile's from compressed-tensors'
+    calculate_qparams, values and dequantized weight from its quantize / dequantize (partial
+    tiles where a Linear has fewer rows than a tile: k_proj and v_proj here)."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = PRESET_SCHEMES["FP8_BLOCK"]["weights"]
+    (block_rows, block_cols), (rows, cols) = args.block_structure, w.shape
+    tiles = torch.nn.functional.pad(w, (0, -cols % block_cols, 0, -rows % block_rows)).reshape(
+        -(-rows // block_rows), block_rows, -(-cols // block_cols), block_cols)
+    scale, zero_point = calculate_qparams(tiles.amin((1, 3)), tiles.amax((1, 3)), args)
+    q = quantize(w, scale, zero_point, args)
+    return {"weight": q.to(torch.float8_e4m3fn), "weight_scale": scale}, dequantize(q, scale, zero_point, args)
+
+
 SCHEMES = {"fp8-dynamic": (FP8_DYNAMIC_GROUP, fp8_channel), "w4a16": (W4A16_GROUP, int4_group),
-           "w4a8": (W4A8_GROUP, int4_group_unpacked)}
+           "w4a8": (W4A8_GROUP, int4_group_unpacked), "fp8-block": (FP8_BLOCK_GROUP, fp8_block)}
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +228,15 @@ def fake_quantize_tokens_int8(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).round().clamp(-127, 127) * scale
 
 
+def fake_quantize_block_inputs(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' own run-time rounding of FP8_BLOCK's inputs (per token and 128 columns)."""
+    from compressed_tensors.quantization.lifecycle.forward import compute_dynamic_scales_and_zp, fake_quantize
+
+    args = PRESET_SCHEMES["FP8_BLOCK"]["input_activations"]
+    scale, zp = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Module())
+    return fake_quantize(x=x, scale=scale, zero_point=zp, args=args)
+
+
 def fake_quantize_fp4_inputs(x: torch.Tensor, scheme: str) -> torch.Tensor:
     """compressed-tensors' own run-time rounding of FP4 activations (dynamic group scales; NVFP4's
     under the input global scale)."""
@@ -231,6 +262,8 @@ def hf_reference(source: Path, dequantized: dict[str, torch.Tensor], scheme: str
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_fp8(args[0]),))
         elif scheme == "w4a8":
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_tokens_int8(args[0]),))
+        elif scheme == "fp8-block":
+            linear.register_forward_pre_hook(lambda _, args: (fake_quantize_block_inputs(args[0]),))
         elif scheme in ("nvfp4", "mxfp4"):
             linear.register_forward_pre_hook(lambda _, args: (fake_quantize_fp4_inputs(args[0], scheme),))
     if bf16_lm_head_inputs:
@@ -249,7 +282,7 @@ TOLERANCE = 1e-4
 
 @pytest.mark.parametrize("scheme", [*sorted(SCHEMES), *FP4_SCHEMES])
 def test_llmcompressor_checkpoint_serves_its_dequantized_model(tmp_path, source_dir, scheme, monkeypatch, request):
-    if scheme in ("fp8-dynamic", "w4a8", "nvfp4", "mxfp4"):
+    if scheme in ("fp8-dynamic", "w4a8", "nvfp4", "mxfp4", "fp8-block"):
         # Rounding activations to fp8 / int8 / fp4 is discontinuous: the C kernels' other summation order
         # moves an activation by an ulp, flips its rounding and moves log-probs by ~0.3. Compare with
         # torch's arithmetic on both sides; the kernels equal torch in tests/engine.
@@ -284,3 +317,57 @@ def test_llmcompressor_kv_scales_reach_the_fp8_cache(tmp_path, source_dir):
         assert attn.k_scale.flatten().tolist() == pytest.approx([K_SCALE] * 2, rel=4e-3)  # bf16 storage
         assert attn.v_scale.flatten().tolist() == pytest.approx([V_SCALE] * 2, rel=4e-3)
     assert llm.score_full_logprobs(TOKENS).isfinite().all()
+
+
+def test_a_transformers_fp8_checkpoint_reads_as_transformers_and_its_compressed_tensors_twin(tmp_path, source_dir):
+    """transformers' own block-FP8 layout (DeepSeek-V3, Qwen3 -FP8: `quant_method: fp8`,
+    `weight_block_size`, scales named `weight_scale_inv`, lm_head left out) is the FP8_BLOCK
+    scheme: our Linears hold the weights transformers itself dequantizes from it (partial tiles
+    included: k/v have 64 rows of a 128-row tile), and the model answers as its compressed-tensors
+    twin made of the same tensors."""
+    from transformers import AutoModelForCausalLM
+
+    twin = tmp_path / "ct"
+    write_llmc_checkpoint(source_dir, twin, "fp8-block", kv=False)
+    ckpt = tmp_path / "hf-fp8"
+    shutil.copytree(twin, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    save_file({name + "_inv" if name.endswith(".weight_scale") else name: t for name, t in tensors.items()},
+              str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+    llm = LLM(str(ckpt), kv_cache_dtype="float32")
+    assert torch.equal(llm.score_full_logprobs(TOKENS), LLM(str(twin), kv_cache_dtype="float32").score_full_logprobs(TOKENS))
+    theirs = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)  # dequantized on a CPU
+    for i, (ours, layer) in enumerate(zip(llm.engine.model.model.layers, theirs.model.layers, strict=True)):
+        qkv = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight])
+        assert torch.equal(ours.self_attn.qkv_proj.dequantized_weight(), qkv.detach()), f"layer {i} q/k/v"
+        assert torch.equal(ours.mlp.down_proj.dequantized_weight(), layer.mlp.down_proj.weight.detach()), f"layer {i}"
+    from quant.config import QuantizationConfig
+
+    read = QuantizationConfig.from_dict(config["quantization_config"] | {"modules_to_not_convert": ["mlp.up_proj"]})
+    assert read.scheme_for("lm_head") is None and read.scheme_for("model.layers.1.mlp.up_proj") is None  # left out
+    assert read.scheme_for("model.layers.1.mlp.down_proj").weights.block_structure == (128, 128)
+
+
+def test_block_fp8_configs_that_mean_something_else_are_refused():
+    from quant.config import QuantizationConfig
+
+    for bad, message in [
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "dynamic activations"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "e4m3"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            QuantizationConfig.from_dict(bad)
+    group = json.loads(json.dumps(FP8_BLOCK_GROUP))
+    group["input_activations"]["group_size"] = 64  # narrower than the tiles
+    with pytest.raises(ValueError, match="as wide as their tiles"):
+        QuantizationConfig.from_dict(quantization_config(group, kv=False))
+    group = json.loads(json.dumps(FP8_BLOCK_GROUP))
+    group["weights"].update(type="int", block_structure=[128, 128])
+    with pytest.raises(ValueError, match="block quantization is FP8 weights"):
+        QuantizationConfig.from_dict(quantization_config(group, kv=False))
