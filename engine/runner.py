@@ -26,7 +26,7 @@ from engine.outputs import LogprobsDict
 from engine.sampler import SamplingRow, prompt_logprobs, sample, verify
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.structured_output import new_matcher
-from engine.thinking import BlockWatch, ThinkingCounter
+from engine.thinking import BlockWalk, ThinkingCounter
 
 
 @dataclass(slots=True)
@@ -70,7 +70,7 @@ class ModelRunner:
         self.request_generators: dict[str, torch.Generator] = {}
         self.request_matchers: dict[str, object] = {}  # request id → its grammar matcher (structured outputs)
         self.thinking_counters: dict[str, ThinkingCounter] = {}  # request id → its thinking budget's count
-        self.grammar_watches: dict[str, BlockWatch] = {}  # request id → whether its grammar's wait is over
+        self.grammar_waits_on: dict[str, BlockWalk] = {}  # request id → the block its grammar waits to close
         self.pooling_state: dict[str, torch.Tensor] = {}  # embedding requests: the running sum, or the first row
         # request id → (its block_ids list, that list as int32): see _block_row
         self.block_rows: dict[str, tuple[list[int], np.ndarray]] = {}
@@ -363,6 +363,7 @@ class ModelRunner:
         matcher = self.request_matchers.get(request.request_id)
         if matcher is None and request.grammar is not None and not self.grammar_waits(request):
             matcher = self.request_matchers[request.request_id] = new_matcher(request.grammar)
+            self.grammar_waits_on.pop(request.request_id, None)  # the wait is over for good
         return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, gen, matcher,
                            self._thinking_counter(request))
 
@@ -386,12 +387,13 @@ class ModelRunner:
         params = request.params
         if params.structured_outputs_after is None:
             return params.thinking_budget is not None and self._thinking_counter(request).is_open()
-        watch = self.grammar_watches.get(request.request_id)
-        if watch is None:
-            watch = self.grammar_watches[request.request_id] = BlockWatch(
-                params.structured_outputs_reopened_by, params.structured_outputs_after, request.prompt_token_ids)
-        watch.commit(request.output_token_ids)
-        return not watch.closed
+        block = self.grammar_waits_on.get(request.request_id)
+        if block is None:
+            block = self.grammar_waits_on[request.request_id] = BlockWalk(
+                params.structured_outputs_reopened_by or (), params.structured_outputs_after, request.prompt_token_ids,
+                open_at_start=True)
+        block.commit(request.output_token_ids)
+        return block.is_open()
 
     def _pool(self, chunk: ScheduledChunk, hidden: torch.Tensor, result: StepResult) -> None:
         """Fold an embedding request's chunk into its pooled state; the chunk that completes its
@@ -422,5 +424,5 @@ class ModelRunner:
         self.request_generators.pop(request_id, None)
         self.request_matchers.pop(request_id, None)
         self.thinking_counters.pop(request_id, None)
-        self.grammar_watches.pop(request_id, None)
+        self.grammar_waits_on.pop(request_id, None)
         self.block_rows.pop(request_id, None)

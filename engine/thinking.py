@@ -47,43 +47,21 @@ def last_marker_end(backwards: list[int], marker: tuple[int, ...]) -> int:
         at += 1
 
 
-class BlockWatch:
-    """Whether a block (`start` … `end`, a reasoning model's thinking) is closed after a request's
-    tokens: its end marker seen after its last start marker; neither seen, it is not. Without a
-    start marker the block closes at the first end marker for good. Committed tokens are folded
-    in as they come, so a step looks only at what is new and a long prompt is scanned once."""
+class BlockWalk:
+    """One request's walk over its tokens: whether a block (`start` … `end`, a reasoning model's
+    thinking) is open, and how many tokens it has had, folded in as tokens are committed, so a
+    step looks only at what is new and a long prompt is scanned once. The last marker decides (a
+    token that ends both closes); with neither in the prompt the block is open as
+    `open_at_start` says; without a start marker, the first end closes it for good."""
 
-    def __init__(self, start_ids: Sequence[int] | None, end_ids: Sequence[int], prompt_token_ids: Sequence[int]):
-        self._start, self._end = tuple(start_ids or ()), tuple(end_ids)
+    def __init__(self, start_ids: Sequence[int], end_ids: Sequence[int], prompt_token_ids: Sequence[int],
+                 open_at_start: bool):
+        self._start, self._end = tuple(start_ids), tuple(end_ids)
+        self._width = max(len(self._start), len(self._end))
         backwards = list(prompt_token_ids)[::-1]
-        ended = last_marker_end(backwards, self._end)
-        self.closed = ended >= 0 and (not self._start or last_marker_end(backwards, self._start) < ended)
-        self._keep = max(len(self._start), len(self._end)) - 1  # tokens a marker ending later may begin with
-        self._tail = tuple(prompt_token_ids[len(prompt_token_ids) - self._keep:]) if self._keep else ()
-        self._num_folded = 0
-
-    def commit(self, output_token_ids: Sequence[int]) -> None:
-        """Fold in the request's output up to now (its tokens are final)."""
-        for token in output_token_ids[self._num_folded:]:
-            window = self._tail + (token,)
-            if self._start and window[-len(self._start):] == self._start:
-                self.closed = False  # a marker ending here as both opens, as the last start decides
-            elif window[-len(self._end):] == self._end:
-                self.closed = True
-            self._tail = window[len(window) - self._keep:] if self._keep else ()
-        self._num_folded = len(output_token_ids)
-
-
-class ThinkingCounter:
-    """One request's walk over its output: whether a thinking block is open and how many tokens it
-    has had, folded in as tokens are committed, so a step looks only at what is new."""
-
-    def __init__(self, budget: ThinkingBudget, prompt_token_ids: Sequence[int]):
-        self.budget = budget
-        self._width = max(len(budget.start_ids), len(budget.end_ids))
-        backwards = list(prompt_token_ids)[::-1]
-        opened, closed = last_marker_end(backwards, budget.start_ids), last_marker_end(backwards, budget.end_ids)
-        is_open = opened > closed if max(opened, closed) >= 0 else budget.open_at_start
+        closed = last_marker_end(backwards, self._end)
+        opened = last_marker_end(backwards, self._start) if self._start else -1
+        is_open = opened > closed if max(opened, closed) >= 0 else open_at_start
         self._state = (is_open, 0, self._tail(tuple(prompt_token_ids[-self._width:])))
         self._num_folded = 0  # output tokens in _state
 
@@ -93,12 +71,11 @@ class ThinkingCounter:
 
     def _fold(self, state: tuple[bool, int, tuple[int, ...]], tokens: Sequence[int]) -> tuple[bool, int, tuple[int, ...]]:
         is_open, count, tail = state
-        start, end = self.budget.start_ids, self.budget.end_ids
         for token in tokens:
             window = tail + (token,)
-            if window[-len(end):] == end:
+            if window[-len(self._end):] == self._end:
                 is_open, count = False, 0
-            elif window[-len(start):] == start:
+            elif self._start and window[-len(self._start):] == self._start:
                 is_open, count = True, 0
             elif is_open:
                 count += 1
@@ -111,8 +88,17 @@ class ThinkingCounter:
         self._num_folded = len(output_token_ids)
 
     def is_open(self) -> bool:
-        """Whether a thinking block is open after the committed output."""
+        """Whether the block is open after the committed output."""
         return self._state[0]
+
+
+class ThinkingCounter(BlockWalk):
+    """A thinking budget's walk: the block's state, and the end marker it forces once the block
+    has had its budget."""
+
+    def __init__(self, budget: ThinkingBudget, prompt_token_ids: Sequence[int]):
+        super().__init__(budget.start_ids, budget.end_ids, prompt_token_ids, budget.open_at_start)
+        self.budget = budget
 
     def forced_token(self, output_token_ids: Sequence[int]) -> int | None:
         """The only token allowed next for an output that extends the committed one, or None."""

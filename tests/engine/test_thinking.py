@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine.sampler import SamplingRow, sample, verify
 from engine.sampling_params import SamplingParams
-from engine.thinking import BlockWatch, ThinkingBudget, ThinkingCounter
+from engine.thinking import BlockWalk, ThinkingBudget, ThinkingCounter
 
 START, END = (7,), (8, 9)  # a one-token start marker and a two-token end marker
 
@@ -98,25 +98,27 @@ def test_the_engine_forces_the_end_after_the_budget(tiny_model_dir, spec):
 
 
 def _closed_by_rule(tokens: list[int], start: tuple[int, ...], end: tuple[int, ...]) -> bool:
-    """The rule read off the whole sequence: the last end marker ends after the last start marker."""
+    """The rule read off the whole sequence: the last end marker ends no earlier than the last
+    start marker (a token that ends both closes)."""
     def last_end(marker: tuple[int, ...]) -> int:
         ends = [i + len(marker) for i in range(len(tokens) - len(marker) + 1) if tuple(tokens[i:i + len(marker)]) == marker]
         return max(ends, default=-1)
     ended = last_end(end)
-    return ended >= 0 and (not start or last_end(start) < ended)
+    return ended >= 0 and (not start or last_end(start) <= ended)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=16),
        st.lists(st.integers(0, 3), max_size=3), st.lists(st.integers(0, 3), min_size=1, max_size=3),
        st.lists(st.integers(1, 4), max_size=6))
-def test_block_watch_folds_output_as_the_whole_sequence_reads(prompt, output, start, end, chunks):
-    """A grammar's wait (structured_outputs_after / _reopened_by) is decided by the last marker;
-    the watch folds in the output a few tokens at a time and agrees with a scan of everything
-    at every point, markers straddling the prompt's end and each other included."""
-    watch, committed = BlockWatch(start, end, prompt), 0
-    assert watch.closed == _closed_by_rule(prompt, tuple(start), tuple(end))
+def test_a_block_walk_folds_output_as_the_whole_sequence_reads(prompt, output, start, end, chunks):
+    """A grammar's wait (structured_outputs_after / _reopened_by) and a thinking budget's block are
+    decided by the last marker; the walk folds in the output a few tokens at a time and agrees
+    with a scan of everything at every point, markers straddling the prompt's end and each other
+    included (no start marker: the first end closes the block for good)."""
+    walk, committed = BlockWalk(start, end, prompt, open_at_start=True), 0
+    assert walk.is_open() != _closed_by_rule(prompt, tuple(start), tuple(end))
     for size in [*chunks, len(output)]:
         committed = min(committed + size, len(output))
-        watch.commit(output[:committed])
-        assert watch.closed == _closed_by_rule(prompt + output[:committed], tuple(start), tuple(end))
+        walk.commit(output[:committed])
+        assert walk.is_open() != _closed_by_rule(prompt + output[:committed], tuple(start), tuple(end))
