@@ -267,6 +267,7 @@ class LLMEngine:
         if not params.ignore_eos or params.structured_outputs is not None:  # EOS first: the sampler's way out
             stop_ids = [*self.eos_token_ids, *(t for t in stop_ids if t not in self.eos_token_ids)]
         seq_params = dataclasses.replace(params, stop_token_ids=stop_ids,
+                                         **params.logprob_counts(self.model.args.vocab_size),
                                          max_tokens=params.output_budget(len(prompt_ids), self.max_model_len),
                                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None

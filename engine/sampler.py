@@ -107,20 +107,24 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     """vLLM's filters on temperature-scaled logits, rows in parallel: min_p against the likeliest
     token's probability; then top-k, keeping every token tied with the k-th; then top-p over what
     top-k left, renormalized: the unlikeliest tokens go while their mass stays within 1 − top_p
-    (top_p 1 drops nothing, however small; the likeliest token always stays)."""
+    (top_p 1 drops nothing, however small; the likeliest token always stays). Writes into
+    `logits` (the sampler's own scaled copy)."""
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    if not bool((top_k > 0).any() or (top_p < 1).any()):
+    sorting = (top_k > 0) | (top_p < 1)  # only these rows pay for a vocabulary-wide sort
+    if not bool(sorting.any()):
         return logits
-    ascending, order = logits.sort(dim=-1)
+    rows = sorting.nonzero().squeeze(1)
+    ascending, order = logits[rows].sort(dim=-1)
     vocab = logits.shape[-1]
-    kth = ascending.gather(1, (vocab - torch.where(top_k > 0, top_k, vocab)).unsqueeze(1))
+    kth = ascending.gather(1, (vocab - torch.where(top_k[rows] > 0, top_k[rows], vocab)).unsqueeze(1))
     ascending = ascending.masked_fill(ascending < kth, float("-inf"))
-    drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p).unsqueeze(1)
+    drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p[rows]).unsqueeze(1)
     drop[:, -1] = False
     ascending = ascending.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ascending)
+    logits[rows] = torch.empty_like(ascending).scatter_(1, order, ascending)
+    return logits
 
 
 def _adjusted(row: SamplingRow) -> bool:
@@ -193,7 +197,7 @@ def _logprobs_entries(logprobs: torch.Tensor, tokens: list[int], top_ns: list[in
         values, ids = logprobs.topk(widest, dim=-1)
         for entry, top_n, row_values, row_ids in zip(entries, top_ns, values.tolist(), ids.tolist(), strict=True):
             for rank, (token, value) in enumerate(zip(row_ids[:top_n], row_values[:top_n], strict=True), start=1):
-                entry.setdefault(token, Logprob(value, rank))
+                entry[token] = Logprob(value, rank)  # among the top-n, its place there (vLLM's, ties too)
     return entries
 
 

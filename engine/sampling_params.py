@@ -12,7 +12,7 @@ from engine.thinking import ThinkingBudget
 log = logging.getLogger(__name__)
 
 POOLING_TYPES = ("last", "mean", "cls")
-MIN_TEMPERATURE = 0.01  # vLLM's floor: below it, scaled logits overflow to inf and the softmax to NaN
+MIN_TEMPERATURE = 0.01  # vLLM's floor: far below it (1e-38) scaled logits overflow, the softmax gives NaN
 _INT64 = 2**63
 _INTEGER_FIELDS = ("n", "min_tokens", "top_k")
 _OPTIONAL_INTEGER_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
@@ -177,14 +177,18 @@ class SamplingParams:
 
     def check_logprobs(self, limit: int, vocab_size: int) -> None:
         """At most `limit` alternatives per token (the engine's max_logprobs; ValueError naming the
-        field); -1, the whole vocabulary, becomes its size."""
+        field); -1 asks for the whole vocabulary."""
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) == -1:
-                setattr(self, name, vocab_size)
-            if (value := getattr(self, name)) is not None and value > limit:
-                asked = "-1 (the whole vocabulary)" if value == vocab_size else value
+            value = getattr(self, name)
+            if value is not None and (vocab_size if value == -1 else value) > limit:
+                asked = f"-1 (the whole vocabulary, {vocab_size})" if value == -1 else value
                 raise ValueError(f"{name} must be at most {limit} here (serve --max-logprobs N raises it; -1: "
                                  f"the whole vocabulary), got {asked}")
+
+    def logprob_counts(self, vocab_size: int) -> dict[str, int | None]:
+        """logprobs and prompt_logprobs with -1 as the vocabulary's size (what the sampler lists)."""
+        return {name: vocab_size if (value := getattr(self, name)) == -1 else value
+                for name in ("logprobs", "prompt_logprobs")}
 
     @property
     def is_greedy(self) -> bool:

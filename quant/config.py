@@ -137,10 +137,10 @@ class QuantizationConfig:
 
     @classmethod
     def _from_hf_fp8(cls, d: dict[str, Any]) -> QuantizationConfig:
-        """transformers' ``fp8`` config (DeepSeek-V3, Qwen3 ``-FP8``) as the compressed-tensors
-        scheme it means: every Linear but ``lm_head`` and ``modules_to_not_convert`` (matched as
-        substrings, as transformers does) in FP8 tiles of ``weight_block_size``, inputs rounded to
-        FP8 per token and group of the tile's width (``activation_scheme: dynamic``)."""
+        """transformers' ``fp8`` config (DeepSeek-V3's format, Qwen3's ``-FP8`` releases) as the
+        compressed-tensors scheme it means: every Linear but ``lm_head`` and
+        ``modules_to_not_convert`` in FP8 tiles of ``weight_block_size``, inputs rounded to FP8
+        per token and group of the tile's width (``activation_scheme: dynamic``)."""
         block = d.get("weight_block_size")
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
             raise ValueError(f"an {HF_FP8_METHOD!r} checkpoint without weight_block_size [rows, columns] "
@@ -150,4 +150,11 @@ class QuantizationConfig:
                              f"{d.get('fmt')!r}, activation_scheme {d.get('activation_scheme')!r}")
         keep = ["lm_head", *(d.get("modules_to_not_convert") or [])]
         return cls(groups=(ConfigGroup("fp8_block", ("Linear",), fp8_block(tuple(block))),),
-                   ignore=tuple(f"re:.*{re.escape(name)}" for name in dict.fromkeys(keep)))
+                   ignore=tuple(_not_converted(name) for name in dict.fromkeys(keep)))
+
+
+def _not_converted(key: str) -> str:
+    """A ``modules_to_not_convert`` entry as an ignore pattern, matched as transformers matches it:
+    a regex from the name's start up to a module boundary ("layers.1" takes "layers.1.mlp", not
+    "layers.11.mlp"; "mlp.gate" not "mlp.gate_proj"), or the name's suffix."""
+    return rf"re:(?:{key})(?:(?<=\.)|(?=\.|$))|.*{re.escape(key)}$"

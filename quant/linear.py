@@ -350,19 +350,17 @@ class Fp8Linear(QuantLinearBase):
         return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
 
-class Fp8BlockLinear(QuantLinearBase):
+class Fp8BlockLinear(Fp8Linear):
     """FP8 weights in tiles of ``block_structure`` (rows, columns) with one scale each (the
     checkpoint's ``weight_scale``, or transformers' ``weight_scale_inv``: multiplied all the
     same), and with input activations, FP8 inputs scaled per token and group of the tile's width.
 
     No kernel here streams the tiles yet: the weight is dequantized once at ``finalize`` and the
-    dense path multiplies it (memory: the unquantized model's, and the fp8 bytes the oracle reads;
-    numerics those of a block-FP8 kernel up to accumulation order, the inputs rounded through FP8
-    per group as such a kernel sees them). It makes DeepSeek-style and llm-compressor
-    ``FP8_BLOCK`` checkpoints load, serve and gate.
+    dense path multiplies it (memory: the unquantized model's, and on the CPU the fp8 bytes the
+    oracle reads; numerics those of a block-FP8 kernel up to accumulation order, the inputs
+    rounded through FP8 per group as such a kernel sees them). It makes DeepSeek-V3-style and
+    llm-compressor ``FP8_BLOCK`` checkpoints load, serve and gate.
     """
-
-    kernel = "fp8block-dequantized"
 
     def expected_tensors(self) -> tuple[set[str], set[str]]:
         return {"weight"}, {"weight_scale", "weight_scale_inv"}
@@ -381,18 +379,18 @@ class Fp8BlockLinear(QuantLinearBase):
             raise ValueError(f"{where} '{names[0]}': scales must be finite and positive")
         return {"weight": tensors["weight"], "scale": scale.float()}
 
-    def _dequantize(self, shard: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """One shard's weight, each tile's scale spread over its rows and columns (the last
-        tiles may be partial, so fused shards are dequantized one by one)."""
-        block = self.scheme.weights.block_structure
-        return (shard["weight"].float() * spread_tiles(shard["scale"], block, tuple(shard["weight"].shape))).to(dtype)
-
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
-        self._shards = shards  # fp8 bytes and tile scales: a quarter of the fp32 weight, for the oracle
+        self.kernel = "fp8block-dequantized"
+        # the fp8 bytes and tile scales, for the oracle: kept on the CPU, not beside the dense
+        # weight on a GPU; fused shards stay apart, their last tiles may be partial
+        self._shards = [{name: t.cpu() for name, t in shard.items()} for shard in shards]
         self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.cat([self._dequantize(shard, dtype) for shard in self._shards])
+        block = self.scheme.weights.block_structure
+        weight = torch.cat([shard["weight"].float() * spread_tiles(shard["scale"], block, tuple(shard["weight"].shape))
+                            for shard in self._shards])
+        return weight.to(dtype=dtype, device=self._device_probe.device)
 
     def _quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
         """Each token's groups of the tile's width rounded through FP8, each with its own scale."""
@@ -400,18 +398,8 @@ class Fp8BlockLinear(QuantLinearBase):
             return x2d
         width = self.scheme.input_activations.group_size
         rows, cols = x2d.shape
-        groups = F.pad(x2d, (0, -cols % width)).reshape(rows, -1, width)
-        return fake_quantize_fp8(groups, fp8_scale(groups, "token")).reshape(rows, -1)[:, :cols]
-
-    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.input_size).float()
-        y = F.linear(self._quantize_input(x2d), self.dequantized_weight())
-        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.input_size)
-        y = dense_matmul(self._quantize_input(x2d).to(self.dtype), self.weight_dense)
-        return self._add_bias(y).to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+        groups = F.pad(x2d, (0, -cols % width)).reshape(rows, -(-cols // width), width)
+        return fake_quantize_fp8(groups, fp8_scale(groups, "token")).reshape(rows, groups.shape[1] * width)[:, :cols]
 
 
 # ---------------------------------------------------------------- INT4 / INT8 weight-only

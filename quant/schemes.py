@@ -7,6 +7,7 @@ long-standing keys, and the reader must reject what our kernels cannot run inste
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,10 +39,10 @@ class QuantArgs:
     """How one tensor (weights, input activations or KV) is quantized.
 
     ``group_size`` is set only for the group strategies, ``block_structure`` (rows, columns) only
-    for the block strategy (FP8 weights, DeepSeek-V3's and llm-compressor's ``FP8_BLOCK``). ``dynamic`` means the scale is computed
-    at run time (no ``*_scale`` tensor in the checkpoint); ``"local"`` (NVFP4 activations) that the
-    group scales are, under a calibrated global scale (MXFP4's activations, with no global scale,
-    are plainly dynamic).
+    for the block strategy (FP8 weights, DeepSeek-V3's and llm-compressor's ``FP8_BLOCK``).
+    ``dynamic`` means the scale is computed at run time (no ``*_scale`` tensor in the checkpoint);
+    ``"local"`` (NVFP4 activations) that the group scales are, under a calibrated global scale
+    (MXFP4's activations, with no global scale, are plainly dynamic).
     """
 
     type: str = "int"
@@ -128,6 +129,8 @@ class QuantArgs:
         if unknown:
             raise ValueError(f"{what}: unknown QuantizationArgs keys {sorted(unknown)}")
         block = d.get("block_structure")
+        if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):  # compressed-tensors' older "128x128"
+            block = [int(b) for b in block.split("x")]
         if block is not None and not (isinstance(block, list) and all(isinstance(b, int) for b in block)):
             raise ValueError(f"{what}: block_structure must be a list of two integers, got {block!r}")
         group_size = d.get("group_size")
@@ -301,7 +304,7 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
 def fp8_block(block: tuple[int, int], *, activations: bool = True) -> QuantScheme:
     """FP8 weights in tiles of ``block`` (rows, columns) with a scale each, and (``activations``)
     FP8 inputs scaled per token and group of the tile's width at run time: llm-compressor's
-    ``FP8_BLOCK``, and transformers' ``fp8`` checkpoints (DeepSeek-V3, Qwen3 ``-FP8``)."""
+    ``FP8_BLOCK``, and transformers' ``fp8`` checkpoints (DeepSeek-V3's format: Qwen3 ``-FP8``)."""
     acts = _fp8("group", group_size=block[1], dynamic=True) if activations else None
     return QuantScheme(_fp8("block", block_structure=tuple(block)), acts, "float-quantized")
 

@@ -139,7 +139,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         # echo with logprobs and vLLM's prompt_logprobs both read the prompt's: the engine gives the most asked
         asked = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
         params = engine_params(body, max_tokens=max_tokens, max_n=config.max_n, logprobs=body.logprobs,
-                               prompt_logprobs=max(asked) if asked else None,
+                               prompt_logprobs=(-1 if -1 in asked else max(asked)) if asked else None,
                                vocab_size=len(engine.tokenizer), max_logprobs=engine.max_logprobs,
                                defaults=config.sampling_defaults)
         prompts.append((engine.tokenizer.decode(ids) if prompt_text is None else prompt_text, ids))

@@ -102,8 +102,9 @@ def token_namer(text: TokenText, as_ids: bool) -> TokenNamer:
 
 
 def _ranked(entries: LogprobsDict, top_n: int) -> list[tuple[int, float]]:
-    """The entries by logprob, the first `top_n` (-1: all, the whole vocabulary asked for)."""
-    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)
+    """The entries by logprob, ties in the engine's rank order; the first `top_n` (-1: all, the
+    whole vocabulary asked for)."""
+    ranked = sorted(entries.items(), key=lambda kv: (-kv[1], getattr(kv[1], "rank", 0)))
     return ranked if top_n == -1 else ranked[:top_n]
 
 
@@ -151,8 +152,8 @@ def prompt_logprobs(text: TokenNamer, prompt_ids: list[int], entries: list[Logpr
             continue
         listed = {token_id: PromptLogprob(logprob=_clamp(entry[token_id]), rank=entry[token_id].rank,
                                           decoded_token=text(token_id))}
-        for place, (t, lp) in enumerate(_ranked(entry, top_n), start=1):
-            listed.setdefault(t, PromptLogprob(logprob=_clamp(lp), rank=place, decoded_token=text(t)))
+        for place, (t, lp) in enumerate(_ranked(entry, top_n), start=1):  # the token among them: its place (vLLM's)
+            listed[t] = PromptLogprob(logprob=_clamp(lp), rank=place, decoded_token=text(t))
         out.append(listed)
     return out
 

@@ -122,9 +122,11 @@ def test_seed_minus_1_is_no_seed_and_logprobs_minus_1_the_whole_vocabulary():
     assert SamplingParams(seed=-1).seed is None
     params = SamplingParams(logprobs=-1, prompt_logprobs=-1)
     params.check_logprobs(50, 50)
-    assert params.logprobs == 50 and params.prompt_logprobs == 50
-    with pytest.raises(ValueError, match=r"logprobs must be at most 20 here .* got -1 \(the whole vocabulary\)"):
+    assert params.logprob_counts(50) == {"logprobs": 50, "prompt_logprobs": 50} and params.logprobs == -1
+    with pytest.raises(ValueError, match=r"logprobs must be at most 20 here .* got -1 \(the whole vocabulary, 50\)"):
         SamplingParams(logprobs=-1).check_logprobs(20, 50)
+    with pytest.raises(ValueError, match=r"got 50$"):
+        SamplingParams(logprobs=50).check_logprobs(20, 50)
     with pytest.raises(ValueError, match="logprobs must be at least 0, or -1"):
         SamplingParams(logprobs=-2)
     tokens, lps = sample(torch.randn(1, 50), [_row(temperature=0.0, logprobs=50)])
@@ -132,10 +134,13 @@ def test_seed_minus_1_is_no_seed_and_logprobs_minus_1_the_whole_vocabulary():
 
 
 def test_a_tied_tokens_rank_counts_the_tokens_at_least_as_likely():
-    """vLLM's rank: how many tokens have a logprob ≥ the token's, so a token tied for first is 2."""
+    """vLLM's rank: how many tokens have a logprob ≥ the token's, so a token tied for first is 2;
+    among the top-n asked for, a token's place there wins (vLLM's output processor keeps it)."""
     logits = torch.tensor([[3.0, 3.0, 1.0]])
     _, lps = sample(logits.clone(), [_row(temperature=0.0, logprobs=0)])
     assert lps[0][0].rank == 2
+    _, lps = sample(logits.clone(), [_row(temperature=0.0, logprobs=2)])
+    assert sorted(lp.rank for lp in lps[0].values()) == [1, 2]
 
 
 def test_logprobs_are_raw_and_include_chosen():

@@ -76,6 +76,15 @@ def test_fast_forward_matches_reference(shape, dtype, name, seed):
     assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[dtype]
 
 
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-block", "w8a8-int8", "w4a16"])
+def test_no_rows_give_no_rows(name):
+    """A step may hand a Linear no rows (an empty chunk): every scheme answers [0, out], as
+    F.linear does (block FP8's input groups failed to reshape)."""
+    module, _ = build(preset(name, group_size=32), 64, [16, 32])
+    for forward in (module, module.reference_forward):
+        assert forward(torch.empty(0, 64)).shape == (0, 48)
+
+
 def test_w4a8_off_its_kernel_runs_prepacked():
     """A W4A8 weight the W4A8 kernel does not take (its group wider than K here; every W4A8 weight
     on a CPU without AVX2) runs the oracle over the weight dequantized once, which the

@@ -353,6 +353,22 @@ def test_a_transformers_fp8_checkpoint_reads_as_transformers_and_its_compressed_
     assert read.scheme_for("model.layers.1.mlp.down_proj").weights.block_structure == (128, 128)
 
 
+def test_modules_to_not_convert_match_as_transformers_matches_them():
+    """transformers' rule, its own function the oracle: a regex from the name's start to a module
+    boundary, or a suffix ("mlp.gate" keeps the router, not gate_proj; "layers.1" not layers.11)."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from quant.config import QuantizationConfig
+
+    names = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.gate", "model.layers.11.self_attn.q_proj",
+             "model.layers.1.self_attn.q_proj", "model.layers.12.mlp.up_proj", "model.decoder.layers.23.fc1", "lm_head"]
+    for key in ["mlp.gate", "layers.1", "model.layers.1", "model.layers.*.mlp.gate", "fc1", "q_proj"]:
+        config = QuantizationConfig.from_dict({"quant_method": "fp8", "weight_block_size": [128, 128],
+                                               "modules_to_not_convert": [key]})
+        for name in names:
+            assert (config.scheme_for(name) is not None) == should_convert_module(name, [key, "lm_head"]), (key, name)
+
+
 def test_block_fp8_configs_that_mean_something_else_are_refused():
     from quant.config import QuantizationConfig
 
@@ -368,6 +384,9 @@ def test_block_fp8_configs_that_mean_something_else_are_refused():
     with pytest.raises(ValueError, match="as wide as their tiles"):
         QuantizationConfig.from_dict(quantization_config(group, kv=False))
     group = json.loads(json.dumps(FP8_BLOCK_GROUP))
+    group["weights"]["block_structure"] = "128x128"  # compressed-tensors' older spelling reads the same
+    assert QuantizationConfig.from_dict(quantization_config(group, kv=False)).groups[0].scheme.weights.block_structure \
+        == (128, 128)
     group["weights"].update(type="int", block_structure=[128, 128])
     with pytest.raises(ValueError, match="block quantization is FP8 weights"):
         QuantizationConfig.from_dict(quantization_config(group, kv=False))

@@ -353,6 +353,13 @@ def test_max_logprobs_flag_reaches_the_engine_and_bounds_requests(tiny_model_dir
             out = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
             assert len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
             assert len(out["prompt_logprobs"][1]) == vocab
+            # echo's and prompt_logprobs' counts meet in one prompt-logprob request: -1 is the wider
+            body = {"prompt": "The quick brown", "max_tokens": 1, "echo": True, "logprobs": 3, "prompt_logprobs": -1}
+            out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+            assert len(out["prompt_logprobs"][1]) == vocab
+            body = {**body, "logprobs": -1, "prompt_logprobs": 3}
+            out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+            assert len(out["logprobs"]["top_logprobs"][1]) > 20 and len(out["prompt_logprobs"][1]) == 4
     finally:
         engine.shutdown()
 
