@@ -103,8 +103,8 @@ class SamplingParams:
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            log.warning("temperature %g is below %g, where logits overflow; sampling at %g (0 is greedy)",
-                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            log.warning("temperature %g is below vLLM's floor %g (scaled logits can overflow); sampling at %g "
+                        "(0 is greedy)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
