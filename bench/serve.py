@@ -30,7 +30,7 @@ import numpy as np
 from bench import datasets
 from bench.datasets import Sample
 from engine.slo import meets_slo, parse_slo, time_per_output_token
-from server.client import auth_headers, model_cards
+from server.client import api_base, auth_headers, model_cards
 
 PERCENTILES = (50, 90, 99)
 _METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -421,10 +421,10 @@ def check_server(args: argparse.Namespace) -> list[dict]:
     """Before any load: the server's model cards (ValueError saying why it does not answer with
     them, as vLLM's bench stops when its first test request fails), and a warning when they do not
     list `--model`."""
-    cards = model_cards(args.base_url.rstrip("/") + "/v1", args.api_key)
+    cards = model_cards(api_base(args.base_url), args.api_key)
     served = [card["id"] for card in cards]
     if args.model not in served:
-        print(f"warning: {args.base_url.rstrip('/')}/v1/models lists {served}, not --model {args.model!r}",
+        print(f"warning: {api_base(args.base_url)}/models lists {served}, not --model {args.model!r}",
               file=sys.stderr)
     return cards
 

@@ -124,13 +124,14 @@ def pooling_config(model_dir: str | Path) -> PoolingConfig:
 def _pooling_mode(folder: Path, model_dir: Path) -> str:
     config = _read_json(folder / "config.json", "sentence-transformers pooling")
     chosen = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
-    if len(chosen) != 1 or chosen[0] not in dict(_MODES):
+    modes = dict(_MODES)
+    if len(chosen) != 1 or chosen[0] not in modes:
         raise ValueError(f"{model_dir}: pooling config asks for {chosen or 'no mode'}; driftgate pools by "
                          "exactly one of lasttoken, mean_tokens, cls_token")
     if config.get("include_prompt") is False:
         raise ValueError(f"{model_dir}: pooling config leaves the prompt out of the pooled tokens "
                          "(include_prompt false), which driftgate does not do")
-    return dict(_MODES)[chosen[0]]
+    return modes[chosen[0]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,9 +109,11 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     top-k left, renormalized: the unlikeliest tokens go while their mass stays within 1 − top_p
     (top_p 1 drops nothing, however small; the likeliest token always stays). Writes into
     `logits` (the sampler's own scaled copy)."""
-    if bool((min_p > 0).any()):
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if bool((min_p > 0).any()):  # only these rows pay for a vocabulary-wide softmax
+        rows = (min_p > 0).nonzero().squeeze(1)
+        probs = logits[rows].softmax(dim=-1)
+        floor = min_p[rows].unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits[rows] = logits[rows].masked_fill(probs < floor, float("-inf"))
     sorting = (top_k > 0) | (top_p < 1)  # only these rows pay for a vocabulary-wide sort
     if not bool(sorting.any()):
         return logits

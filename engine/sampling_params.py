@@ -178,10 +178,9 @@ class SamplingParams:
     def check_logprobs(self, limit: int, vocab_size: int) -> None:
         """At most `limit` alternatives per token (the engine's max_logprobs; ValueError naming the
         field); -1 asks for the whole vocabulary."""
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (vocab_size if value == -1 else value) > limit:
-                asked = f"-1 (the whole vocabulary, {vocab_size})" if value == -1 else value
+        for name, count in self.logprob_counts(vocab_size).items():
+            if count is not None and count > limit:
+                asked = f"-1 (the whole vocabulary, {vocab_size})" if getattr(self, name) == -1 else count
                 raise ValueError(f"{name} must be at most {limit} here (serve --max-logprobs N raises it; -1: "
                                  f"the whole vocabulary), got {asked}")
 

@@ -17,7 +17,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from evals.lm_eval_model import GenerationRecord
-from server.client import auth_headers, error_message, model_cards
+from server.client import api_base, auth_headers, error_message, model_cards
 
 _ID_PREFIX = "token_id:"
 TIER0_SKIP_REASON = "candidate served over HTTP: an OpenAI-style server returns top-k logprobs only, Tier 0 needs all"
@@ -30,7 +30,7 @@ class ServerError(RuntimeError):
 def server_model(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
     """The first model card the server lists (`id`, and `max_model_len` where the server says)."""
     try:
-        return model_cards(base_url.rstrip("/") + "/v1", api_key, timeout)[0]
+        return model_cards(api_base(base_url), api_key, timeout)[0]
     except ValueError as exc:
         raise ServerError(str(exc)) from None
 
@@ -66,7 +66,7 @@ def server_lm(base_url: str, model: str, tokenizer_dir: str, max_length: int, ap
     """The lm-eval model for a server, tokenizing locally with the candidate's own tokenizer."""
     return ServerLM(
         model=model,
-        base_url=base_url.rstrip("/") + "/v1/completions",
+        base_url=api_base(base_url) + "/completions",
         tokenizer=tokenizer_dir,
         tokenizer_backend="huggingface",
         batch_size=batch_size,
@@ -98,7 +98,7 @@ def greedy_generations(base_url: str, model: str, prompts: Sequence[list[int]], 
     """
     payload = {"model": model, "prompt": [list(p) for p in prompts], "max_tokens": max_new_tokens,
                "temperature": 0.0, "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-    url = base_url.rstrip("/") + "/v1/completions"
+    url = api_base(base_url) + "/completions"
     try:
         response = httpx.post(url, json=payload, headers=auth_headers(api_key), timeout=timeout)
     except httpx.HTTPError as exc:

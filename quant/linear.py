@@ -132,9 +132,9 @@ def _check(where: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _read_scale(where: str, t: torch.Tensor, rows: int, n_groups: int, strategy: str) -> torch.Tensor:
-    """A weight scale of any strategy as fp32 [rows, n_groups]."""
-    name = "weight_scale"
+def _read_scale(where: str, t: torch.Tensor, rows: int, n_groups: int, strategy: str,
+                name: str = "weight_scale") -> torch.Tensor:
+    """A weight scale of any strategy as fp32 [rows, n_groups] (block: [row tiles, column tiles])."""
     if t.dtype not in _FLOATS:
         raise ValueError(f"{where} '{name}': dtype {t.dtype} is not a float scale")
     if strategy == "tensor":
@@ -372,12 +372,9 @@ class Fp8BlockLinear(Fp8Linear):
                              f"got {names or 'neither'}")
         _check(where, "weight", tensors["weight"], (rows, self.input_size), (FP8_DTYPE,))
         block_rows, block_cols = self.scheme.weights.block_structure
-        tiles = (-(-rows // block_rows), -(-self.input_size // block_cols))
-        scale = tensors[names[0]]
-        _check(where, names[0], scale, tiles, _FLOATS)
-        if not torch.isfinite(scale).all() or (scale <= 0).any():
-            raise ValueError(f"{where} '{names[0]}': scales must be finite and positive")
-        return {"weight": tensors["weight"], "scale": scale.float()}
+        scale = _read_scale(where, tensors[names[0]], -(-rows // block_rows), -(-self.input_size // block_cols),
+                            "block", names[0])
+        return {"weight": tensors["weight"], "scale": scale}
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
         self.kernel = "fp8block-dequantized"

@@ -301,12 +301,12 @@ def preset(name: str, *, group_size: int = 128, actorder: str | None = None) -> 
     raise ValueError(f"unknown scheme preset {name!r}; choose one of {PRESETS}")
 
 
-def fp8_block(block: tuple[int, int], *, activations: bool = True) -> QuantScheme:
-    """FP8 weights in tiles of ``block`` (rows, columns) with a scale each, and (``activations``)
-    FP8 inputs scaled per token and group of the tile's width at run time: llm-compressor's
-    ``FP8_BLOCK``, and transformers' ``fp8`` checkpoints (DeepSeek-V3's format: Qwen3 ``-FP8``)."""
-    acts = _fp8("group", group_size=block[1], dynamic=True) if activations else None
-    return QuantScheme(_fp8("block", block_structure=tuple(block)), acts, "float-quantized")
+def fp8_block(block: tuple[int, int]) -> QuantScheme:
+    """FP8 weights in tiles of ``block`` (rows, columns) with a scale each, and FP8 inputs scaled
+    per token and group of the tile's width at run time: llm-compressor's ``FP8_BLOCK``, and
+    transformers' ``fp8`` checkpoints (DeepSeek-V3's format: Qwen3 ``-FP8``)."""
+    return QuantScheme(_fp8("block", block_structure=tuple(block)), _fp8("group", group_size=block[1], dynamic=True),
+                       "float-quantized")
 
 
 def with_group_size(scheme: QuantScheme, group_size: int) -> QuantScheme:

@@ -20,6 +20,12 @@ def error_message(response: httpx.Response) -> str:
     return message if isinstance(message, str) else response.text[:200]
 
 
+def api_base(server_url: str) -> str:
+    """The base an OpenAI-compatible server's routes hang off, from its root URL
+    (http://host:8000 → http://host:8000/v1)."""
+    return server_url.rstrip("/") + "/v1"
+
+
 def model_cards(api_base: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict]:
     """The server's model cards (`id`, and `root` / `max_model_len` where the server gives them),
     from `{api_base}/models` (`api_base` the one its other routes hang off, e.g.
