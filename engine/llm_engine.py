@@ -266,7 +266,7 @@ class LLMEngine:
         # EOS, and a sequence going on past it would run unconstrained
         if not params.ignore_eos or params.structured_outputs is not None:  # EOS first: the sampler's way out
             stop_ids = [*self.eos_token_ids, *(t for t in stop_ids if t not in self.eos_token_ids)]
-        seq_params = dataclasses.replace(params, stop_token_ids=stop_ids,
+        seq_params = dataclasses.replace(params, stop_token_ids=stop_ids, eos_token_ids=list(self.eos_token_ids),
                                          **params.logprob_counts(self.model.args.vocab_size),
                                          max_tokens=params.output_budget(len(prompt_ids), self.max_model_len),
                                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))

@@ -41,10 +41,10 @@ class SamplingRow:
 
 
 def _banned(row: SamplingRow) -> list[int]:
-    """Tokens the row may not take next: stop tokens before min_tokens, and the last token of
-    every bad word whose other tokens end the output so far."""
+    """Tokens the row may not take next: stop tokens and EOS before min_tokens, and the last token
+    of every bad word whose other tokens end the output so far."""
     p, output = row.params, row.output_token_ids
-    banned = list(p.stop_token_ids) if len(output) < p.min_tokens else []
+    banned = [*p.stop_token_ids, *p.eos_token_ids] if len(output) < p.min_tokens else []
     for *head, last in p.bad_words_token_ids:
         if not head or output[-len(head):] == head:
             banned.append(last)
@@ -134,7 +134,8 @@ def _adjusted(row: SamplingRow) -> bool:
     p = row.params
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or row.grammar_active
                 or p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
-                or (p.stop_token_ids and len(row.output_token_ids) < p.min_tokens) or row.forced_token is not None)
+                or ((p.stop_token_ids or p.eos_token_ids) and len(row.output_token_ids) < p.min_tokens)
+                or row.forced_token is not None)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

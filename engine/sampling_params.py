@@ -27,7 +27,7 @@ class SamplingParams:
     (presence/frequency, additive on logits) and vLLM's repetition penalty (divide positive
     logits, multiply negative ones, over prompt and output tokens). Before them, as in vLLM, the
     logits are constrained: only `allowed_token_ids` stay, `logit_bias` is added (OpenAI's
-    [-100, 100]), no stop token before `min_tokens`, and no token that would complete one of
+    [-100, 100]), no stop token (nor EOS, even with `ignore_eos`) before `min_tokens`, and no token that would complete one of
     `bad_words` (the engine tokenizes them into `bad_words_token_ids`). `structured_outputs`
     holds the output to JSON, a schema, a regex, a choice or a grammar: from the first token, or,
     with `structured_outputs_after`, from the token after those ids in the prompt or the output (a
@@ -69,6 +69,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # filled by the engine from bad_words
+    # filled by the engine: the model's EOS ids, which min_tokens bans even under ignore_eos (vLLM's)
+    eos_token_ids: list[int] = field(default_factory=list)
     structured_outputs: StructuredOutputs | None = None
     structured_outputs_after: list[int] | None = None
     structured_outputs_reopened_by: list[int] | None = None

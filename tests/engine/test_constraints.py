@@ -24,6 +24,15 @@ def test_min_tokens_keeps_stop_tokens_out_of_the_first_tokens(llm):
     assert first not in out[:3] and len(out) >= 3
 
 
+def test_min_tokens_keeps_eos_out_even_with_ignore_eos(llm):
+    """vLLM bans the model's EOS before min_tokens whether or not it ends the output: with
+    ignore_eos a biased EOS comes only from the token after the first min_tokens, then repeats."""
+    eos = llm.engine.eos_token_ids[0]
+    assert _greedy(llm, logit_bias={eos: 100.0})[:1] == [eos]
+    out = _greedy(llm, logit_bias={eos: 100.0}, min_tokens=3)
+    assert eos not in out[:3] and out[3:] == [eos] * 3
+
+
 def _one_token_word(llm) -> tuple[str, int]:
     encode = llm.engine.tokenizer.encode
     word = next(w for w in ("the", "a", "is", "of") if len(encode(w, add_special_tokens=False)) == 1)
