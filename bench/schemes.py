@@ -12,6 +12,7 @@ activations on CPU (`w4a16=ckpt@bfloat16`); other schemes run fp32 activations h
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import time
@@ -46,6 +47,17 @@ class Checkpoint:
 def size_on_disk(folder: Path) -> int:
     """Bytes of the weight files (what a deployment ships and loads)."""
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def resident_weight_bytes(llm: LLM) -> int:
+    """Bytes of the model's tensors as the engine holds them after load (parameters, buffers and
+    the tied lm_head's panels, in their kernels' layouts, anything kept beside them included,
+    shared ones once; no KV cache)."""
+    model = llm.engine.model
+    packed = [model.packed_embedding] if getattr(model, "packed_embedding", None) is not None else []
+    tensors = {t.data_ptr(): t.numel() * t.element_size()
+               for t in itertools.chain(model.parameters(), model.buffers(), packed)}
+    return sum(tensors.values())
 
 
 def add_schemes_args(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +121,8 @@ def run_schemes(args: argparse.Namespace) -> int:
     for ckpt in args.checkpoints:
         rows.append({"name": ckpt.name, "engine": "driftgate", "path": str(ckpt.path),
                      "dtype": str(next(engines[ckpt.name].engine.model.parameters()).dtype),
-                     "size_bytes": size_on_disk(ckpt.path), **_medians(runs[ckpt.name]), "runs": runs[ckpt.name]})
+                     "size_bytes": size_on_disk(ckpt.path), "resident_weight_bytes": resident_weight_bytes(engines[ckpt.name]),
+                     **_medians(runs[ckpt.name]), "runs": runs[ckpt.name]})
     for quant in quants:
         r = runs[f"llama.cpp {quant}"]
         rows.append({"name": f"llama.cpp {quant}", "engine": "llama.cpp", "size_bytes": r[0]["size_bytes"],
@@ -130,11 +143,12 @@ def _medians(runs: list[dict]) -> dict[str, float]:
 
 
 def _print(result: dict) -> None:
-    print(f"\n{'':24s} {'size MB':>8s} {'b1 tok/s':>9s} {'c' + str(result['concurrency']) + ' tok/s':>10s}")
+    print(f"\n{'':24s} {'size MB':>8s} {'held MB':>8s} {'b1 tok/s':>9s} "
+          f"{'c' + str(result['concurrency']) + ' tok/s':>10s}")
     for row in result["rows"]:
-        conc = row.get("concurrent_output_tok_s")
-        print(f"{row['name']:24s} {row['size_bytes'] / 1e6:8.0f} {row['batch1_decode_tok_s']:9.1f} "
-              f"{'' if conc is None else f'{conc:10.1f}'}")
+        conc, held = row.get("concurrent_output_tok_s"), row.get("resident_weight_bytes")
+        print(f"{row['name']:24s} {row['size_bytes'] / 1e6:8.0f} {'' if held is None else f'{held / 1e6:8.0f}':>8s} "
+              f"{row['batch1_decode_tok_s']:9.1f} {'' if conc is None else f'{conc:10.1f}'}")
 
 
 def _plot(result: dict, path: Path) -> None:

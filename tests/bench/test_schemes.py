@@ -29,4 +29,7 @@ def test_bench_schemes_runs_each_checkpoint(tiny_model_dir, tmp_path):
     for row in rows.values():
         assert len(row["runs"]) == 2 and row["batch1_decode_tok_s"] > 0 and row["concurrent_output_tok_s"] > 0
         assert row["size_bytes"] == size_on_disk(tiny_model_dir) > 0
+    # the engine holds the fp32 model's weights (no fewer bytes than the file), the bf16 one about half
+    assert rows["a"]["resident_weight_bytes"] >= size_on_disk(tiny_model_dir)
+    assert rows["b"]["resident_weight_bytes"] < 0.6 * rows["a"]["resident_weight_bytes"]
     assert (tmp_path / "s.png").stat().st_size > 0
