@@ -15,6 +15,9 @@ covers every shard layout. The kernel is picked for the device the module sits o
 from __future__ import annotations
 
 import abc
+import functools
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +26,7 @@ from torch import nn
 from engine.layers import panel_matmul, triton_support
 from engine.layers.linear import dense_matmul
 from quant import fp4, triton_fp8
-from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8, spread_tiles
+from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8
 from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
 from quant.schemes import QuantScheme
 
@@ -51,6 +54,8 @@ class QuantLinearBase(nn.Module, abc.ABC):
         self._staged: dict[int, dict[str, torch.Tensor]] = {}
         self._bias_loaded: set[int] = set()
         self._finalized = False
+        # quantized tensors whose one copy is a CPU kernel's panels: name → how to read them back
+        self._in_panels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     @abc.abstractmethod
     def expected_tensors(self) -> tuple[set[str], set[str]]:
@@ -108,6 +113,18 @@ class QuantLinearBase(nn.Module, abc.ABC):
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _hand_to_kernel(self, name: str, unpack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Drop buffer `name`: ``kernel_weight``'s panels hold the same values, and are the one copy
+        kept (the two together held an int4 weight in three times its packed bytes, an fp8 one in
+        twice); `stored` reads them back, for the oracle."""
+        self._buffers.pop(name, None)
+        self._in_panels[name] = unpack
+
+    def stored(self, name: str) -> torch.Tensor:
+        """A quantized tensor as loaded: its buffer, or read back from the kernel's panels."""
+        unpack = self._in_panels.get(name)
+        return getattr(self, name) if unpack is None else unpack(self.kernel_weight)
 
     def prepack(self) -> None:
         """Lay a dequantized fallback weight out for CPU GEMMs, as the engine does for dense layers."""
@@ -287,18 +304,20 @@ class Fp8Linear(QuantLinearBase):
             panels, scales = panel_matmul.pack_fp8_pairs(self.weight, self.weight_scale)
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
+            self._hand_to_kernel("weight", functools.partial(panel_matmul.unpack_fp8_pairs, k=self.input_size))
         elif (self.dtype == torch.float32 and self.weight.device.type == "cpu"
               and panel_matmul.int8_fits(self.output_size, self.input_size, 1)):
             self.kernel = "fp8panel"
             panels, scales = panel_matmul.pack_fp8(self.weight, self.weight_scale)
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
+            self._hand_to_kernel("weight", panel_matmul.unpack_fp8)
         else:
             self.kernel = "dense"
             self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.weight_scale).to(dtype)  # [out, in]
+        return (self.stored("weight").float() * self.weight_scale).to(dtype)  # [out, in]
 
     def _act_scale(self, x2d: torch.Tensor) -> torch.Tensor:
         acts = self.scheme.input_activations
@@ -306,14 +325,15 @@ class Fp8Linear(QuantLinearBase):
             return self.input_scale
         return fp8_scale(x2d, acts.strategy)  # token: [M, 1]; tensor: [1]
 
-    def input_rounding(self) -> tuple[int, float]:
-        """How the C kernels round this Linear's inputs: (panel_matmul.ACT_*, the static scale or 0)."""
+    def input_rounding(self) -> tuple[int, float, int]:
+        """How the C kernels round this Linear's inputs: (panel_matmul.ACT_*, the static scale or 0,
+        columns per token scale or 0 for the whole row)."""
         acts = self.scheme.input_activations
         if acts is None:
-            return panel_matmul.ACT_NONE, 0.0
+            return panel_matmul.ACT_NONE, 0.0, 0
         if not acts.dynamic:
-            return panel_matmul.ACT_FP8_STATIC, float(self.input_scale)
-        return (panel_matmul.ACT_FP8_TENSOR if acts.strategy == "tensor" else panel_matmul.ACT_FP8_TOKEN), 0.0
+            return panel_matmul.ACT_FP8_STATIC, float(self.input_scale), 0
+        return (panel_matmul.ACT_FP8_TENSOR if acts.strategy == "tensor" else panel_matmul.ACT_FP8_TOKEN), 0.0, 0
 
     def _quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.scheme.input_activations is None:
@@ -342,8 +362,13 @@ class Fp8Linear(QuantLinearBase):
                 y = torch._scaled_mm(x8, self.weight.t(), scale_a=sx, scale_b=self.scale_b,
                                      out_dtype=torch.bfloat16)
         elif self.kernel in ("fp8dot", "fp8panel"):  # the C kernels round the inputs and add the bias
-            matmul = panel_matmul.matmul_fp8_dot if self.kernel == "fp8dot" else panel_matmul.matmul_fp8
-            y = matmul(x2d, self.kernel_weight, self.kernel_scales, *self.input_rounding(), bias=self.bias)
+            act, static_scale, act_group = self.input_rounding()
+            if self.kernel == "fp8dot":
+                y = panel_matmul.matmul_fp8_dot(x2d, self.kernel_weight, self.kernel_scales, act, static_scale,
+                                                bias=self.bias)
+            else:
+                y = panel_matmul.matmul_fp8(x2d, self.kernel_weight, self.kernel_scales, act, static_scale, act_group,
+                                            bias=self.bias)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
         else:
             y = dense_matmul(self._quantize_input(x2d).to(self.dtype), self.weight_dense)
@@ -355,11 +380,14 @@ class Fp8BlockLinear(Fp8Linear):
     checkpoint's ``weight_scale``, or transformers' ``weight_scale_inv``: multiplied all the
     same), and with input activations, FP8 inputs scaled per token and group of the tile's width.
 
-    No kernel here streams the tiles yet: the weight is dequantized once at ``finalize`` and the
-    dense path multiplies it (memory: the unquantized model's, and on the CPU the fp8 bytes the
-    oracle reads; numerics those of a block-FP8 kernel up to accumulation order, the inputs
-    rounded through FP8 per group as such a kernel sees them). It makes DeepSeek-V3-style and
-    llm-compressor ``FP8_BLOCK`` checkpoints load, serve and gate.
+    Tile scales are spread to one per output channel and group of columns (the tile's width, or
+    its divisor that also divides the input size where the last tile is partial), the layout of
+    the CPU kernels, which stream the fp8 bytes and round the inputs per token and group
+    themselves: with AVX-512 BF16 ``fp8dot-groups`` (fp8 products exact in bf16, each group
+    summed on its own and scaled), else the grouped fp8 kernel (``fp8panel``, the weight widened
+    to fp32). Either way the numerics of a block-FP8 GPU kernel up to accumulation order.
+    Elsewhere the weight is dequantized once at ``finalize`` and the dense path multiplies it,
+    the fp8 bytes kept on the CPU for the oracle.
     """
 
     def expected_tensors(self) -> tuple[set[str], set[str]]:
@@ -377,17 +405,50 @@ class Fp8BlockLinear(Fp8Linear):
         return {"weight": tensors["weight"], "scale": scale}
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
-        self.kernel = "fp8block-dequantized"
-        # the fp8 bytes and tile scales, for the oracle: kept on the CPU, not beside the dense
-        # weight on a GPU; fused shards stay apart, their last tiles may be partial
-        self._shards = [{name: t.cpu() for name, t in shard.items()} for shard in shards]
-        self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
+        block_rows, block_cols = self.scheme.weights.block_structure
+        self.group = math.gcd(block_cols, self.input_size)
+        columns = self.input_size // self.group
+        # each shard's tiles to [its rows, groups of columns]: fused shards' last row tiles may be partial
+        scale = torch.cat([shard["scale"].float().repeat_interleave(block_rows, 0)[:shard["weight"].shape[0]]
+                           .repeat_interleave(block_cols // self.group, 1)[:, :columns] for shard in shards])
+        weight = torch.cat([shard["weight"] for shard in shards])
+        cpu = self.dtype == torch.float32 and weight.device.type == "cpu"
+        if cpu and self.scheme.input_activations is not None and panel_matmul.fp8_dot_groups_fits(
+                self.output_size, self.input_size, self.group, block_cols):
+            self.kernel = "fp8dot-groups"
+            panels, scales = panel_matmul.pack_fp8_pair_groups(weight, scale)
+            unpack = functools.partial(panel_matmul.unpack_fp8_pairs, k=self.input_size)
+        elif cpu and panel_matmul.int8_fits(self.output_size, self.input_size, columns):
+            self.kernel = "fp8panel"
+            panels, scales = panel_matmul.pack_fp8(weight, scale)
+            unpack = panel_matmul.unpack_fp8
+        else:
+            panels = None
+        if panels is not None:
+            self.register_buffer("weight_scale", scale, persistent=False)  # [out, in / group]
+            self.register_buffer("kernel_weight", panels, persistent=False)
+            self.register_buffer("kernel_scales", scales, persistent=False)
+            self._hand_to_kernel("weight", unpack)  # [out, in] fp8
+        else:
+            self.kernel = "dense"
+            # the fp8 bytes for the oracle stay on the CPU, not beside the dense weight on a GPU
+            self.weight, self.weight_scale = weight.cpu(), scale.cpu()
+            self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        block = self.scheme.weights.block_structure
-        weight = torch.cat([shard["weight"].float() * spread_tiles(shard["scale"], block, tuple(shard["weight"].shape))
-                            for shard in self._shards])
+        weight = self.stored("weight").float() * self.weight_scale.repeat_interleave(self.group, 1)
         return weight.to(dtype=dtype, device=self._device_probe.device)
+
+    def input_rounding(self) -> tuple[int, float, int]:
+        act, static_scale, _ = super().input_rounding()
+        return act, static_scale, self.scheme.weights.block_structure[1] if act != panel_matmul.ACT_NONE else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel != "fp8dot-groups":
+            return super().forward(x)
+        y = panel_matmul.matmul_fp8_dot_groups(x.reshape(-1, self.input_size), self.kernel_weight, self.kernel_scales,
+                                               self.scheme.weights.block_structure[1], bias=self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
 
     def _quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
         """Each token's groups of the tile's width rounded through FP8, each with its own scale."""
@@ -441,10 +502,13 @@ class WeightOnlyIntLinear(_IntWeightLinear):
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
             self.register_buffer("kernel_zeros", zeros, persistent=False)
+            self._hand_to_kernel("qweight", panel_matmul.unpack_int4)
         elif self.kernel == "int8panel":
             panels, scales = panel_matmul.pack_int8(self._zero_folded(), self.weight_scale)
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
+            if self.weight_zero_point is None:  # else the panels hold q − zero point
+                self._hand_to_kernel("qweight", panel_matmul.unpack_int8)
         elif self.kernel.startswith("int4pack"):
             self._prepare_int4pack()
         else:
@@ -499,7 +563,7 @@ class WeightOnlyIntLinear(_IntWeightLinear):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int(
-            self.qweight, self.weight_scale, self.weight_zero_point,
+            self.stored("qweight"), self.weight_scale, self.weight_zero_point,
             group_size=self.scheme.weights.group_size, g_idx=self.g_idx, dtype=dtype,
         )  # [out, in]
 
@@ -633,6 +697,7 @@ class Int8Linear(_IntWeightLinear):
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_sums", sums, persistent=False)
             self.register_buffer("kernel_scales", self.weight_scale[:, 0].contiguous(), persistent=False)
+            self._hand_to_kernel("qweight", panel_matmul.unpack_w8a8)
         else:
             self._use_reference()
 
@@ -646,6 +711,7 @@ class Int8Linear(_IntWeightLinear):
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_sums", sums, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
+            self._hand_to_kernel("qweight", panel_matmul.unpack_w4a8)
         else:
             self._use_reference()
 
@@ -654,7 +720,7 @@ class Int8Linear(_IntWeightLinear):
         self.register_buffer("weight_dense", self.dequantized_weight(), persistent=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int(self.qweight, self.weight_scale, None, group_size=self.scheme.weights.group_size,
+        return dequantize_int(self.stored("qweight"), self.weight_scale, None, group_size=self.scheme.weights.group_size,
                               g_idx=self.g_idx, dtype=dtype)  # [out, in]
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,13 +22,14 @@
 
 /* A Linear's kernel and operands, as engine/layers/fused_decode.py describes them. */
 enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_FP8 = 4, LINEAR_FP8_DOT = 5,
-       LINEAR_INT4 = 6, LINEAR_W4A8 = 7 };
+       LINEAR_INT4 = 6, LINEAR_W4A8 = 7, LINEAR_FP8_DOT_GROUPS = 8 };
 
 typedef struct {
     int32_t kind, n, k, group_size, act;
+    int32_t act_group;    /* ACT_FP8_TOKEN: columns per input scale, 0 for the whole row */
     float input_scale;    /* ACT_FP8_STATIC */
     const void *weight;   /* panels in the kernel's layout */
-    const void *scales;   /* int8, int4 and fp8: scale panels; w8a8 and fp8 dot: per-channel scales */
+    const void *scales;   /* int8, int4, fp8 and fp8 dot groups: scale panels; w8a8 and fp8 dot: per-channel */
     const int32_t *sums;  /* w8a8: 128 · row sums; w4a8: 128 · group sums */
     const float *zeros;   /* asymmetric int4: zero-point panels, else NULL */
     const float *bias;    /* or NULL */
@@ -153,10 +154,13 @@ static int base_linear(const Linear *l, float *y, const float *x, float *staging
     case LINEAR_FP8_DOT:
         return panel_matmul_fp8_dot(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->act, l->input_scale,
                                     threads);
+    case LINEAR_FP8_DOT_GROUPS:
+        return panel_matmul_fp8_dot_groups(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size,
+                                           l->act_group, threads);
 #endif
     case LINEAR_FP8:
         if (l->act != ACT_NONE) {
-            fake_quantize_fp8(staging, x, rows, l->k, l->act, l->input_scale, threads);
+            fake_quantize_fp8(staging, x, rows, l->k, l->act, l->input_scale, l->act_group, threads);
             x = staging;
         }
         panel_matmul_fp8(y, x, l->weight, l->scales, l->bias, rows, l->n, l->k, l->group_size, threads);

@@ -76,7 +76,8 @@ static inline __attribute__((always_inline)) fp8_vec widen_e5m2(const uint8_t *p
 }
 
 /* How an FP8 W8A8 Linear rounds its inputs (engine/layers/panel_matmul.py's ACT_*): not at all, or
- * through fp8 with a scale per token, one scale for the whole batch, or a fixed one. */
+ * through fp8 with a scale per token (or per token and group of columns, for block FP8), one scale
+ * for the whole batch, or a fixed one. */
 enum { ACT_NONE = 0, ACT_FP8_TOKEN = 1, ACT_FP8_TENSOR = 2, ACT_FP8_STATIC = 3 };
 
 enum { FP8_SUBNORMAL_STEPS = 512 }; /* e4m3's subnormals are multiples of 2^-9, below 2^-6 */

@@ -342,27 +342,33 @@ void panel_matmul_fp8(float *y, const float *x, const int8_t *panels, const floa
 }
 
 /* What an FP8 W8A8 kernel sees of x [rows, k]: x / scale saturated to ±448, rounded to e4m3,
- * times scale (quant.fp8.fake_quantize_fp8, operation for operation); act as panel_matmul_fp8_dot's. */
+ * times scale (quant.fp8.fake_quantize_fp8, operation for operation); act as panel_matmul_fp8_dot's.
+ * ACT_FP8_TOKEN takes a scale per `act_group` columns of each row (0: the whole row; the last group
+ * may be shorter), as block FP8's inputs are scaled per token and tile width. */
 static void fake_quantize_fp8(float *out, const float *x, int rows, int k, int act, float static_scale,
-                              int threads) {
+                              int act_group, int threads) {
     const float batch_scale = act == ACT_FP8_STATIC ? static_scale
                               : act == ACT_FP8_TENSOR ? fp8_scale_of(absmax_of(x, (int64_t)rows * k)) : 0.0f;
+    const int width = act == ACT_FP8_TOKEN && act_group > 0 ? act_group : k;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
-    for (int r = 0; r < rows; r++) {
-        const float *src = x + (int64_t)r * k;
-        float *dst = out + (int64_t)r * k;
-        const float scale = act == ACT_FP8_TOKEN ? fp8_scale_of(absmax_of(src, k)) : batch_scale;
-        for (int i = 0; i < k; i++) dst[i] = round_to_e4m3(clamp_fp8(src[i] / scale)) * scale;
-    }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < k; g += width) {
+            const int n = k - g < width ? k - g : width;
+            const float *src = x + (int64_t)r * k + g;
+            float *dst = out + (int64_t)r * k + g;
+            const float scale = act == ACT_FP8_TOKEN ? fp8_scale_of(absmax_of(src, n)) : batch_scale;
+            for (int i = 0; i < n; i++) dst[i] = round_to_e4m3(clamp_fp8(src[i] / scale)) * scale;
+        }
 }
 
 /* FP8 W8A8 where the bf16 products below are missing: the rows rounded through fp8, then the fp8
  * weight-only kernel. Returns 0, or -1 when the row buffer could not be allocated. */
 int panel_matmul_fp8_rounded(float *y, const float *x, const int8_t *panels, const float *scales, const float *bias,
-                             int M, int N, int K, int group, int act, float static_scale, int threads) {
+                             int M, int N, int K, int group, int act, float static_scale, int act_group,
+                             int threads) {
     float *rounded = malloc(sizeof(float) * (size_t)M * K);
     if (!rounded) return -1;
-    fake_quantize_fp8(rounded, x, M, K, act, static_scale, threads);
+    fake_quantize_fp8(rounded, x, M, K, act, static_scale, act_group, threads);
     panel_matmul_8bit(y, rounded, panels, scales, NULL, bias, M, N, K, group, threads, WEIGHTS_FP8);
     free(rounded);
     return 0;
@@ -1382,6 +1388,103 @@ int panel_matmul_fp8_dot(float *y, const float *x, const uint8_t *panels, const 
                                     weight_scales + first * PANEL, M, steps, N);
         }
         if (amx) amx_release();
+    }
+    free(xb);
+    free(wide);
+    return 0;
+}
+
+/* Block FP8 (tiles of weights with a scale each, inputs scaled per token and tile width) on the
+ * same exact products: each group of `group` columns sums on its own, then adds into the row's
+ * total times its channel's and its row's scale for those columns, as row_tile_i8 adds its
+ * groups. Rows are rounded to fp8 per token and `act_group` columns (the last group may be
+ * shorter; act_group a multiple of group). The vector route only: a row's floats do not depend on
+ * its batch, with or without AMX. Layout: panels as panel_matmul_fp8_dot's, group_scales [N / 16,
+ * K / group, 16]; K, group and act_group even. */
+static inline __attribute__((always_inline)) void row_tile_fp8_groups(float *restrict y, const uint32_t *restrict xb,
+                                                                      const void *restrict panel,
+                                                                      const __m512i *subnormals, const float *bias,
+                                                                      const float *row_scales, int act_groups,
+                                                                      const float *group_scales, int rows, int steps,
+                                                                      int group_steps, int act_group_steps, int N) {
+    const char *w_p = panel;
+    const int step_bytes = subnormals ? 32 : 64;
+    __m512 total[ROW_TILE_BF16];
+    for (int i = 0; i < rows; i++) total[i] = _mm512_setzero_ps();
+    for (int s0 = 0; s0 < steps; s0 += group_steps, group_scales += PANEL) {
+        __m512 acc[ROW_TILE_BF16];
+        for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+        for (int s = s0; s < s0 + group_steps; s++, w_p += step_bytes) {
+            __builtin_prefetch(w_p + PREFETCH_BYTES);
+            __m512bh w = (__m512bh)(subnormals ? widen_fp8_bf16((const uint8_t *)w_p, *subnormals)
+                                               : _mm512_loadu_si512((const void *)w_p));
+            for (int i = 0; i < rows; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)i * steps + s]), w);
+        }
+        const __m512 col = _mm512_loadu_ps(group_scales);
+        const float *row = row_scales + s0 / act_group_steps;
+        for (int i = 0; i < rows; i++)
+            total[i] = _mm512_fmadd_ps(_mm512_mul_ps(acc[i], col), _mm512_set1_ps(row[(int64_t)i * act_groups]), total[i]);
+    }
+    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; i++) _mm512_storeu_ps(y + (int64_t)i * N, _mm512_add_ps(total[i], b));
+}
+
+#define TAIL_FP8_GROUPS(r) case r: row_tile_fp8_groups(y_p + (int64_t)m * N, xb + (int64_t)m * steps, panel, fp8, \
+                                                       bias_p, row_scales + (int64_t)m * act_groups, act_groups, \
+                                                       scales_p, r, steps, group_steps, act_group_steps, N); break;
+
+/* Returns 0, or -1 when the row or panel buffers could not be allocated. */
+int panel_matmul_fp8_dot_groups(float *y, const float *x, const uint8_t *panels, const float *group_scales,
+                                const float *bias, int M, int N, int K, int group, int act_group, int threads) {
+    const int steps = K / 2, group_steps = group / 2, act_group_steps = act_group / 2;
+    const int act_groups = (K + act_group - 1) / act_group, num_panels = N / PANEL;
+    const int stream = M <= ROW_TILE_BF16; /* else each panel is widened once for all row tiles */
+    uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * steps + sizeof(float) * (size_t)M * act_groups);
+    uint16_t *wide = stream ? 0 : malloc(sizeof(uint16_t) * 32 * (size_t)steps * threads);
+    const __m512i subnormals = fp8_subnormals_bf16();
+    if (!xb || (!stream && !wide)) {
+        free(xb);
+        free(wide);
+        return -1;
+    }
+    float *row_scales = (float *)(xb + (size_t)M * steps); /* [M, act_groups] */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            for (int a = 0; a < act_groups; a++) {
+                const int k0 = a * act_group, n = K - k0 < act_group ? K - k0 : act_group;
+                const float *src = x + (int64_t)m * K + k0;
+                row_scales[(int64_t)m * act_groups + a] = fp8_scale_of(absmax_of(src, n));
+                fp8_row_bf16((uint16_t *)(xb + (int64_t)m * steps) + k0, src, n,
+                             row_scales[(int64_t)m * act_groups + a]);
+            }
+        uint16_t *widened = stream ? 0 : wide + (size_t)32 * steps * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int p = 0; p < num_panels; p++) {
+            const uint8_t *bytes = panels + (int64_t)p * steps * 32;
+            const void *panel = bytes;
+            if (!stream) {
+                widen_fp8_panel(widened, bytes, steps, subnormals);
+                panel = widened;
+            }
+            const __m512i *fp8 = stream ? &subnormals : 0; /* the panel holds fp8 bytes, else bf16 pairs */
+            const float *scales_p = group_scales + (int64_t)p * (K / group) * PANEL;
+            const float *bias_p = bias ? bias + p * PANEL : 0;
+            float *y_p = y + p * PANEL;
+            int m = 0;
+            for (; m + ROW_TILE_BF16 <= M; m += ROW_TILE_BF16)
+                row_tile_fp8_groups(y_p + (int64_t)m * N, xb + (int64_t)m * steps, panel, fp8, bias_p,
+                                    row_scales + (int64_t)m * act_groups, act_groups, scales_p, ROW_TILE_BF16, steps,
+                                    group_steps, act_group_steps, N);
+            switch (M - m) {
+                TAIL_FP8_GROUPS(1) TAIL_FP8_GROUPS(2) TAIL_FP8_GROUPS(3) TAIL_FP8_GROUPS(4) TAIL_FP8_GROUPS(5)
+                TAIL_FP8_GROUPS(6) TAIL_FP8_GROUPS(7) TAIL_FP8_GROUPS(8) TAIL_FP8_GROUPS(9) TAIL_FP8_GROUPS(10)
+                TAIL_FP8_GROUPS(11) TAIL_FP8_GROUPS(12) TAIL_FP8_GROUPS(13) TAIL_FP8_GROUPS(14) TAIL_FP8_GROUPS(15)
+                default: break;
+            }
+        }
     }
     free(xb);
     free(wide);

@@ -29,14 +29,16 @@ from engine.lora import LoRALinear, LoRAStep
 if TYPE_CHECKING:
     from engine.models.llama import LlamaArgs
 
-LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8, LINEAR_FP8_DOT, LINEAR_INT4, LINEAR_W4A8 = range(8)
+(LINEAR_F32, LINEAR_BF16, LINEAR_INT8, LINEAR_W8A8, LINEAR_FP8, LINEAR_FP8_DOT, LINEAR_INT4, LINEAR_W4A8,
+ LINEAR_FP8_DOT_GROUPS) = range(9)
 _STATUS = {-1: "no memory for the step's scratch", -2: "the block size is not a power of two",
            -3: "a Linear kernel this build lacks"}
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("group_size", ctypes.c_int32), ("act", ctypes.c_int32), ("input_scale", ctypes.c_float),
+                ("group_size", ctypes.c_int32), ("act", ctypes.c_int32), ("act_group", ctypes.c_int32),
+                ("input_scale", ctypes.c_float),
                 ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("sums", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("loras", ctypes.c_void_p)]
@@ -105,14 +107,18 @@ def _describe(linear: nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         kind, scales = LINEAR_FP8, linear.kernel_scales
     elif kernel == "fp8dot":
         kind, scales = LINEAR_FP8_DOT, linear.kernel_scales
+    elif kernel == "fp8dot-groups":
+        kind, scales = LINEAR_FP8_DOT_GROUPS, linear.kernel_scales
     else:
         return None
-    group = k // scales.shape[1] if kind in (LINEAR_INT8, LINEAR_INT4, LINEAR_FP8, LINEAR_W4A8) else k
-    act, input_scale = linear.input_rounding() if kind in (LINEAR_FP8, LINEAR_FP8_DOT) else (ACT_NONE, 0.0)
+    grouped = (LINEAR_INT8, LINEAR_INT4, LINEAR_FP8, LINEAR_W4A8, LINEAR_FP8_DOT_GROUPS)
+    group = k // scales.shape[1] if kind in grouped else k
+    rounded = (LINEAR_FP8, LINEAR_FP8_DOT, LINEAR_FP8_DOT_GROUPS)
+    act, input_scale, act_group = linear.input_rounding() if kind in rounded else (ACT_NONE, 0.0, 0)
     keep.extend(t for t in (weight, scales, sums, zeros, bias) if t is not None)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return _Linear(kind, n, k, group, act, input_scale, weight.data_ptr(), ptr(scales), ptr(sums), ptr(zeros),
-                   ptr(bias))
+    return _Linear(kind, n, k, group, act, act_group, input_scale, weight.data_ptr(), ptr(scales), ptr(sums),
+                   ptr(zeros), ptr(bias))
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:

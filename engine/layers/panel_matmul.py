@@ -123,9 +123,9 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)
 _ARGTYPES_INT4_ZERO = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 5)  # int8's, with zero points after the scales
 # How FP8 W8A8 kernels round their rows through fp8 (engine/csrc/fp8.h's ACT_*): not at all, per
-# token, one scale for all rows, or a fixed scale.
+# token (or per token and group of columns), one scale for all rows, or a fixed scale.
 ACT_NONE, ACT_FP8_TOKEN, ACT_FP8_TENSOR, ACT_FP8_STATIC = range(4)
-_ARGTYPES_FP8_ROUNDED = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5, ctypes.c_float, ctypes.c_int)
+_ARGTYPES_FP8_ROUNDED = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5, ctypes.c_float, ctypes.c_int, ctypes.c_int)
 
 
 def _kernel_8bit(symbol: str = "panel_matmul_i8") -> ctypes._CFuncPtr | None:
@@ -149,6 +149,12 @@ def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
         raise ValueError(f"the int8 panel kernel does not take a {qweight.dtype} {tuple(qweight.shape)} weight "
                          f"with {scale.shape[1]} scale groups on {qweight.device}")
     return _panels(qweight), _panels(scale.float())
+
+
+def unpack_int8(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_int8`'s weight panels [N / 16, K, 16] → the [N, K] values they hold."""
+    num_panels, k, _ = panels.shape
+    return panels.transpose(1, 2).reshape(num_panels * PANEL, k)
 
 
 def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
@@ -182,6 +188,13 @@ def pack_int4(qweight: torch.Tensor, scale: torch.Tensor,
     return _panels(pairs), _panels(scale.float()), zeros
 
 
+def unpack_int4(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s byte panels [N / 16, K / 2, 16] → the int4 values [N, K] (int8 in −8..7)."""
+    pairs = unpack_int8(panels)
+    low = ((pairs & 0xF) ^ 8) - 8  # the low nibble, sign-extended
+    return torch.stack([low, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)
+
+
 def matmul_int4(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_int4(...)`."""
@@ -200,16 +213,22 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     return pack_int8(weight.view(torch.int8), scale * 256)
 
 
+def unpack_fp8(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_fp8`'s byte panels → the fp8 e4m3 weight [N, K]."""
+    return unpack_int8(panels).view(torch.float8_e4m3fn)
+
+
 def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, act: int = ACT_NONE,
-               static_scale: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+               static_scale: float = 0.0, act_group: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` for x [..., K] (computed in float32) and W given as `pack_fp8(...)`; with `act`,
-    each row of x is first rounded through fp8 as matmul_fp8_dot's are."""
+    each row of x is first rounded through fp8 as matmul_fp8_dot's are, with ACT_FP8_TOKEN a scale
+    per `act_group` columns (0: per row; block FP8 scales its inputs per tile width)."""
     num_panels, k, _ = panels.shape
     group = k // scales.shape[1]
     if act == ACT_NONE:
         return _run(_kernel_8bit("panel_matmul_fp8"), x, k, num_panels * PANEL, (panels, scales), bias, group)
     kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_fp8_rounded", _ARGTYPES_FP8_ROUNDED, ctypes.c_int)
-    return _run(kernel, x, k, num_panels * PANEL, (panels, scales), bias, group, act, static_scale)
+    return _run(kernel, x, k, num_panels * PANEL, (panels, scales), bias, group, act, static_scale, act_group)
 
 
 _ARGTYPES_FP8_DOT = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4, ctypes.c_float, ctypes.c_int)
@@ -223,12 +242,23 @@ def fp8_dot_fits(n: int) -> bool:
 def pack_fp8_pairs(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 weight [N, K] with per-channel scale [N, 1] → (byte panels [N / 16, ceil(K / 2), 16, 2],
     scale [N]). The caller checks `fp8_dot_fits` first."""
+    return _fp8_pair_panels(weight, fp8_dot_fits(weight.shape[0])), scale.float().reshape(-1).contiguous()
+
+
+def _fp8_pair_panels(weight: torch.Tensor, fits: bool) -> torch.Tensor:
+    """FP8 e4m3 weight [N, K] → byte panels [N / 16, ceil(K / 2), 16, 2], the fp8 product kernels' layout."""
     n, k = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.float8_e4m3fn or not fp8_dot_fits(n):
+    if weight.device.type != "cpu" or weight.dtype != torch.float8_e4m3fn or not fits:
         raise ValueError(f"the fp8 product kernel does not take a {weight.dtype} {(n, k)} weight on {weight.device}")
     bytes_ = torch.nn.functional.pad(weight.view(torch.uint8), (0, k % 2))  # 0x00 is +0 in e4m3
-    panels = host_memory.WEIGHTS.copy(bytes_.reshape(n // PANEL, PANEL, -1, 2).transpose(1, 2))
-    return panels, scale.float().reshape(n).contiguous()
+    return host_memory.WEIGHTS.copy(bytes_.reshape(n // PANEL, PANEL, -1, 2).transpose(1, 2))
+
+
+def unpack_fp8_pairs(panels: torch.Tensor, k: int) -> torch.Tensor:
+    """`pack_fp8_pairs`' (or `pack_fp8_pair_groups`') byte panels → the fp8 e4m3 weight [N, k]."""
+    num_panels, steps, _, _ = panels.shape
+    pairs = panels.transpose(1, 2).reshape(num_panels * PANEL, 2 * steps)
+    return pairs[:, :k].contiguous().view(torch.float8_e4m3fn)
 
 
 def matmul_fp8_dot(x: torch.Tensor, panels: torch.Tensor, weight_scales: torch.Tensor, act: int,
@@ -241,6 +271,36 @@ def matmul_fp8_dot(x: torch.Tensor, panels: torch.Tensor, weight_scales: torch.T
         raise ValueError(f"x has {k} columns; these fp8 pair panels take {2 * steps - 1} or {2 * steps}")
     kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_fp8_dot", _ARGTYPES_FP8_DOT, ctypes.c_int)
     return _run(kernel, x, k, num_panels * PANEL, (panels, weight_scales), bias, act, static_scale)
+
+
+_ARGTYPES_FP8_DOT_GROUPS = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 6)
+
+
+def fp8_dot_groups_fits(n: int, k: int, group: int, act_group: int) -> bool:
+    """Whether a block FP8 weight [N, K], its scales spread to groups of `group` columns and its
+    inputs scaled per `act_group`, can run on the grouped fp8 product kernel (whole bf16 pairs)."""
+    return (fp8_dot_fits(n) and k % 2 == 0 and group % 2 == 0 and k % group == 0
+            and act_group % group == 0)
+
+
+def pack_fp8_pair_groups(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 weight [N, K] with scales [N, G] over G equal column groups → (byte panels as
+    `pack_fp8_pairs`', scale panels [N / 16, G, 16]). The caller checks `fp8_dot_groups_fits` first."""
+    n, k = weight.shape
+    return _fp8_pair_panels(weight, fp8_dot_fits(n) and k % scale.shape[1] == 0), _group_panels(scale.float())
+
+
+def matmul_fp8_dot_groups(x: torch.Tensor, panels: torch.Tensor, group_scales: torch.Tensor, act_group: int,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8(x) Wᵀ + b`` for x [..., K] and W given as `pack_fp8_pair_groups(...)`, each row of x
+    rounded through fp8 per `act_group` columns with their own scale (block FP8's inputs)."""
+    num_panels, steps, _, _ = panels.shape
+    k = x.shape[-1]
+    if 2 * steps != k:
+        raise ValueError(f"x has {k} columns; these fp8 pair panels take {2 * steps}")
+    kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_fp8_dot_groups", _ARGTYPES_FP8_DOT_GROUPS, ctypes.c_int)
+    return _run(kernel, x, k, num_panels * PANEL, (panels, group_scales), bias, k // group_scales.shape[1],
+                act_group)
 
 
 _ARGTYPES_W8A8 = (*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4)
@@ -278,6 +338,12 @@ def pack_w8a8(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return panels, (qweight.to(torch.int32).sum(1) * 128).to(torch.int32)
 
 
+def unpack_w8a8(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_w8a8`'s panels [N / 16, K / 4, 16, 4] → the int8 weight [N, K]."""
+    num_panels, quads, _, _ = panels.shape
+    return panels.transpose(1, 2).reshape(num_panels * PANEL, 4 * quads)
+
+
 def matmul_w8a8(x: torch.Tensor, panels: torch.Tensor, bias_sums: torch.Tensor, weight_scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``q(x) Wᵀ · scales + b`` for x [..., K], each row quantized to int8 by its absmax / 127,
@@ -308,6 +374,14 @@ def pack_w4a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     panels = host_memory.WEIGHTS.copy(nibbles.reshape(n // PANEL, k // 8, 64))
     sums = (qweight.to(torch.int32).reshape(n, groups, k // groups).sum(-1) * 128).to(torch.int32)
     return panels, _group_panels(sums), _group_panels(scale.float())
+
+
+def unpack_w4a8(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_w4a8`'s nibble panels [N / 16, K / 8, 64] → the int4 values [N, K] (int8 in −8..7)."""
+    num_panels, eighths, _ = panels.shape
+    nibbles = panels.reshape(num_panels, eighths, PANEL, 4).transpose(1, 2)  # [N / 16, 16, K / 8, 4]
+    u = torch.stack([nibbles & 0xF, nibbles >> 4], dim=3)  # [N / 16, 16, K / 8, 2, 4]: 8 columns each
+    return (u.to(torch.int16) - 8).to(torch.int8).reshape(num_panels * PANEL, 8 * eighths)
 
 
 def _group_panels(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from engine.layers import fused_decode, panel_matmul
 from engine.layers.fused_decode import FusedDecode
 from quant.checkpoint import write_checkpoint
 from quant.config import QuantizationConfig
-from quant.schemes import FP8_KV, QuantArgs, QuantScheme, preset
+from quant.schemes import FP8_KV, QuantArgs, QuantScheme, fp8_block, preset
 from tests.helpers import make_tiny_model_dir, quantized_tensors, write_lora_adapter
 
 needs_kernel = pytest.mark.skipif(fused_decode._kernel() is None, reason="no C compiler here")
@@ -49,6 +49,9 @@ SCHEMES = {name: preset(name) for name in ("w8a16", "w4a16", "w4a16-asym", "w8a8
     "w4a8": preset("w4a8", group_size=32),
     "fp8-tensor-dynamic": QuantScheme(_fp8("channel"), _fp8("tensor", dynamic=True), "float-quantized"),
     "fp8-weight-only": QuantScheme(_fp8("channel"), None, "naive-quantized"),
+    "fp8-block": preset("fp8-block"),
+    # tiles smaller than the tiny model: scale groups of 8 columns, inputs scaled per 24 (the last 16)
+    "fp8-block-16x24": fp8_block((16, 24)),
 }
 
 
@@ -145,7 +148,7 @@ def test_fused_step_with_lora_adapters_equals_module_path(tmp_path, monkeypatch,
 
 # FP8 W8A8 also on the fp32 kernel the bf16-product one replaces where AVX-512 BF16 is missing
 QUANTIZED = [pytest.param(n, True, marks=needs_w8a8_kernel) if n in ("w8a8-int8", "w4a8") else (n, True) for n in SCHEMES] + [
-    (n, False) for n in ("fp8-dynamic", "fp8-static", "fp8-tensor-dynamic")]
+    (n, False) for n in ("fp8-dynamic", "fp8-static", "fp8-tensor-dynamic", "fp8-block-16x24")]
 
 
 @needs_kernel

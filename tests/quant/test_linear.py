@@ -20,7 +20,7 @@ from engine.layers import panel_matmul
 from quant.checkpoint import quantize_weight
 from quant.fp8 import fake_quantize_fp8, fp8_scale, quantize_fp8
 from quant.linear import Fp8Linear, Int8Linear, WeightOnlyIntLinear, make_quantized_linear
-from quant.schemes import QuantArgs, QuantScheme, preset
+from quant.schemes import QuantArgs, QuantScheme, fp8_block, preset
 from tests.helpers import (
     MARCH_NEEDS,
     assert_rows_do_not_depend_on_the_batch,
@@ -241,7 +241,7 @@ def test_w4a8_panel_kernel_is_the_per_token_reference(k, group, sizes, m, seed, 
     scheme = QuantScheme(weights, QuantArgs(strategy="token", dynamic=True), "int-quantized")
     module, w = build(scheme, k, sizes, seed=seed)
     assert module.kernel == "w4a8panel"
-    assert module.qweight.min() >= -8 and module.qweight.max() <= 7
+    assert module.stored("qweight").min() >= -8 and module.stored("qweight").max() <= 7
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
     x[0] *= loud
     y, ref = module(x), module.reference_forward(x)
@@ -439,6 +439,87 @@ def test_fp8_w8a8_kernels_match_reference(kernel, k, sizes, m, act, seed):
 FP8_KERNELS = [pytest.param("fp8dot", marks=needs_fp8_dot), pytest.param("fp8panel", marks=needs_int8_panel)]
 
 
+@pytest.mark.parametrize("name,kernel,stored", [
+    ("w4a16", "int4panel", "qweight"), ("w8a16", "int8panel", "qweight"), ("nvfp4a16", "int8panel", "qweight"),
+    pytest.param("w8a8-int8", "w8a8panel", "qweight", marks=needs_w8a8_panel),
+    pytest.param("w4a8", "w4a8panel", "qweight", marks=needs_w8a8_panel),
+    pytest.param("fp8-dynamic", "fp8dot", "weight", marks=needs_fp8_dot),
+    pytest.param("fp8-weight-only", "fp8panel", "weight", marks=needs_int8_panel),
+    pytest.param("fp8-block", "fp8dot-groups", "weight", marks=needs_fp8_dot)])
+def test_a_cpu_kernel_holds_the_only_copy_of_the_weight(name, kernel, stored):
+    """On a CPU panel kernel the quantized weight lives once, in the kernel's layout (beside it an
+    int4 weight took three times its packed bytes): the loaded copy is gone, and the oracle reads
+    the very values the kernel multiplies back from its panels."""
+    scheme = (QuantScheme(QuantArgs(type="float", num_bits=8, strategy="channel"), None, "naive-quantized")
+              if name == "fp8-weight-only" else preset(name, group_size=32))
+    module, _ = build(scheme, 192, [32, 16])
+    assert module.kernel == kernel and stored not in dict(module.named_buffers())
+    with cpu_kernels_off():
+        loaded, _ = build(scheme, 192, [32, 16])
+    assert getattr(loaded, stored).shape == (48, 192)  # the copy as loaded, where no panel kernel took it
+    assert torch.equal(module.stored(stored).view(torch.uint8), loaded.stored(stored).view(torch.uint8))
+    assert torch.equal(module.dequantized_weight(), loaded.dequantized_weight())
+    # beside the panels only scales, sums and bias: far less than another byte per weight
+    panels = module.kernel_weight.numel() * module.kernel_weight.element_size()
+    others = sum(b.numel() * b.element_size() for b in module.buffers()) - panels
+    assert others < 0.75 * 48 * 192  # NVFP4: two fp32 scales per 16 weights, 0.5 bytes a weight
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("fp8dot-groups", marks=needs_fp8_dot),
+                                    pytest.param("fp8panel", marks=needs_int8_panel)])
+@quick
+@given(shape=st.sampled_from([((128, 128), 192, [48, 16, 16]),  # partial row tiles; K: 1.5 tiles, groups of 64
+                              ((128, 128), 256, [144]),  # whole column tiles, a partial row tile
+                              ((16, 24), 64, [32, 16, 16])]),  # groups of 8, inputs in groups 24, 24 and 16
+       m=st.one_of(st.integers(1, 20), st.sampled_from([40, 257])), seed=st.integers(0, 1000))
+def test_block_fp8_runs_its_tiles_on_a_kernel(kernel, shape, m, seed):
+    """Block FP8 streams its fp8 bytes on a CPU kernel (not a dense weight dequantized at load),
+    each tile's scale on its rows and columns and the inputs rounded per token and tile width in
+    C: the exact bf16 products summed per group, or the grouped fp8 kernel. Every row equals the
+    dequantize-then-matmul oracle (rows 1-20: the product kernel's streaming tiles and tails; 40
+    and 257: panels widened once for several tiles)."""
+    block, k, sizes = shape
+    with pytest.MonkeyPatch.context() as patch:
+        if kernel == "fp8panel":
+            patch.setattr(panel_matmul, "fp8_dot_groups_fits", lambda *_: False)
+        module, _ = build(fp8_block(block), k, sizes, seed=seed)
+    assert module.kernel == kernel
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, : k // 3] *= 100.0  # one loud group: the other groups of its row keep their own scales
+    y, ref = module(x), module.reference_forward(x)
+    for row in range(m):
+        assert rel_err(y[row], ref[row]) < FAST_TOL[torch.float32]
+    with cpu_kernels_off():
+        dense, _ = build(fp8_block(block), k, sizes, seed=seed)
+    assert dense.kernel == "dense" and torch.equal(dense.dequantized_weight(), module.dequantized_weight())
+
+
+@needs_int8_panel
+@pytest.mark.parametrize("k,width", [(64, 24), (192, 128), (176, 128), (256, 128)])
+def test_fp8_kernel_rounds_rows_per_group_as_block_fp8(k, width):
+    """ACT_FP8_TOKEN with a group width: each group of a row (the last one shorter) rounded through
+    fp8 with its own scale, exactly as block FP8's torch rounding does."""
+    panels, scales = panel_matmul.pack_fp8(torch.eye(k).to(torch.float8_e4m3fn), torch.ones(k, 1))
+    module = make_quantized_linear(fp8_block((128, width)), k, [16], bias=False, dtype=torch.float32)
+    x = (torch.randn(5, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-8, 2, k)).clamp(-400, 400)
+    y = panel_matmul.matmul_fp8(x, panels, scales, panel_matmul.ACT_FP8_TOKEN, 0.0, width)
+    assert torch.equal(y, module._quantize_input(x))
+    assert not torch.equal(y, panel_matmul.matmul_fp8(x, panels, scales, panel_matmul.ACT_FP8_TOKEN))  # per row
+
+
+@needs_fp8_dot
+@pytest.mark.parametrize("group,act_group", [(64, 128), (128, 128), (8, 24)])
+def test_fp8_grouped_products_do_not_depend_on_the_batch(group, act_group):
+    """A row's floats from the grouped fp8 product kernel are the same whatever rows share its call
+    (streamed up to 16 rows, a widened panel above): a request's tokens do not depend on its batch."""
+    n, k = 48, 192
+    g = torch.Generator().manual_seed(group)
+    weight = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    packed = panel_matmul.pack_fp8_pair_groups(weight, torch.rand(n, k // group, generator=g) + 0.05)
+    assert_rows_do_not_depend_on_the_batch(panel_matmul.matmul_fp8_dot_groups, torch.randn(40, k, generator=g),
+                                           range(1, 40), *packed, act_group)
+
+
 def _fp8_matmul(kernel: str, weight: torch.Tensor):
     """x, act, static scale → x Wᵀ on one of the two CPU FP8 kernels, W an fp8 [N, K] with unit scales."""
     ones = torch.ones(weight.shape[0], 1)
@@ -604,7 +685,7 @@ def test_meta_construction_then_to_empty_loads_on_target_device():
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))  # unseeded, int8 error crossed 1% now and then
     module.load_shard(0, {**quantize_weight(w, scheme), "bias": torch.ones(16)})
     module.finalize()
-    assert module.qweight.device.type == "cpu"
+    assert module.kernel_weight.device.type == "cpu"
     x = torch.ones(2, 64)
     assert rel_err(module(x), module.reference_forward(x)) < FAST_TOL[torch.float32]
     assert rel_err(module(x), F.linear(x, w, torch.ones(16))) < 0.01
