@@ -163,8 +163,8 @@ class LoRALayers:
                     wrapper = LoRALinear(module, self.step)
                     setattr(layer.get_submodule(parent), leaf, wrapper)
                     self.by_prefix.update({p: (wrapper, i) for i, p in enumerate(wrapper.prefixes)})
-        embedding = model.model.embed_tokens.weight  # the model's dtype and device
-        self._dtype, self._device = embedding.dtype, embedding.device
+        # the model's dtype (its embedding table may be held narrower) and device
+        self._dtype, self._device = model.model.dtype, model.model.embed_tokens.weight.device
 
     def add(self, request: LoRARequest, in_use: frozenset[str] = frozenset()) -> None:
         """Register an adapter and load it (once per name; the same name with another folder is

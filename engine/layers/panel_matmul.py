@@ -61,7 +61,7 @@ def _fits(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.shape[0] % PANEL == 0
 
 
-def _bf16_values(weight: torch.Tensor) -> torch.Tensor | None:
+def bf16_values(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in bf16 when every value is a bf16 value (a BF16 checkpoint served in fp32), else None."""
     bf16 = weight.detach().bfloat16()
     return bf16 if torch.equal(weight, bf16.float()) else None
@@ -85,7 +85,7 @@ def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = 
         return pairs
     if not _fits(weight) or _kernel() is None:
         return None
-    if narrow and (bf16 := _bf16_values(weight)) is not None:
+    if narrow and (bf16 := bf16_values(weight)) is not None:
         return _panels(bf16, lasting)
     return _panels(weight, lasting)
 
@@ -113,7 +113,7 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] of bf16 values → panels [N / 16, ceil(K / 2), 16, 2] bf16 for the kernel that
     rounds activations to bf16 too (twice the fp32 rate), or None where it does not apply (not a
     CPU fp32 weight of bf16 values, N not a multiple of 16, or no AVX-512 BF16 here)."""
-    if not _fits(weight) or not bf16_dot_available() or (bf16 := _bf16_values(weight)) is None:
+    if not _fits(weight) or not bf16_dot_available() or (bf16 := bf16_values(weight)) is None:
         return None
     n, k = bf16.shape
     bf16 = torch.nn.functional.pad(bf16, (0, k % 2))

@@ -477,6 +477,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
+        self.dtype = dtype  # the table may be held narrower (prepack_for_cpu): lookups widen to this
         self.embed_scale = args.embed_scale
         self.rotary = RotaryEmbedding(args.rotary_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling,
                                       args.served_context)
@@ -490,8 +491,8 @@ class LlamaModel(nn.Module):
         self.norm = _rms_norm(args, args.hidden_size, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] → [T, hidden], scaled (Gemma) in the embedding's dtype, as the reference scales it."""
-        hidden = self.embed_tokens(input_ids)
+        """[T] → [T, hidden], scaled (Gemma) in the model's dtype, as the reference scales it."""
+        hidden = self.embed_tokens(input_ids).to(self.dtype)
         return hidden if self.embed_scale == 1.0 else hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -529,7 +530,7 @@ class LlamaForCausalLM(nn.Module):
         self.model.rotary.serve(served_context)
 
     def prepack_for_cpu(self) -> None:
-        """Serving-time weight layout for CPU matmuls; the embedding keeps its dense copy for lookups.
+        """Serving-time weight layout for CPU matmuls; the embedding keeps a dense copy for lookups.
 
         A checkpoint with quantized Linears keeps its lm_head unquantized but, as its dtype (bf16)
         says and as vLLM serves it, multiplies bf16-rounded inputs by it, at twice the fp32 rate
@@ -542,9 +543,15 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack(bf16_activations=self.quantized_linears)
             else:
                 module.prepack()
+        embed = self.model.embed_tokens
         if self.lm_head is None and self.score is None:
-            self.packed_embedding = panel_matmul.pack(self.model.embed_tokens.weight,
-                                                      bf16_activations=self.quantized_linears)
+            self.packed_embedding = panel_matmul.pack(embed.weight, bf16_activations=self.quantized_linears)
+        # lookups alone read the table now: a BF16 checkpoint's, served in fp32, is held in bf16
+        # (half the bytes, every row widened exactly)
+        logits_read_table = self.lm_head is None and self.score is None and self.packed_embedding is None
+        if (not logits_read_table and embed.weight.device.type == "cpu" and embed.weight.dtype == torch.float32
+                and (bf16 := panel_matmul.bf16_values(embed.weight)) is not None):
+            embed.weight = nn.Parameter(bf16, requires_grad=False)
         self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

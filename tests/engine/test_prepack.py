@@ -177,3 +177,24 @@ def test_kernel_line_counts_the_linears_and_says_when_batches_take_amx_tiles():
     line = describe_kernels({"bf16dot": 1, "fp8dot": 120})
     assert line.startswith("fp8dot x120, bf16dot x1")
     assert ("AMX tiles" in line) == panel_matmul.use_amx()
+
+
+@needs_kernel
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_bf16_checkpoints_embedding_is_held_in_bf16(tmp_path, tied):
+    """Served in fp32, a BF16 checkpoint's embedding table is read only by lookups once its lm_head
+    has panels (or is a Linear of its own): it is held in bf16, half the bytes, and every looked-up
+    row is the checkpoint's row in fp32. A tied table the logits read, or one of other values,
+    stays fp32."""
+    from safetensors.torch import load_file
+
+    source = make_tiny_model_dir(tmp_path / "bf16", dtype=torch.bfloat16, tie_word_embeddings=tied)
+    table = load_file(source / "model.safetensors")["model.embed_tokens.weight"].float()
+    model = LLM(str(source)).engine.model
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    rows = model.model.embed(torch.arange(table.shape[0]))
+    assert rows.dtype == torch.float32 and torch.equal(rows, table)
+    with cpu_kernels_off():  # no panels: a tied head multiplies by the table itself
+        assert LLM(str(source)).engine.model.model.embed_tokens.weight.dtype == (torch.float32 if tied else torch.bfloat16)
+    fp32 = make_tiny_model_dir(tmp_path / "fp32", tie_word_embeddings=tied)
+    assert LLM(str(fp32)).engine.model.model.embed_tokens.weight.dtype == torch.float32
