@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import host_memory
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, check_priority
 from engine.cuda_graphs import DecodeGraphs
@@ -138,6 +139,7 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, config.max_num_seqs,
                                               self.max_model_len, pad_slot=capacity)
         self.eos_token_ids = sequence_end_ids(self.hf_config, config.model, self.tokenizer)
+        host_memory.return_freed_memory()  # what loading freed, kept resident by the C heap
         self.grammars = GrammarCompiler(self.tokenizer, args.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[str, _RequestState] = {}  # sequence id → its request
