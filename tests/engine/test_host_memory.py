@@ -71,16 +71,16 @@ def _rss_mib() -> int:
 @pytest.mark.skipif(host_memory._malloc_trim() is None or not os.path.exists("/proc/self/statm"),
                     reason="not glibc, or no /proc to read RSS from")
 def test_freed_heap_pages_go_back_to_the_os():
-    """As loading does: many 4 MiB tensors made and freed, a small one kept after each round (the
-    heap's top stays in use). glibc keeps the freed pages resident until they are handed back."""
-    keep = []
-    for _ in range(3):
-        churn = [torch.ones(1 << 20) for _ in range(48)]  # 48 × 4 MiB, written
-        keep.append(torch.ones(16))
-        del churn
+    """As loading does: many tensors made and freed below glibc's mmap threshold (so on its heap),
+    one made after them still in use (the heap's top cannot shrink). The freed pages stay
+    resident until they are handed back."""
+    churn = [torch.ones(16 << 10) for _ in range(3000)]  # 3000 × 64 KiB, written
+    kept = torch.ones(16 << 10)
+    del churn
     before = _rss_mib()
     assert host_memory.return_freed_memory()
     assert _rss_mib() < before - 100, "the ~190 MiB freed stayed resident"
+    assert kept.sum() == kept.numel()
 
 
 def test_the_engine_hands_back_what_loading_freed(tiny_model_dir, monkeypatch):
