@@ -103,6 +103,15 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = No
     return _run(_kernel(panels.dtype), x, k, num_panels * PANEL, (panels,), bias)
 
 
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` of the [N, k] weight `pack` laid out as `panels` → [len(ids), k] in the panels'
+    dtype: an embedding's lookups read its tied lm_head's panels, so the table need not be kept too."""
+    panel, lane = ids // PANEL, ids % PANEL
+    if panels.dim() == 4:  # pairs of columns: [N / 16, ceil(k / 2), 16, 2]
+        return panels[panel, :, lane, :].reshape(ids.numel(), -1)[:, :k]
+    return panels[panel, :, lane]
+
+
 def bf16_dot_available() -> bool:
     """Whether the bf16 × bf16 kernel runs here (it needs AVX-512 BF16)."""
     probe = cpu_kernels.kernel("panel_matmul", "bf16_dot_available", (), ctypes.c_int)

@@ -478,6 +478,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.dtype = dtype  # the table may be held narrower (prepack_for_cpu): lookups widen to this
+        # a tied lm_head's CPU panels, once packed: lookups read their rows, and the table is dropped
+        self.embedding_panels: torch.Tensor | None = None
         self.embed_scale = args.embed_scale
         self.rotary = RotaryEmbedding(args.rotary_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling,
                                       args.served_context)
@@ -492,7 +494,11 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] → [T, hidden], scaled (Gemma) in the model's dtype, as the reference scales it."""
-        hidden = self.embed_tokens(input_ids).to(self.dtype)
+        if self.embedding_panels is not None:
+            hidden = panel_matmul.panel_rows(self.embedding_panels, input_ids, self.embed_tokens.embedding_dim)
+        else:
+            hidden = self.embed_tokens(input_ids)
+        hidden = hidden.to(self.dtype)
         return hidden if self.embed_scale == 1.0 else hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -546,11 +552,13 @@ class LlamaForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         if self.lm_head is None and self.score is None:
             self.packed_embedding = panel_matmul.pack(embed.weight, bf16_activations=self.quantized_linears)
-        # lookups alone read the table now: a BF16 checkpoint's, served in fp32, is held in bf16
-        # (half the bytes, every row widened exactly)
-        logits_read_table = self.lm_head is None and self.score is None and self.packed_embedding is None
-        if (not logits_read_table and embed.weight.device.type == "cpu" and embed.weight.dtype == torch.float32
-                and (bf16 := panel_matmul.bf16_values(embed.weight)) is not None):
+        if self.packed_embedding is not None:  # one copy of a tied table: the head's panels serve lookups too
+            self.model.embedding_panels = self.packed_embedding
+            embed.weight = nn.Parameter(embed.weight.new_empty(0, embed.weight.shape[1]), requires_grad=False)
+        elif (self.lm_head is not None or self.score is not None) and embed.weight.device.type == "cpu" \
+                and embed.weight.dtype == torch.float32 and (bf16 := panel_matmul.bf16_values(embed.weight)) is not None:
+            # lookups alone read an untied table: a BF16 checkpoint's, served in fp32, is held in
+            # bf16 (half the bytes, every row widened exactly)
             embed.weight = nn.Parameter(bf16, requires_grad=False)
         self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm)
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from engine import LLM
 from engine.layers import panel_matmul
@@ -134,7 +135,8 @@ def test_only_a_quantized_checkpoint_rounds_its_lm_head_inputs(tmp_path, tied):
     layers = len(model.model.layers) * 4  # qkv, o, gate_up, down
     assert matmul_kernels(plain) == {"panel-bf16": layers + (not tied)}  # a tied head is the embedding's panels
     assert matmul_kernels(model) == {"int8panel": layers, **({} if tied else {"bf16dot": 1})}
-    weight = (plain.model.embed_tokens.weight if tied else plain.lm_head.weight.transpose(1, 2).flatten(0, 1))
+    weight = (load_file(source / "model.safetensors")["model.embed_tokens.weight"] if tied
+              else plain.lm_head.weight.transpose(1, 2).flatten(0, 1))
     hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(plain.compute_logits(hidden), hidden @ weight.float().T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.compute_logits(hidden), hidden.bfloat16().float() @ weight.float().T,
@@ -162,7 +164,7 @@ def test_engine_packs_its_weights_and_scores_like_the_plain_model(tiny_model_dir
     assert sum(kernels.values()) == len(model.model.layers) * 4 + (model.lm_head is not None)
     assert f"matmul kernels: {describe_kernels(kernels)}" in caplog.messages
     assert model.model.layers[0].mlp.down_proj.weight.dim() == 3
-    assert model.model.embed_tokens.weight.dim() == 2  # lookups stay dense
+    assert model.model.embedding_panels is model.packed_embedding  # lookups read the tied head's panels
     plain, _ = load_model(tiny_model_dir)  # what calibration uses: never packed
     assert plain.model.layers[0].mlp.down_proj.weight.dim() == 2
     ids = torch.tensor([5, 17, 42, 99, 3, 250, 7])
@@ -181,20 +183,37 @@ def test_kernel_line_counts_the_linears_and_says_when_batches_take_amx_tiles():
 
 @needs_kernel
 @pytest.mark.parametrize("tied", [True, False])
-def test_a_bf16_checkpoints_embedding_is_held_in_bf16(tmp_path, tied):
-    """Served in fp32, a BF16 checkpoint's embedding table is read only by lookups once its lm_head
-    has panels (or is a Linear of its own): it is held in bf16, half the bytes, and every looked-up
-    row is the checkpoint's row in fp32. A tied table the logits read, or one of other values,
-    stays fp32."""
-    from safetensors.torch import load_file
-
+def test_an_embedding_table_is_held_once_and_narrow(tmp_path, tied):
+    """Served on the CPU, a tied table's lookups read the rows of the lm_head's panels, and the
+    table itself is dropped; an untied BF16 table served in fp32 (read only by lookups) is held in
+    bf16. Either way every looked-up row is the checkpoint's row in fp32, and a table of other
+    values keeps fp32."""
     source = make_tiny_model_dir(tmp_path / "bf16", dtype=torch.bfloat16, tie_word_embeddings=tied)
     table = load_file(source / "model.safetensors")["model.embed_tokens.weight"].float()
     model = LLM(str(source)).engine.model
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    rows = model.model.embed(torch.arange(table.shape[0]))
-    assert rows.dtype == torch.float32 and torch.equal(rows, table)
+    if tied:
+        assert model.model.embedding_panels is model.packed_embedding
+        assert model.model.embed_tokens.weight.numel() == 0
+    else:
+        assert model.model.embedding_panels is None and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = torch.tensor([0, 17, 5, table.shape[0] - 1, 17])
+    rows = model.model.embed(ids)
+    assert rows.dtype == torch.float32 and torch.equal(rows, table[ids])
     with cpu_kernels_off():  # no panels: a tied head multiplies by the table itself
         assert LLM(str(source)).engine.model.model.embed_tokens.weight.dtype == (torch.float32 if tied else torch.bfloat16)
     fp32 = make_tiny_model_dir(tmp_path / "fp32", tie_word_embeddings=tied)
-    assert LLM(str(fp32)).engine.model.model.embed_tokens.weight.dtype == torch.float32
+    plain = LLM(str(fp32)).engine.model.model
+    assert (plain.embedding_panels is not None) if tied else plain.embed_tokens.weight.dtype == torch.float32
+
+
+@needs_kernel
+@needs_bf16_dot
+@pytest.mark.parametrize("k", [63, 64])
+def test_panel_rows_are_the_weights_rows(k):
+    """Rows read back from every panel layout `pack` makes (fp32, bf16, bf16 pairs of an odd or
+    even width) are the weight's rows."""
+    weight = torch.randn(48, k, generator=torch.Generator().manual_seed(k)).bfloat16().float()
+    ids = torch.tensor([47, 0, 16, 15, 16])
+    for panels in (panel_matmul.pack(weight, narrow=False), panel_matmul.pack(weight),
+                   panel_matmul.pack_bf16_pairs(weight)):
+        assert torch.equal(panel_matmul.panel_rows(panels, ids, k).float(), weight[ids])
