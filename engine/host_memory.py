@@ -99,7 +99,8 @@ def return_freed_memory() -> bool:
 
     Loading frees more than it keeps (shards read whole, int4 unpacked to bytes, weights laid
     out again in panels), and glibc keeps freed pages resident for a reuse serving never makes:
-    SmolLM2 W4A16 held 993 MiB of RSS after load, 625 once they went back.
+    a SmolLM2 W4A16 engine's RSS after load varied from 632 to 971 MiB; with this, and its weights
+    held once, it is 500 (bench/results/rss-after-load.json).
     """
     trim = _malloc_trim()
     if trim is None:
