@@ -54,8 +54,9 @@ class QuantLinearBase(nn.Module, abc.ABC):
         self._staged: dict[int, dict[str, torch.Tensor]] = {}
         self._bias_loaded: set[int] = set()
         self._finalized = False
-        # quantized tensors whose one copy is a CPU kernel's panels: name → how to read them back
-        self._in_panels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        # quantized tensors whose one copy is a CPU kernel's panels: name → (the panels' buffer, how
+        # to read them back)
+        self._in_panels: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {}
 
     @abc.abstractmethod
     def expected_tensors(self) -> tuple[set[str], set[str]]:
@@ -114,17 +115,20 @@ class QuantLinearBase(nn.Module, abc.ABC):
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _hand_to_kernel(self, name: str, unpack: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Drop buffer `name`: ``kernel_weight``'s panels hold the same values, and are the one copy
-        kept (the two together held an int4 weight in three times its packed bytes, an fp8 one in
-        twice); `stored` reads them back, for the oracle."""
+    def _hand_to_kernel(self, name: str, unpack: Callable[[torch.Tensor], torch.Tensor],
+                        panels: str = "kernel_weight") -> None:
+        """Drop buffer `name`: the kernel's buffer `panels` holds the same values, and is the one
+        copy kept (the two together held an int4 weight in three times its packed bytes, an fp8
+        one in twice, group scales twice); `stored` reads them back, for the oracle."""
         self._buffers.pop(name, None)
-        self._in_panels[name] = unpack
+        self._in_panels[name] = (panels, unpack)
 
     def stored(self, name: str) -> torch.Tensor:
         """A quantized tensor as loaded: its buffer, or read back from the kernel's panels."""
-        unpack = self._in_panels.get(name)
-        return getattr(self, name) if unpack is None else unpack(self.kernel_weight)
+        if name not in self._in_panels:
+            return getattr(self, name)
+        panels, unpack = self._in_panels[name]
+        return unpack(getattr(self, panels))
 
     def prepack(self) -> None:
         """Lay a dequantized fallback weight out for CPU GEMMs, as the engine does for dense layers."""
@@ -417,18 +421,19 @@ class Fp8BlockLinear(Fp8Linear):
                 self.output_size, self.input_size, self.group, block_cols):
             self.kernel = "fp8dot-groups"
             panels, scales = panel_matmul.pack_fp8_pair_groups(weight, scale)
-            unpack = functools.partial(panel_matmul.unpack_fp8_pairs, k=self.input_size)
+            unpack, unpack_scales = (functools.partial(panel_matmul.unpack_fp8_pairs, k=self.input_size),
+                                     panel_matmul.unpack_panels)
         elif cpu and panel_matmul.int8_fits(self.output_size, self.input_size, columns):
             self.kernel = "fp8panel"
             panels, scales = panel_matmul.pack_fp8(weight, scale)
-            unpack = panel_matmul.unpack_fp8
+            unpack, unpack_scales = panel_matmul.unpack_fp8, _unpack_fp8_scales
         else:
             panels = None
         if panels is not None:
-            self.register_buffer("weight_scale", scale, persistent=False)  # [out, in / group]
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
             self._hand_to_kernel("weight", unpack)  # [out, in] fp8
+            self._hand_to_kernel("weight_scale", unpack_scales, "kernel_scales")  # [out, in / group]
         else:
             self.kernel = "dense"
             # the fp8 bytes for the oracle stay on the CPU, not beside the dense weight on a GPU
@@ -436,7 +441,7 @@ class Fp8BlockLinear(Fp8Linear):
             self.register_buffer("weight_dense", self.dequantized_weight(self.dtype), persistent=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        weight = self.stored("weight").float() * self.weight_scale.repeat_interleave(self.group, 1)
+        weight = self.stored("weight").float() * self.stored("weight_scale").repeat_interleave(self.group, 1)
         return weight.to(dtype=dtype, device=self._device_probe.device)
 
     def input_rounding(self) -> tuple[int, float, int]:
@@ -458,6 +463,16 @@ class Fp8BlockLinear(Fp8Linear):
         rows, cols = x2d.shape
         groups = F.pad(x2d, (0, -cols % width)).reshape(rows, -(-cols // width), width)
         return fake_quantize_fp8(groups, fp8_scale(groups, "token")).reshape(rows, groups.shape[1] * width)[:, :cols]
+
+
+def _unpack_fp8_scales(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_fp8`'s scale panels (stored times 256 for the kernel) → the scales [N, G]."""
+    return panel_matmul.unpack_panels(panels) / 256
+
+
+def _unpack_zero_points(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s zero-point panels (floats) → the zero points [N, G] as loaded (int8)."""
+    return panel_matmul.unpack_panels(panels).to(torch.int8)
 
 
 # ---------------------------------------------------------------- INT4 / INT8 weight-only
@@ -503,12 +518,16 @@ class WeightOnlyIntLinear(_IntWeightLinear):
             self.register_buffer("kernel_scales", scales, persistent=False)
             self.register_buffer("kernel_zeros", zeros, persistent=False)
             self._hand_to_kernel("qweight", panel_matmul.unpack_int4)
+            self._hand_to_kernel("weight_scale", panel_matmul.unpack_panels, "kernel_scales")
+            if zeros is not None:
+                self._hand_to_kernel("weight_zero_point", _unpack_zero_points, "kernel_zeros")
         elif self.kernel == "int8panel":
             panels, scales = panel_matmul.pack_int8(self._zero_folded(), self.weight_scale)
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
+            self._hand_to_kernel("weight_scale", panel_matmul.unpack_panels, "kernel_scales")
             if self.weight_zero_point is None:  # else the panels hold q − zero point
-                self._hand_to_kernel("qweight", panel_matmul.unpack_int8)
+                self._hand_to_kernel("qweight", panel_matmul.unpack_panels)
         elif self.kernel.startswith("int4pack"):
             self._prepare_int4pack()
         else:
@@ -563,7 +582,7 @@ class WeightOnlyIntLinear(_IntWeightLinear):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int(
-            self.stored("qweight"), self.weight_scale, self.weight_zero_point,
+            self.stored("qweight"), self.stored("weight_scale"), self.stored("weight_zero_point"),
             group_size=self.scheme.weights.group_size, g_idx=self.g_idx, dtype=dtype,
         )  # [out, in]
 
@@ -712,6 +731,8 @@ class Int8Linear(_IntWeightLinear):
             self.register_buffer("kernel_sums", sums, persistent=False)
             self.register_buffer("kernel_scales", scales, persistent=False)
             self._hand_to_kernel("qweight", panel_matmul.unpack_w4a8)
+            if self.scheme.weights.strategy == "group":  # a channel's scale is spread to every group there
+                self._hand_to_kernel("weight_scale", panel_matmul.unpack_panels, "kernel_scales")
         else:
             self._use_reference()
 
@@ -720,7 +741,8 @@ class Int8Linear(_IntWeightLinear):
         self.register_buffer("weight_dense", self.dequantized_weight(), persistent=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int(self.stored("qweight"), self.weight_scale, None, group_size=self.scheme.weights.group_size,
+        return dequantize_int(self.stored("qweight"), self.stored("weight_scale"), None,
+                              group_size=self.scheme.weights.group_size,
                               g_idx=self.g_idx, dtype=dtype)  # [out, in]
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:

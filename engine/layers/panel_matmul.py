@@ -160,10 +160,11 @@ def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     return _panels(qweight), _panels(scale.float())
 
 
-def unpack_int8(panels: torch.Tensor) -> torch.Tensor:
-    """`pack_int8`'s weight panels [N / 16, K, 16] → the [N, K] values they hold."""
-    num_panels, k, _ = panels.shape
-    return panels.transpose(1, 2).reshape(num_panels * PANEL, k)
+def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Panels [N / 16, C, 16] (`pack_int8`'s weights and scales, any kernel's group scales) → the
+    [N, C] values they hold."""
+    num_panels, columns, _ = panels.shape
+    return panels.transpose(1, 2).reshape(num_panels * PANEL, columns)
 
 
 def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
@@ -199,7 +200,7 @@ def pack_int4(qweight: torch.Tensor, scale: torch.Tensor,
 
 def unpack_int4(panels: torch.Tensor) -> torch.Tensor:
     """`pack_int4`'s byte panels [N / 16, K / 2, 16] → the int4 values [N, K] (int8 in −8..7)."""
-    pairs = unpack_int8(panels)
+    pairs = unpack_panels(panels)
     low = ((pairs & 0xF) ^ 8) - 8  # the low nibble, sign-extended
     return torch.stack([low, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)
 
@@ -224,7 +225,7 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
 
 def unpack_fp8(panels: torch.Tensor) -> torch.Tensor:
     """`pack_fp8`'s byte panels → the fp8 e4m3 weight [N, K]."""
-    return unpack_int8(panels).view(torch.float8_e4m3fn)
+    return unpack_panels(panels).view(torch.float8_e4m3fn)
 
 
 def matmul_fp8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, act: int = ACT_NONE,
