@@ -123,8 +123,9 @@ class QuantLinearBase(nn.Module, abc.ABC):
         self._buffers.pop(name, None)
         self._in_panels[name] = (panels, unpack)
 
-    def stored(self, name: str) -> torch.Tensor:
-        """A quantized tensor as loaded: its buffer, or read back from the kernel's panels."""
+    def stored(self, name: str) -> torch.Tensor | None:
+        """A quantized tensor as loaded (None: a zero point the scheme lacks): its buffer, or read
+        back from the kernel's panels."""
         if name not in self._in_panels:
             return getattr(self, name)
         panels, unpack = self._in_panels[name]
