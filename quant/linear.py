@@ -717,7 +717,7 @@ class Int8Linear(_IntWeightLinear):
             self.register_buffer("kernel_weight", panels, persistent=False)
             self.register_buffer("kernel_sums", sums, persistent=False)
             self.register_buffer("kernel_scales", self.weight_scale[:, 0].contiguous(), persistent=False)
-            self._hand_to_kernel("qweight", panel_matmul.unpack_w8a8)
+            self._hand_to_kernel("qweight", panel_matmul.unpack_panels)
         else:
             self._use_reference()
 

@@ -161,10 +161,10 @@ def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
-    """Panels [N / 16, C, 16] (`pack_int8`'s weights and scales, any kernel's group scales) → the
-    [N, C] values they hold."""
-    num_panels, columns, _ = panels.shape
-    return panels.transpose(1, 2).reshape(num_panels * PANEL, columns)
+    """Panels [N / 16, C, 16] (`pack_int8`'s weights and scales, any kernel's group scales), or
+    [N / 16, C, 16, W] (W consecutive columns a lane: `pack_w8a8`, fp8 and bf16 pairs) → the
+    [N, C · W] values they hold."""
+    return panels.transpose(1, 2).reshape(panels.shape[0] * PANEL, -1)
 
 
 def matmul_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
@@ -266,9 +266,7 @@ def _fp8_pair_panels(weight: torch.Tensor, fits: bool) -> torch.Tensor:
 
 def unpack_fp8_pairs(panels: torch.Tensor, k: int) -> torch.Tensor:
     """`pack_fp8_pairs`' (or `pack_fp8_pair_groups`') byte panels → the fp8 e4m3 weight [N, k]."""
-    num_panels, steps, _, _ = panels.shape
-    pairs = panels.transpose(1, 2).reshape(num_panels * PANEL, 2 * steps)
-    return pairs[:, :k].contiguous().view(torch.float8_e4m3fn)
+    return unpack_panels(panels)[:, :k].contiguous().view(torch.float8_e4m3fn)
 
 
 def matmul_fp8_dot(x: torch.Tensor, panels: torch.Tensor, weight_scales: torch.Tensor, act: int,
@@ -346,12 +344,6 @@ def pack_w8a8(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"the W8A8 kernel does not take a {qweight.dtype} {(n, k)} weight on {qweight.device}")
     panels = host_memory.WEIGHTS.copy(qweight.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2))
     return panels, (qweight.to(torch.int32).sum(1) * 128).to(torch.int32)
-
-
-def unpack_w8a8(panels: torch.Tensor) -> torch.Tensor:
-    """`pack_w8a8`'s panels [N / 16, K / 4, 16, 4] → the int8 weight [N, K]."""
-    num_panels, quads, _, _ = panels.shape
-    return panels.transpose(1, 2).reshape(num_panels * PANEL, 4 * quads)
 
 
 def matmul_w8a8(x: torch.Tensor, panels: torch.Tensor, bias_sums: torch.Tensor, weight_scales: torch.Tensor,

@@ -536,7 +536,8 @@ class LlamaForCausalLM(nn.Module):
         self.model.rotary.serve(served_context)
 
     def prepack_for_cpu(self) -> None:
-        """Serving-time weight layout for CPU matmuls; the embedding keeps a dense copy for lookups.
+        """Serving-time weight layout for CPU matmuls. The embedding table is kept once: a tied
+        one's lookups read the lm_head's panels; an untied BF16 table served in fp32 is held in bf16.
 
         A checkpoint with quantized Linears keeps its lm_head unquantized but, as its dtype (bf16)
         says and as vLLM serves it, multiplies bf16-rounded inputs by it, at twice the fp32 rate
