@@ -142,7 +142,7 @@ def run_offline(args: argparse.Namespace) -> int:
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=next(llm.engine.model.parameters()).dtype)
+        hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=llm.engine.model.dtype)
         if args.lora is not None:
             from peft import PeftModel
 
@@ -157,7 +157,7 @@ def run_offline(args: argparse.Namespace) -> int:
     ours, tput = _median(ours_runs), _median(tput_runs)
     result = {
         "model": str(args.model),
-        "dtype": str(next(llm.engine.model.parameters()).dtype),
+        "dtype": str(llm.engine.model.dtype),
         "kv_cache_dtype": args.kv_cache_dtype,
         "lora": args.lora,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

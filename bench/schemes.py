@@ -51,12 +51,12 @@ def size_on_disk(folder: Path) -> int:
 
 def resident_weight_bytes(llm: LLM) -> int:
     """Bytes of the model's tensors as the engine holds them after load (parameters, buffers and
-    the tied lm_head's panels, in their kernels' layouts, anything kept beside them included,
-    shared ones once; no KV cache)."""
+    tensors its modules keep as plain attributes, such as the tied lm_head's panels, in their
+    kernels' layouts, anything kept beside them included, shared ones once; no KV cache)."""
     model = llm.engine.model
-    packed = [model.packed_embedding] if getattr(model, "packed_embedding", None) is not None else []
+    attributes = (t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor))
     tensors = {t.data_ptr(): t.numel() * t.element_size()
-               for t in itertools.chain(model.parameters(), model.buffers(), packed)}
+               for t in itertools.chain(model.parameters(), model.buffers(), attributes)}
     return sum(tensors.values())
 
 
@@ -120,7 +120,7 @@ def run_schemes(args: argparse.Namespace) -> int:
     rows = []
     for ckpt in args.checkpoints:
         rows.append({"name": ckpt.name, "engine": "driftgate", "path": str(ckpt.path),
-                     "dtype": str(next(engines[ckpt.name].engine.model.parameters()).dtype),
+                     "dtype": str(engines[ckpt.name].engine.model.dtype),
                      "size_bytes": size_on_disk(ckpt.path), "resident_weight_bytes": resident_weight_bytes(engines[ckpt.name]),
                      **_medians(runs[ckpt.name]), "runs": runs[ckpt.name]})
     for quant in quants:

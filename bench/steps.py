@@ -127,7 +127,7 @@ def measure_steps(config: EngineConfig, prefill_lens: list[int], decode_batches:
     steps += [_step_row("decode", b, b, samples) for b, samples in decode.items()]
     fit = CostModel.fit(steps, f"`bench steps` on {Path(config.model).name} ({config.device})")
     return {
-        "model": config.model, "device": config.device, "dtype": str(next(engine.model.parameters()).dtype),
+        "model": config.model, "device": config.device, "dtype": str(engine.model.dtype),
         "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
         "decode_context": decode_context, "repeats": repeats, "rounds": rounds,
         "load_average_before": load_before, "load_average_after": os.getloadavg(),

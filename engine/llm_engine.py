@@ -152,7 +152,7 @@ class LLMEngine:
         self._drafts_kept: dict[str, float] = {}  # sequence id → drafts it kept per step, moving average
 
     def _kv_dtype(self) -> torch.dtype:
-        model_dtype = next(self.model.parameters()).dtype
+        model_dtype = self.model.dtype
         if self.config.kv_cache_dtype == "auto":
             return model_dtype
         if self.config.kv_cache_dtype == "float32":  # named, e.g. to keep a checkpoint's fp8 cache out

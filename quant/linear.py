@@ -388,9 +388,9 @@ class Fp8BlockLinear(Fp8Linear):
     Tile scales are spread to one per output channel and group of columns (the tile's width, or
     its divisor that also divides the input size where the last tile is partial), the layout of
     the CPU kernels, which stream the fp8 bytes and round the inputs per token and group
-    themselves: with AVX-512 BF16 ``fp8dot-groups`` (fp8 products exact in bf16, each group
-    summed on its own and scaled), else the grouped fp8 kernel (``fp8panel``, the weight widened
-    to fp32). Either way the numerics of a block-FP8 GPU kernel up to accumulation order.
+    themselves: with FP8 inputs and AVX-512 BF16 ``fp8dot-groups`` (fp8 products exact in bf16,
+    each group summed on its own and scaled), else (weight-only, or no AVX-512 BF16) the grouped
+    fp8 kernel (``fp8panel``, the weight widened to fp32). Either way the numerics of a block-FP8 GPU kernel up to accumulation order.
     Elsewhere the weight is dequantized once at ``finalize`` and the dense path multiplies it,
     the fp8 bytes kept on the CPU for the oracle.
     """

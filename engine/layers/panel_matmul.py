@@ -106,6 +106,8 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = No
 def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows `ids` of the [N, k] weight `pack` laid out as `panels` → [len(ids), k] in the panels'
     dtype: an embedding's lookups read its tied lm_head's panels, so the table need not be kept too."""
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < panels.shape[0] * PANEL:
+        raise IndexError(f"token ids must be in [0, {panels.shape[0] * PANEL}), got {ids.min()}..{ids.max()}")
     panel, lane = ids // PANEL, ids % PANEL
     if panels.dim() == 4:  # pairs of columns: [N / 16, ceil(k / 2), 16, 2]
         return panels[panel, :, lane, :].reshape(ids.numel(), -1)[:, :k]
@@ -287,8 +289,8 @@ _ARGTYPES_FP8_DOT_GROUPS = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 6)
 def fp8_dot_groups_fits(n: int, k: int, group: int, act_group: int) -> bool:
     """Whether a block FP8 weight [N, K], its scales spread to groups of `group` columns and its
     inputs scaled per `act_group`, can run on the grouped fp8 product kernel (whole bf16 pairs)."""
-    return (fp8_dot_fits(n) and k % 2 == 0 and group % 2 == 0 and k % group == 0
-            and act_group % group == 0)
+    return (fp8_dot_fits(n) and k % 2 == 0 and group > 0 and group % 2 == 0 and k % group == 0
+            and act_group > 0 and act_group % group == 0)
 
 
 def pack_fp8_pair_groups(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +308,9 @@ def matmul_fp8_dot_groups(x: torch.Tensor, panels: torch.Tensor, group_scales: t
     k = x.shape[-1]
     if 2 * steps != k:
         raise ValueError(f"x has {k} columns; these fp8 pair panels take {2 * steps}")
+    if not fp8_dot_groups_fits(num_panels * PANEL, k, k // group_scales.shape[1], act_group):
+        raise ValueError(f"input groups of {act_group} columns do not fit scale groups of "
+                         f"{k // group_scales.shape[1]} over {k} (whole pairs, a multiple of the scale group)")
     kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_fp8_dot_groups", _ARGTYPES_FP8_DOT_GROUPS, ctypes.c_int)
     return _run(kernel, x, k, num_panels * PANEL, (panels, group_scales), bias, k // group_scales.shape[1],
                 act_group)

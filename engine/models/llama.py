@@ -531,6 +531,12 @@ class LlamaForCausalLM(nn.Module):
         self.packed_embedding: torch.Tensor | None = None  # the tied lm_head, CPU-packed
         self.fused_decode: FusedDecode | None = None  # decode-only steps in one C call, once packed
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its embedding table may be held narrower, and its
+        first parameter is that table)."""
+        return self.model.dtype
+
     def serve_context(self, served_context: int) -> None:
         """Serve at most `served_context` tokens (fewer than built for: the KV cache holds no more)."""
         self.model.rotary.serve(served_context)

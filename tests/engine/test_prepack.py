@@ -190,7 +190,9 @@ def test_an_embedding_table_is_held_once_and_narrow(tmp_path, tied):
     values keeps fp32."""
     source = make_tiny_model_dir(tmp_path / "bf16", dtype=torch.bfloat16, tie_word_embeddings=tied)
     table = load_file(source / "model.safetensors")["model.embed_tokens.weight"].float()
-    model = LLM(str(source)).engine.model
+    engine = LLM(str(source)).engine
+    model = engine.model
+    assert model.dtype == engine.kv_cache.dtype == torch.float32  # a narrower table is not the model's dtype
     if tied:
         assert model.model.embedding_panels is model.packed_embedding
         assert model.model.embed_tokens.weight.numel() == 0
@@ -217,3 +219,6 @@ def test_panel_rows_are_the_weights_rows(k):
     for panels in (panel_matmul.pack(weight, narrow=False), panel_matmul.pack(weight),
                    panel_matmul.pack_bf16_pairs(weight)):
         assert torch.equal(panel_matmul.panel_rows(panels, ids, k).float(), weight[ids])
+        for bad in (-1, 48):  # as nn.Embedding, an id outside the table is an error, not a wrapped row
+            with pytest.raises(IndexError, match="token ids must be in"):
+                panel_matmul.panel_rows(panels, torch.tensor([0, bad]), k)

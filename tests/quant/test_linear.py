@@ -521,12 +521,15 @@ def test_fp8_kernel_rounds_rows_per_group_as_block_fp8(k, width):
 def test_fp8_grouped_products_do_not_depend_on_the_batch(group, act_group):
     """A row's floats from the grouped fp8 product kernel are the same whatever rows share its call
     (streamed up to 16 rows, a widened panel above): a request's tokens do not depend on its batch."""
-    n, k = 48, 192
+    n, k = 48, 384
     g = torch.Generator().manual_seed(group)
     weight = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
     packed = panel_matmul.pack_fp8_pair_groups(weight, torch.rand(n, k // group, generator=g) + 0.05)
     assert_rows_do_not_depend_on_the_batch(panel_matmul.matmul_fp8_dot_groups, torch.randn(40, k, generator=g),
                                            range(1, 40), *packed, act_group)
+    for bad in (0, act_group + 1, group // 2 or 1):  # no groups, odd ones, or finer than the scales'
+        with pytest.raises(ValueError, match="do not fit scale groups"):
+            panel_matmul.matmul_fp8_dot_groups(torch.randn(2, k), *packed, bad)
 
 
 def _fp8_matmul(kernel: str, weight: torch.Tensor):
