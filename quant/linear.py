@@ -26,7 +26,7 @@ from torch import nn
 from engine.layers import panel_matmul, triton_support
 from engine.layers.linear import dense_matmul
 from quant import fp4, triton_fp8
-from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8
+from quant.fp8 import FP8_DTYPE, fake_quantize_fp8, fp8_scale, quantize_fp8, spread_tiles
 from quant.int_quant import dequantize_int, int_range, num_groups, unpack_int32
 from quant.schemes import QuantScheme
 
@@ -414,8 +414,8 @@ class Fp8BlockLinear(Fp8Linear):
         self.group = math.gcd(block_cols, self.input_size)
         columns = self.input_size // self.group
         # each shard's tiles to [its rows, groups of columns]: fused shards' last row tiles may be partial
-        scale = torch.cat([shard["scale"].float().repeat_interleave(block_rows, 0)[:shard["weight"].shape[0]]
-                           .repeat_interleave(block_cols // self.group, 1)[:, :columns] for shard in shards])
+        scale = torch.cat([spread_tiles(shard["scale"], (block_rows, block_cols // self.group),
+                                        (shard["weight"].shape[0], columns)) for shard in shards])
         weight = torch.cat([shard["weight"] for shard in shards])
         cpu = self.dtype == torch.float32 and weight.device.type == "cpu"
         if cpu and self.scheme.input_activations is not None and panel_matmul.fp8_dot_groups_fits(

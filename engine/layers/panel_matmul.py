@@ -289,8 +289,12 @@ _ARGTYPES_FP8_DOT_GROUPS = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 6)
 def fp8_dot_groups_fits(n: int, k: int, group: int, act_group: int) -> bool:
     """Whether a block FP8 weight [N, K], its scales spread to groups of `group` columns and its
     inputs scaled per `act_group`, can run on the grouped fp8 product kernel (whole bf16 pairs)."""
-    return (fp8_dot_fits(n) and k % 2 == 0 and group > 0 and group % 2 == 0 and k % group == 0
-            and act_group > 0 and act_group % group == 0)
+    return fp8_dot_fits(n) and _groups_fit(k, group, act_group)
+
+
+def _groups_fit(k: int, group: int, act_group: int) -> bool:
+    """Scale groups and input groups of whole bf16 pairs, the input groups whole scale groups."""
+    return k % 2 == 0 and group > 0 and group % 2 == 0 and k % group == 0 and act_group > 0 and act_group % group == 0
 
 
 def pack_fp8_pair_groups(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +312,7 @@ def matmul_fp8_dot_groups(x: torch.Tensor, panels: torch.Tensor, group_scales: t
     k = x.shape[-1]
     if 2 * steps != k:
         raise ValueError(f"x has {k} columns; these fp8 pair panels take {2 * steps}")
-    if not fp8_dot_groups_fits(num_panels * PANEL, k, k // group_scales.shape[1], act_group):
+    if not _groups_fit(k, k // group_scales.shape[1], act_group):  # shapes only: called every step
         raise ValueError(f"input groups of {act_group} columns do not fit scale groups of "
                          f"{k // group_scales.shape[1]} over {k} (whole pairs, a multiple of the scale group)")
     kernel = cpu_kernels.kernel("panel_matmul", "panel_matmul_fp8_dot_groups", _ARGTYPES_FP8_DOT_GROUPS, ctypes.c_int)
