@@ -61,6 +61,7 @@ def test_a_message_too_long_alone_is_refused_and_the_conversation_kept(llm):
 def test_ctrl_c_stops_the_answer_between_steps_and_frees_its_blocks(llm):
     session = ChatSession(llm, greedy(max_tokens=60, ignore_eos=True))
     chunks = []
+    handler = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN when run in the background
 
     def write(text: str) -> None:
         chunks.append(text)
@@ -70,7 +71,7 @@ def test_ctrl_c_stops_the_answer_between_steps_and_frees_its_blocks(llm):
     reply = _ask_with_ctrl_c(session, "tell me a long story", write)
     assert reply.finish_reason == "interrupted" and 0 < reply.num_tokens < 60
     assert session.turns[-1] == {"role": "assistant", "content": reply.text}
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
     assert_idle(llm)
     assert session.ask("and then?", lambda _: None).finish_reason == "length"  # the engine still serves
 
