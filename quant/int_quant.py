@@ -137,7 +137,8 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], *,
     if dim == 0:
         return unpack_int32(packed.t(), num_bits, (shape[1], shape[0]), dim=1).t().contiguous()
     per_word = 32 // num_bits
-    shifts = torch.arange(per_word, dtype=torch.int64, device=packed.device) * num_bits
-    u = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per_word]
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
+    # int32 shifts: a negative word's sign bits shift in from the left, and the mask drops them
+    u = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per_word]
     u = u.reshape(packed.shape[0], -1)[: shape[0], : shape[1]]
     return (u - (1 << (num_bits - 1))).to(torch.int8)

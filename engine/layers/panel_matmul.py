@@ -24,12 +24,14 @@ def _kernel(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
     return cpu_kernels.kernel("panel_matmul", symbol, _ARGTYPES, None)
 
 
-def _panels(t: torch.Tensor, lasting: bool = True) -> torch.Tensor:
-    """[N, C] → [N / 16, C, 16]: row n of t lands in panel n // 16, lane n % 16; in the weights'
-    arena when `lasting`, else a tensor of its own, freed with it."""
+def _panels(t: torch.Tensor, lasting: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[N, C] → [N / 16, C, 16] in `dtype` (default t's): row n of t lands in panel n // 16, lane
+    n % 16; in the weights' arena when `lasting`, else a tensor of its own, freed with it. Cast
+    as it is copied: no full-size copy of t is made on the way."""
     n, c = t.shape
     arranged = t.detach().reshape(n // PANEL, PANEL, c).transpose(1, 2)
-    return host_memory.WEIGHTS.copy(arranged) if lasting else arranged.contiguous()
+    shape, dtype = tuple(arranged.shape), dtype or t.dtype
+    return (host_memory.WEIGHTS.empty(shape, dtype) if lasting else torch.empty(shape, dtype=dtype)).copy_(arranged)
 
 
 def _run(kernel: ctypes._CFuncPtr, x: torch.Tensor, k: int, n: int, weights: tuple[torch.Tensor, ...],
@@ -61,10 +63,11 @@ def _fits(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.shape[0] % PANEL == 0
 
 
-def bf16_values(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in bf16 when every value is a bf16 value (a BF16 checkpoint served in fp32), else None."""
-    bf16 = weight.detach().bfloat16()
-    return bf16 if torch.equal(weight, bf16.float()) else None
+def holds_bf16_values(weight: torch.Tensor) -> bool:
+    """Whether every value of the weight is a bf16 value (a BF16 checkpoint served in fp32), checked
+    a few MB at a time: loading a model's largest table makes no full-size temporary."""
+    rows = max(1, (4 << 20) // max(1, 4 * weight.shape[-1]))
+    return all(torch.equal(w, w.bfloat16().float()) for w in weight.detach().split(rows))
 
 
 def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = False,
@@ -85,9 +88,7 @@ def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = 
         return pairs
     if not _fits(weight) or _kernel() is None:
         return None
-    if narrow and (bf16 := bf16_values(weight)) is not None:
-        return _panels(bf16, lasting)
-    return _panels(weight, lasting)
+    return _panels(weight, lasting, torch.bfloat16 if narrow and holds_bf16_values(weight) else None)
 
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,11 +125,16 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] of bf16 values → panels [N / 16, ceil(K / 2), 16, 2] bf16 for the kernel that
     rounds activations to bf16 too (twice the fp32 rate), or None where it does not apply (not a
     CPU fp32 weight of bf16 values, N not a multiple of 16, or no AVX-512 BF16 here)."""
-    if not _fits(weight) or not bf16_dot_available() or (bf16 := bf16_values(weight)) is None:
+    if not _fits(weight) or not bf16_dot_available() or not holds_bf16_values(weight):
         return None
-    n, k = bf16.shape
-    bf16 = torch.nn.functional.pad(bf16, (0, k % 2))
-    return host_memory.WEIGHTS.copy(bf16.reshape(n // PANEL, PANEL, -1, 2).transpose(1, 2))
+    n, k = weight.shape
+    pairs = host_memory.WEIGHTS.empty((n // PANEL, (k + 1) // 2, PANEL, 2), torch.bfloat16)
+    even = k - k % 2  # cast as copied, as `_panels`; an odd K's last column pairs with a zero
+    pairs[:, : even // 2].copy_(weight.detach()[:, :even].reshape(n // PANEL, PANEL, even // 2, 2).transpose(1, 2))
+    if k % 2:
+        pairs[:, -1, :, 0].copy_(weight.detach()[:, -1].reshape(n // PANEL, PANEL))
+        pairs[:, -1, :, 1] = 0
+    return pairs
 
 
 _ARGTYPES_INT8 = (*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 5)

@@ -143,6 +143,13 @@ def test_only_a_quantized_checkpoint_rounds_its_lm_head_inputs(tmp_path, tied):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_values_are_checked_in_every_chunk():
+    weight = torch.randn(4096, 1024).bfloat16().float()  # 16 MB, checked 4 MB at a time
+    assert panel_matmul.holds_bf16_values(weight)
+    weight[-1, -1] = 1 + 2**-20  # a float32 value between two bf16 ones, in the last chunk
+    assert not panel_matmul.holds_bf16_values(weight)
+
+
 def test_weights_the_kernel_cannot_take_stay_plain():
     assert panel_matmul.pack(torch.randn(16, 8, dtype=torch.bfloat16)) is None
     assert panel_matmul.pack(torch.randn(24, 8)) is None  # not whole panels
