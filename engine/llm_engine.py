@@ -93,7 +93,7 @@ class LLMEngine:
                              f"(use --device cpu, or auto)")
         allocated_before = torch.cuda.memory_allocated(config.device) if config.device.startswith("cuda") else 0
         self.model, self.hf_config = load_model(config.model, config.dtype, config.device, config.max_model_len,
-                                                config.hf_overrides)
+                                                config.hf_overrides, prepack=True)
         self.lora = LoRALayers(self.model, config.max_lora_rank, config.max_cpu_loras) if config.enable_lora else None
         for name, path in (config.lora_modules or {}).items():
             self.lora.add(LoRARequest(name, len(self.lora.paths) + 1, path))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine import host_memory
 from engine.layers.norm import RMSNorm
 from engine.models.llama import BASE_MODELS, LlamaArgs, LlamaForCausalLM
 from quant.checkpoint import is_kv_cache_tensor
@@ -77,9 +78,11 @@ def model_config(model_dir: str | Path, hf_overrides: dict | None = None) -> dic
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               max_model_len: int | None = None, hf_overrides: dict | None = None) -> tuple[LlamaForCausalLM, dict]:
+               max_model_len: int | None = None, hf_overrides: dict | None = None,
+               prepack: bool = False) -> tuple[LlamaForCausalLM, dict]:
     """Build the model for `model_dir` and fill it from its safetensors; returns (model, hf_config).
-    `max_model_len`, the context to be served, picks LongRoPE's factors (None: the model's own)."""
+    `max_model_len`, the context to be served, picks LongRoPE's factors (None: the model's own);
+    `prepack` lays each Linear out for serving as soon as it is loaded (`prepack_linear`)."""
     model_dir = Path(model_dir)
     config = model_config(model_dir, hf_overrides)
     args = LlamaArgs.from_hf_config(config, max_model_len)
@@ -100,18 +103,24 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
 
     modules = dict(model.named_modules())
     linear_shards = _linear_shards(model)
-    params = dict(model.named_parameters())
+    expected = [name for name, _ in model.named_parameters()]
+    linears = {path for path, _ in linear_shards.values()}
+    # a Linear's own parameters are its to load (no reference here, so prepacking frees them)
+    params = {name: p for name, p in model.named_parameters() if name.rpartition(".")[0] not in linears}
+    files = _weight_files(model_dir)
+    # each Linear shard's tensor count, from the headers: a shard is loaded as soon as its last
+    # tensor is read and a Linear finalized after its last shard, so staging copies and raw tensors
+    # of one Linear at a time are alive, not the whole checkpoint's (the load's peak memory)
+    shard_sizes = _shard_sizes(files, headless, linear_shards)
     loaded: set[str] = set()
     kv_tensors: dict[str, torch.Tensor] = {}  # applied only if the engine stores KV in fp8
     from_token = args.num_labels and config.get("classifier_from_token")  # a causal LM's rows make the score head
     lm_head: torch.Tensor | None = None
-    for path in _weight_files(model_dir):
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"cannot read {path}: {e}") from e
-        with handle as f:
-            shards: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
+    staged: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
+    shards_loaded: Counter[str] = Counter()
+    finalized: set[str] = set()
+    for path in files:
+        with _open_weights(path) as f:
             for key in f.keys():
                 if key.endswith(_SKIPPED_SUFFIXES):
                     continue
@@ -121,7 +130,21 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                     continue
                 prefix, _, suffix = name.rpartition(".")
                 if prefix in linear_shards:
-                    shards[linear_shards[prefix]][suffix] = f.get_tensor(key)
+                    target = linear_shards[prefix]
+                    staged[target][suffix] = f.get_tensor(key)
+                    if len(staged[target]) < shard_sizes[target]:
+                        continue
+                    module_path, shard = target
+                    try:
+                        modules[module_path].load_shard(shard, staged.pop(target))
+                    except ValueError as e:
+                        raise ValueError(f"{path.name}: {module_path} shard {shard}: {e}") from e
+                    shards_loaded[module_path] += 1
+                    if shards_loaded[module_path] == len(modules[module_path].output_sizes):
+                        _finalize(model_dir, module_path, modules[module_path], loaded)
+                        finalized.add(module_path)
+                        if prepack and model.prepack_linear(modules[module_path]):
+                            host_memory.return_freed_memory()  # the plain weight, freed amid the C heap
                 elif name in params:
                     _copy_param(params[name], f.get_tensor(key), name)
                     loaded.add(name)
@@ -131,33 +154,54 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                     continue  # tied: the embedding serves as the output projection
                 else:
                     raise ValueError(f"{path.name}: tensor {name!r} does not belong to {args.architecture}")
-            for (module_path, shard), tensors in shards.items():
-                try:
-                    modules[module_path].load_shard(shard, tensors)
-                except ValueError as e:
-                    raise ValueError(f"{path.name}: {module_path} shard {shard}: {e}") from e
-
+    if staged:  # a shard completed in one file and met again in another
+        (module_path, shard), tensors = next(iter(staged.items()))
+        raise ValueError(f"{model_dir}: {module_path} shard {shard}: tensors {sorted(tensors)} appear in more than one weight file")
     if from_token:
         head = lm_head if lm_head is not None else params["model.embed_tokens.weight"].data
         model.score.load_shard(0, {"weight": _score_from_tokens(model_dir, config, head)})
     for name, module in modules.items():
-        if hasattr(module, "finalize"):
-            try:
-                module.finalize()
-            except ValueError as e:
-                raise ValueError(f"{model_dir}: missing or bad tensors for {name}: {e}") from e
-            loaded.update(f"{name}.{p}" for p, _ in module.named_parameters())
+        if hasattr(module, "finalize") and name not in finalized:  # a Linear with shards missing, or the score
+            _finalize(model_dir, name, module, loaded)
     if args.norm_offset:  # Gemma's norms scale by (w + 1): store them so, as every other norm's weight
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.data += args.norm_offset
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     model.kv_scale_tensors = kv_tensors
     model.eval()
     return model, config
+
+
+def _shard_sizes(files: list[Path], headless: bool, linear_shards: dict[str, tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """How many tensors the checkpoint holds for each Linear shard, from the files' headers."""
+    suffixes: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for path in files:
+        with _open_weights(path) as f:
+            for key in f.keys():
+                name = f"model.{key}" if headless else key
+                prefix, _, suffix = name.rpartition(".")
+                if prefix in linear_shards and not is_kv_cache_tensor(name):
+                    suffixes[linear_shards[prefix]].add(suffix)
+    return {target: len(names) for target, names in suffixes.items()}
+
+
+def _open_weights(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ValueError(f"cannot read {path}: {e}") from e
+
+
+def _finalize(model_dir: Path, name: str, module: nn.Module, loaded: set[str]) -> None:
+    try:
+        module.finalize()
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: missing or bad tensors for {name}: {e}") from e
+    loaded.update(f"{name}.{p}" for p, _ in module.named_parameters())
 
 
 def _score_from_tokens(model_dir: Path, config: dict, lm_head: torch.Tensor) -> torch.Tensor:

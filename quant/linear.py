@@ -131,11 +131,14 @@ class QuantLinearBase(nn.Module, abc.ABC):
         panels, unpack = self._in_panels[name]
         return unpack(getattr(self, panels))
 
-    def prepack(self) -> None:
-        """Lay a dequantized fallback weight out for CPU GEMMs, as the engine does for dense layers."""
+    def prepack(self) -> bool:
+        """Lay a dequantized fallback weight out for CPU GEMMs, as the engine does for dense layers
+        (returns whether a plain weight was freed)."""
         dense = getattr(self, "weight_dense", None)
-        if dense is not None and (packed := panel_matmul.pack(dense)) is not None:
-            self.weight_dense = packed
+        if dense is None or dense.dim() != 2 or (packed := panel_matmul.pack(dense)) is None:
+            return False
+        self.weight_dense = packed
+        return True
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, kernel={getattr(self, 'kernel', None)}"

@@ -77,13 +77,18 @@ class DenseLinear(nn.Module):
         if missing:
             raise ValueError(f"shards {sorted(missing)} were never loaded")
 
-    def prepack(self, bf16_activations: bool = False) -> None:
-        """Swap the weight for its CPU panel layout (fp32 only); the plain copy is freed. With
-        `bf16_activations`, a weight of bf16 values multiplies inputs rounded to bf16, where the CPU can."""
+    def prepack(self, bf16_activations: bool = False) -> bool:
+        """Swap the weight for its CPU panel layout (fp32 only); the plain copy is freed (returns
+        whether it was). With `bf16_activations`, a weight of bf16 values multiplies inputs rounded
+        to bf16, where the CPU can."""
+        if self.weight.dim() != 2:  # in panels already
+            return False
         packed = panel_matmul.pack(self.weight, bf16_activations=bf16_activations)
-        if packed is not None:
-            del self.weight
-            self.register_buffer("weight", packed, persistent=False)
+        if packed is None:
+            return False
+        del self.weight
+        self.register_buffer("weight", packed, persistent=False)
+        return True
 
     @property
     def kernel(self) -> str:

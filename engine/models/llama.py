@@ -550,12 +550,8 @@ class LlamaForCausalLM(nn.Module):
         where the CPU has AVX-512 BF16; a model without quantized Linears keeps float32 inputs (the
         oracle's arithmetic)."""
         for module in self.modules():
-            if module is self or not hasattr(module, "prepack"):
-                continue
-            if module is self.lm_head and isinstance(module, DenseLinear):
-                module.prepack(bf16_activations=self.quantized_linears)
-            else:
-                module.prepack()
+            if module is not self and hasattr(module, "prepack"):
+                self.prepack_linear(module)
         embed = self.model.embed_tokens
         if self.lm_head is None and self.score is None:
             self.packed_embedding = panel_matmul.pack(embed.weight, bf16_activations=self.quantized_linears)
@@ -563,11 +559,19 @@ class LlamaForCausalLM(nn.Module):
             self.model.embedding_panels = self.packed_embedding
             embed.weight = nn.Parameter(embed.weight.new_empty(0, embed.weight.shape[1]), requires_grad=False)
         elif (self.lm_head is not None or self.score is not None) and embed.weight.device.type == "cpu" \
-                and embed.weight.dtype == torch.float32 and (bf16 := panel_matmul.bf16_values(embed.weight)) is not None:
+                and embed.weight.dtype == torch.float32 and panel_matmul.holds_bf16_values(embed.weight):
             # lookups alone read an untied table: a BF16 checkpoint's, served in fp32, is held in
             # bf16 (half the bytes, every row widened exactly)
-            embed.weight = nn.Parameter(bf16, requires_grad=False)
+            embed.weight = nn.Parameter(embed.weight.detach().bfloat16(), requires_grad=False)
         self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm)
+
+    def prepack_linear(self, module: nn.Module) -> bool:
+        """One Linear's CPU layout (`prepack_for_cpu`'s first part; the loader runs it as each
+        Linear is loaded, so a served model is never held whole in float32); returns whether a
+        plain weight was freed. A second call keeps the panels."""
+        if module is self.lm_head and isinstance(module, DenseLinear):
+            return module.prepack(bf16_activations=self.quantized_linears)
+        return module.prepack()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
