@@ -33,6 +33,8 @@ BENCHES = {
                "the CPU matmul kernel vs oneDNN and F.linear on the model's shapes"),
     "attention": ("bench.attention", "add_attention_args", "run_attention",
                   "the CPU prompt-attention kernel vs torch SDPA on the model's head shape"),
+    "load": ("bench.load", "add_load_args", "run_load",
+             "seconds and peak memory of loading checkpoints into an engine (a fresh process each)"),
     "spec": ("bench.spec_decode", "add_spec_args", "run_spec",
              "prompt-lookup speculative decoding vs plain decoding, per kind of text"),
     "router": ("bench.router", "add_router_args", "run_router",

@@ -97,10 +97,9 @@ def _malloc_trim() -> ctypes._CFuncPtr | None:
 def return_freed_memory() -> bool:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim); False where there is none.
 
-    Loading frees more than it keeps (shards read whole, int4 unpacked to bytes, weights laid
-    out again in panels), and glibc keeps freed pages resident for a reuse serving never makes:
-    a SmolLM2 W4A16 engine's RSS after load varied from 632 to 971 MiB; with this, and its weights
-    held once, it is 500 (bench/results/rss-after-load.json).
+    Loading frees more than it keeps (tensors read, int4 unpacked to bytes, float32 weights laid
+    out again in panels), and glibc keeps freed pages amid its heap resident for a reuse serving
+    never makes (`driftgate bench load` measures what a loaded engine keeps).
     """
     trim = _malloc_trim()
     if trim is None:
