@@ -7,6 +7,8 @@ the positive extreme clips to +7; groups are consecutive input columns unless ``
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _EPS = torch.finfo(torch.float32).eps
@@ -136,9 +138,15 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], *,
         raise ValueError(f"packing supports 4 or 8 bits, got {num_bits}")
     if dim == 0:
         return unpack_int32(packed.t(), num_bits, (shape[1], shape[0]), dim=1).t().contiguous()
-    per_word = 32 // num_bits
-    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
-    # int32 shifts: a negative word's sign bits shift in from the left, and the mask drops them
-    u = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per_word]
+    if sys.byteorder != "little":
+        raise RuntimeError("unpack_int32 reads int32 words as little-endian bytes")
+    # a word's bytes, least significant first: byte i of a row holds value i at 8 bits, values 2i
+    # and 2i + 1 in its low and high nibbles at 4; byte-wide steps make no temporary wider than
+    # the unpacked values
+    u = packed.contiguous().view(torch.uint8)
+    if num_bits == 4:
+        u = torch.stack((u & 15, u >> 4), dim=-1)
     u = u.reshape(packed.shape[0], -1)[: shape[0], : shape[1]]
-    return (u - (1 << (num_bits - 1))).to(torch.int8)
+    if num_bits == 8:
+        return (u ^ 0x80).view(torch.int8)  # u − 128 in two's complement
+    return u.to(torch.int8) - 8

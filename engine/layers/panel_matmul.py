@@ -268,7 +268,9 @@ def _fp8_pair_panels(weight: torch.Tensor, fits: bool) -> torch.Tensor:
     n, k = weight.shape
     if weight.device.type != "cpu" or weight.dtype != torch.float8_e4m3fn or not fits:
         raise ValueError(f"the fp8 product kernel does not take a {weight.dtype} {(n, k)} weight on {weight.device}")
-    bytes_ = torch.nn.functional.pad(weight.view(torch.uint8), (0, k % 2))  # 0x00 is +0 in e4m3
+    bytes_ = weight.view(torch.uint8)
+    if k % 2:
+        bytes_ = torch.nn.functional.pad(bytes_, (0, 1))  # 0x00 is +0 in e4m3
     return host_memory.WEIGHTS.copy(bytes_.reshape(n // PANEL, PANEL, -1, 2).transpose(1, 2))
 
 
