@@ -146,7 +146,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                         if prepack and model.prepack_linear(modules[module_path]):
                             host_memory.return_freed_memory()  # the plain weight, freed amid the C heap
                 elif name in params:
-                    _copy_param(params[name], f.get_tensor(key), name)
+                    tensor = _checked_shape(params[name], f.get_tensor(key), name)
+                    # a serving engine holds the table as laid out from the checkpoint's tensor
+                    if not (prepack and name == "model.embed_tokens.weight" and model.lay_out_table(tensor)):
+                        params[name].data.copy_(tensor)
                     loaded.add(name)
                 elif name == "lm_head.weight" and from_token:
                     lm_head = f.get_tensor(key)
@@ -158,8 +161,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         (module_path, shard), tensors = next(iter(staged.items()))
         raise ValueError(f"{model_dir}: {module_path} shard {shard}: tensors {sorted(tensors)} appear in more than one weight file")
     if from_token:
-        head = lm_head if lm_head is not None else params["model.embed_tokens.weight"].data
-        model.score.load_shard(0, {"weight": _score_from_tokens(model_dir, config, head)})
+        head = lm_head if lm_head is not None else model.model.embed_tokens.weight  # as held (maybe bf16)
+        model.score.load_shard(0, {"weight": _score_from_tokens(model_dir, config, head, model.dtype)})
     for name, module in modules.items():
         if hasattr(module, "finalize") and name not in finalized:  # a Linear with shards missing, or the score
             _finalize(model_dir, name, module, loaded)
@@ -204,7 +207,7 @@ def _finalize(model_dir: Path, name: str, module: nn.Module, loaded: set[str]) -
     loaded.update(f"{name}.{p}" for p, _ in module.named_parameters())
 
 
-def _score_from_tokens(model_dir: Path, config: dict, lm_head: torch.Tensor) -> torch.Tensor:
+def _score_from_tokens(model_dir: Path, config: dict, lm_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A classifier head from a causal LM's output rows (vLLM's classifier_from_token): each
     named token's row, or for Qwen3-Reranker the "yes" row less the "no" row, so the sigmoid of
     its one logit is softmax([no, yes])[yes], the probability the reranker's card scores with."""
@@ -216,7 +219,7 @@ def _score_from_tokens(model_dir: Path, config: dict, lm_head: torch.Tensor) -> 
     unknown = [t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
     if unknown:
         raise ValueError(f"classifier_from_token names {unknown}, which the tokenizer does not hold as tokens")
-    rows = lm_head[ids]
+    rows = lm_head[ids].to(dtype)
     if config.get("is_original_qwen3_reranker"):
         if len(tokens) != 2:
             raise ValueError(f"is_original_qwen3_reranker takes two classifier_from_token entries (no, yes), got {tokens}")
@@ -224,10 +227,10 @@ def _score_from_tokens(model_dir: Path, config: dict, lm_head: torch.Tensor) -> 
     return rows
 
 
-def _copy_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+def _checked_shape(param: nn.Parameter, tensor: torch.Tensor, name: str) -> torch.Tensor:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(tensor)
+    return tensor
 
 
 def apply_kv_scales(model: LlamaForCausalLM) -> None:

@@ -58,22 +58,28 @@ def _float32_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _fits(weight: torch.Tensor) -> bool:
-    """A CPU fp32 weight [N, K] of whole 16-column panels."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.shape[0] % PANEL == 0
+def _fits(weight: torch.Tensor, widen: bool = False) -> bool:
+    """A CPU fp32 weight [N, K] of whole 16-column panels (with `widen`, a bf16 one stands for the
+    fp32 weight of its values)."""
+    dtypes = (torch.float32, torch.bfloat16) if widen else (torch.float32,)
+    return weight.device.type == "cpu" and weight.dtype in dtypes and weight.shape[0] % PANEL == 0
 
 
 def holds_bf16_values(weight: torch.Tensor) -> bool:
     """Whether every value of the weight is a bf16 value (a BF16 checkpoint served in fp32), checked
     a few MB at a time: loading a model's largest table makes no full-size temporary."""
+    if weight.dtype == torch.bfloat16:
+        return True
     rows = max(1, (4 << 20) // max(1, 4 * weight.shape[-1]))
     return all(torch.equal(w, w.bfloat16().float()) for w in weight.detach().split(rows))
 
 
 def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = False,
-         lasting: bool = True) -> torch.Tensor | None:
+         lasting: bool = True, widen: bool = False) -> torch.Tensor | None:
     """weight [N, K] → panels [N / 16, K, 16], or None where the kernel does not apply
-    (not a CPU fp32 weight, N not a multiple of 16, or no kernel on this machine).
+    (not a CPU fp32 weight, N not a multiple of 16, or no kernel on this machine). With `widen`
+    a bf16 weight is taken for the fp32 weight of its values (a BF16 checkpoint's tensor, packed
+    without widening it whole first).
 
     The model's weights live as long as the engine, in the weights' arena (huge pages, whose
     chunks stay mapped while anything carved from them lives); a weight that may be dropped
@@ -84,11 +90,11 @@ def pack(weight: torch.Tensor, *, narrow: bool = True, bf16_activations: bool = 
     fp32) and `narrow` is set: the kernel widens them exactly, so the products are the same
     and the weight streams in half the bytes. With `bf16_activations`, such a weight becomes
     `pack_bf16_pairs(weight)` where this CPU can multiply bf16 by bf16."""
-    if bf16_activations and (pairs := pack_bf16_pairs(weight)) is not None:
+    if bf16_activations and (pairs := pack_bf16_pairs(weight, widen)) is not None:
         return pairs
-    if not _fits(weight) or _kernel() is None:
+    if not _fits(weight, widen) or _kernel() is None:
         return None
-    return _panels(weight, lasting, torch.bfloat16 if narrow and holds_bf16_values(weight) else None)
+    return _panels(weight, lasting, torch.bfloat16 if narrow and holds_bf16_values(weight) else torch.float32)
 
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,11 +127,12 @@ def bf16_dot_available() -> bool:
     return probe is not None and probe() == 1
 
 
-def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_bf16_pairs(weight: torch.Tensor, widen: bool = False) -> torch.Tensor | None:
     """weight [N, K] of bf16 values → panels [N / 16, ceil(K / 2), 16, 2] bf16 for the kernel that
     rounds activations to bf16 too (twice the fp32 rate), or None where it does not apply (not a
-    CPU fp32 weight of bf16 values, N not a multiple of 16, or no AVX-512 BF16 here)."""
-    if not _fits(weight) or not bf16_dot_available() or not holds_bf16_values(weight):
+    CPU fp32 weight of bf16 values, or with `widen` a bf16 one; N not a multiple of 16; or no
+    AVX-512 BF16 here)."""
+    if not _fits(weight, widen) or not bf16_dot_available() or not holds_bf16_values(weight):
         return None
     n, k = weight.shape
     pairs = host_memory.WEIGHTS.empty((n // PANEL, (k + 1) // 2, PANEL, 2), torch.bfloat16)

@@ -529,6 +529,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = make_linear(args.hidden_size, [args.vocab_size], bias=False, prefixes=["lm_head"],
                                        quant_config=quant_config, dtype=dtype)
         self.packed_embedding: torch.Tensor | None = None  # the tied lm_head, CPU-packed
+        self.table_laid_out = False  # the embedding table held for serving (`lay_out_table`)
         self.fused_decode: FusedDecode | None = None  # decode-only steps in one C call, once packed
 
     @property
@@ -552,18 +553,32 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "prepack"):
                 self.prepack_linear(module)
+        if not self.table_laid_out:
+            self.lay_out_table(self.model.embed_tokens.weight)
+        self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm)
+
+    def lay_out_table(self, table: torch.Tensor) -> bool:
+        """Hold the embedding table for CPU serving, made from `table` (the loaded one, or the
+        checkpoint's tensor as the loader reads it, so that a BF16 table never becomes a float32
+        one whole): a tied table becomes the lm_head's panels, whose rows lookups read; an untied
+        BF16 table served in fp32, read by lookups alone, is held in bf16 (half the bytes, every
+        row widened exactly). Returns whether it was (else the table stays as loaded)."""
         embed = self.model.embed_tokens
+        if embed.weight.device.type != "cpu":  # `table` may be the checkpoint's CPU tensor of a CUDA model
+            return False
+        served_fp32 = embed.weight.dtype == torch.float32
         if self.lm_head is None and self.score is None:
-            self.packed_embedding = panel_matmul.pack(embed.weight, bf16_activations=self.quantized_linears)
+            self.packed_embedding = panel_matmul.pack(table, bf16_activations=self.quantized_linears, widen=served_fp32)
         if self.packed_embedding is not None:  # one copy of a tied table: the head's panels serve lookups too
             self.model.embedding_panels = self.packed_embedding
             embed.weight = nn.Parameter(embed.weight.new_empty(0, embed.weight.shape[1]), requires_grad=False)
-        elif (self.lm_head is not None or self.score is not None) and embed.weight.device.type == "cpu" \
-                and embed.weight.dtype == torch.float32 and panel_matmul.holds_bf16_values(embed.weight):
-            # lookups alone read an untied table: a BF16 checkpoint's, served in fp32, is held in
-            # bf16 (half the bytes, every row widened exactly)
-            embed.weight = nn.Parameter(embed.weight.detach().bfloat16(), requires_grad=False)
-        self.fused_decode = FusedDecode.build(self.args, self.model.layers, self.model.norm)
+        elif (self.lm_head is not None or self.score is not None) and served_fp32 \
+                and table.dtype in (torch.float32, torch.bfloat16) and panel_matmul.holds_bf16_values(table):
+            embed.weight = nn.Parameter(table.detach().to(torch.bfloat16, copy=True), requires_grad=False)
+        else:
+            return False
+        self.table_laid_out = True
+        return True
 
     def prepack_linear(self, module: nn.Module) -> bool:
         """One Linear's CPU layout (`prepack_for_cpu`'s first part; the loader runs it as each

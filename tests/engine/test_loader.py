@@ -114,3 +114,20 @@ def test_a_tensor_in_two_weight_files_is_an_error(w4a16_dir, tmp_path):
     save_file(tensors, first, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"o_proj shard 0: tensors \['weight_scale'\] appear in more than one weight file"):
         load_model(sharded)
+
+
+@pytest.mark.skipif(panel_matmul.pack(torch.zeros(16, 1)) is None, reason="no C compiler here")
+@pytest.mark.parametrize("tied", [True, False])
+def test_serving_load_lays_the_table_out_from_the_checkpoint(tmp_path, tied):
+    """A BF16 table served in fp32 is laid out as the loader reads it (the tied head's panels, or
+    an untied table in bf16), never filled in as a float32 table first; its rows are the checkpoint's."""
+    folder = make_tiny_model_dir(tmp_path / "bf16", dtype=torch.bfloat16, tie_word_embeddings=tied)
+    table = load_file(folder / "model.safetensors")["model.embed_tokens.weight"]
+    model, _ = load_model(folder, prepack=True)
+    assert model.table_laid_out and model.dtype == torch.float32
+    embed = model.model.embed_tokens.weight
+    assert embed.numel() == 0 if tied else (embed.dtype == torch.bfloat16 and torch.equal(embed, table))
+    ids = torch.tensor([0, 5, table.shape[0] - 1])
+    assert torch.equal(model.model.embed(ids), table[ids].float())
+    plain, _ = load_model(folder)  # calibration's load keeps the float32 table
+    assert not plain.table_laid_out and plain.model.embed_tokens.weight.dtype == torch.float32
