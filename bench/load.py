@@ -4,7 +4,8 @@ Each load runs in a fresh process (what `serve` pays at start-up), checkpoints i
 `--runs` so machine noise hits each alike; medians. Peak RSS is the kernel's high-water mark of
 the child (`wait4`'s ru_maxrss), which counts the checkpoint's pages read through the memory map
 as well; peak anonymous memory (sampled every millisecond) is what the process itself allocated,
-the part that cannot be paged back to the file under pressure.
+the part that cannot be paged back to the file under pressure (a spike inside one call that
+holds the GIL can slip between samples; before and after alike).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from bench.output import save_result
 from bench.schemes import Checkpoint, size_on_disk
 
+_MARK = "bench-load-result "  # the child's result line, among whatever else it prints
 # runs in the child: samples anonymous memory while an engine loads, then reports
 _CHILD = r"""
 import json, os, sys, threading, time
@@ -49,8 +51,8 @@ llm = LLM(sys.argv[1], dtype=sys.argv[2], kv_cache_memory_bytes=16 << 20)  # hel
 seconds = time.perf_counter() - start
 with open("/proc/self/statm") as f:
     rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-print(json.dumps({"load_s": seconds, "rss_after_mib": rss, "anon_after_mib": anon_mib(),
-                  "anon_peak_mib": max(peak[0], anon_mib()), "anon_before_mib": before}))
+print("bench-load-result " + json.dumps({"load_s": seconds, "rss_after_mib": rss, "anon_after_mib": anon_mib(),
+                  "anon_peak_mib": max(peak[0], anon_mib()), "anon_before_mib": before}), flush=True)
 """
 
 
@@ -66,15 +68,25 @@ def load_once(ckpt: Checkpoint) -> dict[str, float]:
     with tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(ckpt.path), ckpt.dtype],
                                  stdout=subprocess.PIPE, stderr=err, text=True)
-        out = child.stdout.read()
-        child.stdout.close()
-        _, status, usage = os.wait4(child.pid, 0)  # reaped here, for its rusage (Popen.wait would not give it)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        if child.returncode != 0:
+        try:
+            out = child.stdout.read()
+            _, status, usage = os.wait4(child.pid, 0)  # reaped here, for its rusage (Popen.wait would not give it)
+        except BaseException:  # interrupted: no child outlives the bench
+            child.kill()
+            child.wait()
+            raise
+        finally:
+            child.stdout.close()
+        child.returncode = code = os.waitstatus_to_exitcode(status)
+        if code != 0:
             err.seek(0)
             last = err.read().strip().splitlines()
-            raise ValueError(f"{ckpt.name}: loading {ckpt.path} failed: {last[-1] if last else child.returncode}")
-    row = json.loads(out.strip().splitlines()[-1])
+            why = last[-1] if last else f"killed by signal {-code} (out of memory?)" if code < 0 else f"exit code {code}"
+            raise ValueError(f"{ckpt.name}: loading {ckpt.path} failed: {why}")
+    results = [line.removeprefix(_MARK) for line in out.splitlines() if line.startswith(_MARK)]
+    if not results:
+        raise ValueError(f"{ckpt.name}: the loading process printed no result")
+    row = json.loads(results[-1])
     row["peak_rss_mib"] = usage.ru_maxrss / 1024  # KiB on Linux
     return row
 

@@ -18,6 +18,7 @@ from quant.checkpoint import is_kv_cache_tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}  # the last two: vLLM's other names
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TRIM_EVERY = 32 << 20  # malloc_trim costs ~1-5 ms: once per this many bytes freed, not per Linear
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
@@ -119,6 +120,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     staged: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
     shards_loaded: Counter[str] = Counter()
     finalized: set[str] = set()
+    freed = 0  # bytes of plain weights prepacking freed since the last trim
     for path in files:
         with _open_weights(path) as f:
             for key in f.keys():
@@ -143,8 +145,11 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                     if shards_loaded[module_path] == len(modules[module_path].output_sizes):
                         _finalize(model_dir, module_path, modules[module_path], loaded)
                         finalized.add(module_path)
-                        if prepack and model.prepack_linear(modules[module_path]):
-                            host_memory.return_freed_memory()  # the plain weight, freed amid the C heap
+                        if prepack:
+                            freed += model.prepack_linear(modules[module_path])
+                            if freed >= _TRIM_EVERY:  # plain weights freed amid the C heap, given back
+                                host_memory.return_freed_memory()
+                                freed = 0
                 elif name in params:
                     tensor = _checked_shape(params[name], f.get_tensor(key), name)
                     # a serving engine holds the table as laid out from the checkpoint's tensor
@@ -157,10 +162,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                     continue  # tied: the embedding serves as the output projection
                 else:
                     raise ValueError(f"{path.name}: tensor {name!r} does not belong to {args.architecture}")
-    if staged:  # a shard completed in one file and met again in another
-        (module_path, shard), tensors = next(iter(staged.items()))
-        raise ValueError(f"{model_dir}: {module_path} shard {shard}: tensors {sorted(tensors)} appear in more than one weight file")
     if from_token:
+        if "score" in finalized:
+            raise ValueError(f"{model_dir}: classifier_from_token makes the score head, but the checkpoint holds one")
         head = lm_head if lm_head is not None else model.model.embed_tokens.weight  # as held (maybe bf16)
         model.score.load_shard(0, {"weight": _score_from_tokens(model_dir, config, head, model.dtype)})
     for name, module in modules.items():
@@ -180,11 +184,16 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
 
 
 def _shard_sizes(files: list[Path], headless: bool, linear_shards: dict[str, tuple[str, int]]) -> dict[tuple[str, int], int]:
-    """How many tensors the checkpoint holds for each Linear shard, from the files' headers."""
+    """How many tensors the checkpoint holds for each Linear shard, from the files' headers (where
+    a tensor found in two files is an error: which copy to serve is anyone's guess)."""
     suffixes: dict[tuple[str, int], set[str]] = defaultdict(set)
+    seen: dict[str, Path] = {}
     for path in files:
         with _open_weights(path) as f:
             for key in f.keys():
+                if key in seen:
+                    raise ValueError(f"tensor {key!r} is in both {seen[key].name} and {path.name}")
+                seen[key] = path
                 name = f"model.{key}" if headless else key
                 prefix, _, suffix = name.rpartition(".")
                 if prefix in linear_shards and not is_kv_cache_tensor(name):

@@ -138,12 +138,12 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], *,
         raise ValueError(f"packing supports 4 or 8 bits, got {num_bits}")
     if dim == 0:
         return unpack_int32(packed.t(), num_bits, (shape[1], shape[0]), dim=1).t().contiguous()
-    if sys.byteorder != "little":
-        raise RuntimeError("unpack_int32 reads int32 words as little-endian bytes")
+    if packed.dtype != torch.int32 or sys.byteorder != "little":
+        raise ValueError(f"unpack_int32 reads int32 words as little-endian bytes, got {packed.dtype} on a {sys.byteorder}-endian host")
     # a word's bytes, least significant first: byte i of a row holds value i at 8 bits, values 2i
     # and 2i + 1 in its low and high nibbles at 4; byte-wide steps make no temporary wider than
     # the unpacked values
-    u = packed.contiguous().view(torch.uint8)
+    u = packed.contiguous().reshape(-1).view(torch.uint8)  # flat: a [G, 1] view may keep a stride ≠ 1
     if num_bits == 4:
         u = torch.stack((u & 15, u >> 4), dim=-1)
     u = u.reshape(packed.shape[0], -1)[: shape[0], : shape[1]]

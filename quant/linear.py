@@ -131,14 +131,14 @@ class QuantLinearBase(nn.Module, abc.ABC):
         panels, unpack = self._in_panels[name]
         return unpack(getattr(self, panels))
 
-    def prepack(self) -> bool:
+    def prepack(self) -> int:
         """Lay a dequantized fallback weight out for CPU GEMMs, as the engine does for dense layers
-        (returns whether a plain weight was freed)."""
+        (returns the bytes of the plain weight freed, 0 if none)."""
         dense = getattr(self, "weight_dense", None)
         if dense is None or dense.dim() != 2 or (packed := panel_matmul.pack(dense)) is None:
-            return False
+            return 0
         self.weight_dense = packed
-        return True
+        return dense.numel() * dense.element_size()
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, kernel={getattr(self, 'kernel', None)}"

@@ -60,6 +60,8 @@ class DenseLinear(nn.Module):
         unknown = set(tensors) - {"weight", "bias"}
         if unknown:
             raise ValueError(f"unexpected tensors {sorted(unknown)} for an unquantized Linear")
+        if "weight" not in tensors:
+            raise ValueError("no 'weight' tensor for this shard")
         rows = self._rows(shard_id)
         weight = tensors["weight"]
         if tuple(weight.shape) != (rows.stop - rows.start, self.input_size):
@@ -77,18 +79,19 @@ class DenseLinear(nn.Module):
         if missing:
             raise ValueError(f"shards {sorted(missing)} were never loaded")
 
-    def prepack(self, bf16_activations: bool = False) -> bool:
+    def prepack(self, bf16_activations: bool = False) -> int:
         """Swap the weight for its CPU panel layout (fp32 only); the plain copy is freed (returns
-        whether it was). With `bf16_activations`, a weight of bf16 values multiplies inputs rounded
-        to bf16, where the CPU can."""
+        its bytes, 0 if none). With `bf16_activations`, a weight of bf16 values multiplies inputs
+        rounded to bf16, where the CPU can."""
         if self.weight.dim() != 2:  # in panels already
-            return False
+            return 0
         packed = panel_matmul.pack(self.weight, bf16_activations=bf16_activations)
         if packed is None:
-            return False
+            return 0
+        freed = self.weight.numel() * self.weight.element_size()
         del self.weight
         self.register_buffer("weight", packed, persistent=False)
-        return True
+        return freed
 
     @property
     def kernel(self) -> str:

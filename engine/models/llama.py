@@ -580,10 +580,10 @@ class LlamaForCausalLM(nn.Module):
         self.table_laid_out = True
         return True
 
-    def prepack_linear(self, module: nn.Module) -> bool:
+    def prepack_linear(self, module: nn.Module) -> int:
         """One Linear's CPU layout (`prepack_for_cpu`'s first part; the loader runs it as each
-        Linear is loaded, so a served model is never held whole in float32); returns whether a
-        plain weight was freed. A second call keeps the panels."""
+        Linear is loaded, so a served model is never held whole in float32); returns the bytes of
+        the plain weight freed. A second call keeps the panels."""
         if module is self.lm_head and isinstance(module, DenseLinear):
             return module.prepack(bf16_activations=self.quantized_linears)
         return module.prepack()

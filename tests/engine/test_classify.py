@@ -239,13 +239,14 @@ def test_score_and_rerank_on_an_embedding_model_use_cosines(tiny_model_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_a_causal_lm_served_as_a_classifier_from_its_tokens_logits(tmp_path, tied):
+@pytest.mark.parametrize(("tied", "dtype"), [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)])
+def test_a_causal_lm_served_as_a_classifier_from_its_tokens_logits(tmp_path, tied, dtype):
     """vLLM's hf_overrides with classifier_from_token: the score head is the LM head's rows for
     those tokens (their logits, as HF's causal LM gives them), or for Qwen3-Reranker the "yes"
-    row less the "no" row, whose sigmoid is the reranker card's softmax([no, yes])[yes]."""
+    row less the "no" row, whose sigmoid is the reranker card's softmax([no, yes])[yes]. (An
+    untied BF16 table served in fp32 is held in bf16: the rows are taken as the model computes.)"""
     folder = make_tiny_model_dir(tmp_path / "qwen3", architecture="Qwen3ForCausalLM", head_dim=32,
-                                 tie_word_embeddings=tied)
+                                 tie_word_embeddings=tied, dtype=dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     tokens = tokenizer.convert_ids_to_tokens([200, 201, 202])
@@ -270,3 +271,10 @@ def test_a_causal_lm_served_as_a_classifier_from_its_tokens_logits(tmp_path, tie
         LLM(str(folder), dtype="float32", hf_overrides={**as_classifier, "classifier_from_token": ["no such token"]})
     with pytest.raises(ValueError, match="hf_overrides: expected a JSON object, got a JSON list"):
         LLM(str(folder), hf_overrides="[1]")
+
+
+def test_classifier_from_token_on_a_checkpoint_with_its_own_score_head_is_an_error(tmp_path):
+    folder = make_tiny_model_dir(tmp_path / "classifier", architecture="Qwen2ForSequenceClassification",
+                                 extra_config={"num_labels": 2})
+    with pytest.raises(ValueError, match="classifier_from_token makes the score head, but the checkpoint holds one"):
+        LLM(str(folder), hf_overrides={"classifier_from_token": ["a", "b"]})

@@ -83,10 +83,11 @@ def test_serving_load_frees_each_float32_weight_once_it_is_in_panels(tmp_path, m
     prepack, load_shard = DenseLinear.prepack, DenseLinear.load_shard
 
     def recording(self, bf16_activations=False):
-        before = weakref.ref(self.weight)
-        prepack(self, bf16_activations)
-        assert self.weight.dim() == 3  # packed: the plain weight is no longer the module's
+        before, size = weakref.ref(self.weight), self.weight.numel() * 4
+        freed = prepack(self, bf16_activations)
+        assert self.weight.dim() == 3 and freed == size  # packed: the fp32 weight is no longer the module's
         packed_weights.append(before)
+        return freed
 
     def checking(self, shard_id, tensors):
         alive_at_load.append(sum(ref() is not None for ref in packed_weights))
@@ -103,17 +104,27 @@ def test_serving_load_frees_each_float32_weight_once_it_is_in_panels(tmp_path, m
     assert all(m.weight is p for m, p in zip(linears, panels, strict=True))
 
 
-def test_a_tensor_in_two_weight_files_is_an_error(w4a16_dir, tmp_path):
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.o_proj.weight_scale", "model.norm.weight"])
+def test_a_tensor_in_two_weight_files_is_an_error(w4a16_dir, tmp_path, name):
     sharded = tmp_path / "duplicated"
     shutil.copytree(w4a16_dir, sharded)
-    _split_into_two_files(sharded, {"model.layers.0.self_attn.o_proj.weight_scale"})
+    _split_into_two_files(sharded, {name})
     first = sharded / "model-00001-of-00002.safetensors"
     tensors = load_file(first)
-    tensors["model.layers.0.self_attn.o_proj.weight_scale"] = load_file(
-        sharded / "model-00002-of-00002.safetensors")["model.layers.0.self_attn.o_proj.weight_scale"]
+    tensors[name] = load_file(sharded / "model-00002-of-00002.safetensors")[name]
     save_file(tensors, first, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"o_proj shard 0: tensors \['weight_scale'\] appear in more than one weight file"):
-        load_model(sharded)
+    with pytest.raises(ValueError, match=f"tensor '{name}' is in both model-00001-of-00002.safetensors and "
+                                         "model-00002-of-00002.safetensors"):
+        load_model(sharded, prepack=True)
+
+
+def test_a_dense_shard_without_its_weight_is_an_error(tmp_path):
+    folder = make_tiny_model_dir(tmp_path / "qwen2", architecture="Qwen2ForCausalLM")  # q/k/v carry biases
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"qkv_proj shard 1: no 'weight' tensor for this shard"):
+        load_model(folder)
 
 
 @pytest.mark.skipif(panel_matmul.pack(torch.zeros(16, 1)) is None, reason="no C compiler here")

@@ -5,6 +5,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from quant.int_quant import (
     compute_qparams,
@@ -30,6 +31,18 @@ def test_pack_matches_compressed_tensors_and_round_trips(bits, rows, cols, dim, 
     assert torch.equal(packed, pack_to_int32(q, bits, packed_dim=dim))
     assert torch.equal(unpack_int32(packed, bits, (rows, cols), dim=dim), q)
     assert torch.equal(unpack_from_int32(packed, bits, torch.Size((rows, cols)), packed_dim=dim), q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_unpack_reads_words_as_a_file_lays_them_out(bits, tmp_path):
+    """One row of words packed along dim 0 (a zero point of 8 or fewer rows) comes back from a
+    file as [1, G] with strides (G, 1), not pack_int32's (1, 1)."""
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (32 // bits, 7), dtype=torch.int8)
+    save_file({"zp": pack_int32(q, bits, dim=0)}, tmp_path / "zp.safetensors")
+    packed = load_file(tmp_path / "zp.safetensors")["zp"]
+    assert torch.equal(unpack_int32(packed, bits, tuple(q.shape), dim=0), q)
+    with pytest.raises(ValueError, match="int32 words"):
+        unpack_int32(packed.long(), bits, tuple(q.shape), dim=0)
 
 
 def test_int4_layout_is_value_plus_8_lsb_first():
