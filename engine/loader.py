@@ -18,7 +18,10 @@ from quant.checkpoint import is_kv_cache_tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}  # the last two: vLLM's other names
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-_TRIM_EVERY = 32 << 20  # malloc_trim costs ~1-5 ms: once per this many bytes freed, not per Linear
+# Building a Linear frees copies of what it read (merged shards, unpacked words, fp32 weights once
+# in panels) amid glibc's heap, which keeps them resident; malloc_trim gives them back, at ~1-5 ms a
+# call: once per this many bytes read, not per Linear
+_TRIM_EVERY = 32 << 20
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
@@ -120,7 +123,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     staged: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
     shards_loaded: Counter[str] = Counter()
     finalized: set[str] = set()
-    freed = 0  # bytes of plain weights prepacking freed since the last trim
+    churn = 0  # bytes read for Linears, and of plain weights prepacking freed, since the last trim
     for path in files:
         with _open_weights(path) as f:
             for key in f.keys():
@@ -133,7 +136,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                 prefix, _, suffix = name.rpartition(".")
                 if prefix in linear_shards:
                     target = linear_shards[prefix]
-                    staged[target][suffix] = f.get_tensor(key)
+                    tensor = staged[target][suffix] = f.get_tensor(key)
+                    churn += tensor.numel() * tensor.element_size()
                     if len(staged[target]) < shard_sizes[target]:
                         continue
                     module_path, shard = target
@@ -146,10 +150,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                         _finalize(model_dir, module_path, modules[module_path], loaded)
                         finalized.add(module_path)
                         if prepack:
-                            freed += model.prepack_linear(modules[module_path])
-                            if freed >= _TRIM_EVERY:  # plain weights freed amid the C heap, given back
-                                host_memory.return_freed_memory()
-                                freed = 0
+                            churn += model.prepack_linear(modules[module_path])
+                        if churn >= _TRIM_EVERY:  # what building (and packing) freed amid the C heap, given back
+                            host_memory.return_freed_memory()
+                            churn = 0
                 elif name in params:
                     tensor = _checked_shape(params[name], f.get_tensor(key), name)
                     # a serving engine holds the table as laid out from the checkpoint's tensor
