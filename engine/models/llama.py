@@ -564,9 +564,11 @@ class LlamaForCausalLM(nn.Module):
         BF16 table served in fp32, read by lookups alone, is held in bf16 (half the bytes, every
         row widened exactly). Returns whether it was (else the table stays as loaded)."""
         embed = self.model.embed_tokens
-        if embed.weight.device.type != "cpu":  # `table` may be the checkpoint's CPU tensor of a CUDA model
-            return False
         served_fp32 = embed.weight.dtype == torch.float32
+        # the checkpoint's tensor stands for the table only where it is served in fp32 on the CPU (a
+        # CUDA model's, or a bf16 one's, is the table as loaded)
+        if embed.weight.device.type != "cpu" or (table is not embed.weight and not served_fp32):
+            return False
         if self.lm_head is None and self.score is None:
             self.packed_embedding = panel_matmul.pack(table, bf16_activations=self.quantized_linears, widen=served_fp32)
         if self.packed_embedding is not None:  # one copy of a tied table: the head's panels serve lookups too

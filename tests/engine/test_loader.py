@@ -142,3 +142,14 @@ def test_serving_load_lays_the_table_out_from_the_checkpoint(tmp_path, tied):
     assert torch.equal(model.model.embed(ids), table[ids].float())
     plain, _ = load_model(folder)  # calibration's load keeps the float32 table
     assert not plain.table_laid_out and plain.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_a_model_served_in_bf16_keeps_its_table_as_loaded(tmp_path):
+    """Only a table served in fp32 is laid out from the checkpoint's tensor: a bf16 model's table
+    stays its own (an fp32 checkpoint's table packed to fp32 panels would be the wrong dtype)."""
+    folder = make_tiny_model_dir(tmp_path / "fp32")
+    model, _ = load_model(folder, dtype="bfloat16", prepack=True)
+    model.prepack_for_cpu()
+    embed = model.model.embed_tokens.weight
+    assert not model.table_laid_out and model.packed_embedding is None
+    assert embed.dtype == torch.bfloat16 and embed.shape[0] == model.args.vocab_size
