@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.output import save_result
+from bench.output import medians, save_result
 from bench.schemes import Checkpoint, size_on_disk
 
 _MARK = "bench-load-result "  # the child's result line, among whatever else it prints
@@ -98,7 +97,7 @@ def run_load(args: argparse.Namespace) -> int:
             runs[ckpt.name].append(load_once(ckpt))
             print(f"run {i + 1}/{args.runs} {ckpt.name}: {runs[ckpt.name][-1]}", flush=True)
     rows = [{"name": c.name, "path": str(c.path), "dtype": c.dtype, "size_bytes": size_on_disk(c.path),
-             **{k: statistics.median(r[k] for r in runs[c.name]) for k in runs[c.name][0]}, "runs": runs[c.name]}
+             **medians(runs[c.name]), "runs": runs[c.name]}
             for c in args.checkpoints]
     result = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "runs": args.runs, "rows": rows}
     print(f"\n{'':16s} {'size MB':>8s} {'load s':>7s} {'peak RSS':>9s} {'peak anon':>10s} {'RSS after':>10s}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from bench.datasets import find_data_dir, random_prompts, sharegpt
-from bench.output import save_result
+from bench.output import medians, save_result
 from engine import LLM, LoRARequest, SamplingParams
 from engine.config import KV_CACHE_DTYPES
 from engine.layers import panel_matmul
@@ -118,10 +117,6 @@ def kv_utilization(lengths: list[int], block_sizes=(8, 16, 32)) -> dict[int, flo
     return {bs: sum(lengths) / sum(-(-n // bs) * bs for n in lengths) for bs in block_sizes}
 
 
-def _median(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-
-
 def run_offline(args: argparse.Namespace) -> int:
     data_dir = find_data_dir(args.data_dir)
     loras = [LoRARequest(f"bench{i}", i + 1, path) for i, path in enumerate(args.lora or [])]
@@ -154,7 +149,7 @@ def run_offline(args: argparse.Namespace) -> int:
         if hf_model is not None:
             hf_runs.append(hf_batch1(hf_model, prompt, args.output_len))
         tput_runs.append(ours_throughput(llm, prompts, output_lens, loras))
-    ours, tput = _median(ours_runs), _median(tput_runs)
+    ours, tput = medians(ours_runs), medians(tput_runs)
     result = {
         "model": str(args.model),
         "dtype": str(llm.engine.model.dtype),
@@ -171,7 +166,7 @@ def run_offline(args: argparse.Namespace) -> int:
         "kv_utilization": kv_utilization([s.prompt_len + s.output_len for s in samples]),
     }
     if hf_runs:
-        hf = _median(hf_runs)
+        hf = medians(hf_runs)
         result["batch1"]["hf"], result["batch1"]["hf_runs"] = hf, hf_runs
         result["ratios"] = {
             "batch1_decode_vs_hf": ours["decode_tok_s"] / hf["decode_tok_s"],

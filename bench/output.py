@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,11 @@ def check_result_paths(args: Any) -> None:
     for flag in ("result_json", "plot"):
         if (path := getattr(args, flag, None)) is not None:
             check_output_path(Path(path), folder=False)
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over repeated runs of one measurement (each run a dict of numbers)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def save_result(result: Any, json_path: Path | None, plot_path: Path | None,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 from bench.datasets import find_data_dir
 from bench.offline import fixed_length_prompt, ours_batch1, ours_throughput
-from bench.output import save_result
+from bench.output import medians, save_result
 from engine import LLM
 
 
@@ -122,11 +121,11 @@ def run_schemes(args: argparse.Namespace) -> int:
         rows.append({"name": ckpt.name, "engine": "driftgate", "path": str(ckpt.path),
                      "dtype": str(engines[ckpt.name].engine.model.dtype),
                      "size_bytes": size_on_disk(ckpt.path), "resident_weight_bytes": resident_weight_bytes(engines[ckpt.name]),
-                     **_medians(runs[ckpt.name]), "runs": runs[ckpt.name]})
+                     **medians(runs[ckpt.name]), "runs": runs[ckpt.name]})
     for quant in quants:
         r = runs[f"llama.cpp {quant}"]
         rows.append({"name": f"llama.cpp {quant}", "engine": "llama.cpp", "size_bytes": r[0]["size_bytes"],
-                     "command": r[0]["command"], **_medians([{k: v for k, v in x.items() if isinstance(v, float)}
+                     "command": r[0]["command"], **medians([{k: v for k, v in x.items() if isinstance(v, float)}
                                                              for x in r]), "runs": r})
     result = {"date": time.strftime("%Y-%m-%d"), "threads": threads, "runs": args.runs,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -135,11 +134,6 @@ def run_schemes(args: argparse.Namespace) -> int:
     _print(result)
     save_result(result, args.result_json, args.plot, _plot)
     return 0
-
-
-def _medians(runs: list[dict]) -> dict[str, float]:
-    keys = [k for k, v in runs[0].items() if isinstance(v, float)]
-    return {k: statistics.median(r[k] for r in runs) for k in keys}
 
 
 def _print(result: dict) -> None:
